@@ -1,0 +1,33 @@
+"""Device abstraction: the one place that knows about CPU vs CUDA."""
+
+from __future__ import annotations
+
+from .base import Accelerator
+from .cpu import CpuAccelerator
+from .cuda import CudaAccelerator
+
+_ACCELERATOR: Accelerator | None = None
+
+
+def get_accelerator() -> Accelerator:
+    """CUDA when a device is visible, else CPU (override with ZEROSPEED_ACCELERATOR=cpu|cuda)."""
+    global _ACCELERATOR
+    if _ACCELERATOR is None:
+        import os
+
+        choice = os.environ.get("ZEROSPEED_ACCELERATOR") or os.environ.get("DS_ACCELERATOR")
+        if choice == "cpu":
+            _ACCELERATOR = CpuAccelerator()
+        elif choice == "cuda" or (choice is None and CudaAccelerator.available()):
+            _ACCELERATOR = CudaAccelerator()
+        else:
+            _ACCELERATOR = CpuAccelerator()
+    return _ACCELERATOR
+
+
+def set_accelerator(acc: Accelerator | None) -> None:
+    global _ACCELERATOR
+    _ACCELERATOR = acc
+
+
+__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "set_accelerator"]

@@ -1,0 +1,42 @@
+"""CPU: gloo, host memory measured by the process (RSS)."""
+
+from __future__ import annotations
+
+import resource
+
+import psutil
+import torch
+
+from .base import Accelerator
+
+
+class CpuAccelerator(Accelerator):
+    name = "cpu"
+    communication_backend = "gloo"
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, local_rank: int) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def memory_allocated(self) -> int:
+        return int(psutil.Process().memory_info().rss)
+
+    def max_memory_allocated(self) -> int:
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def reset_peak_memory_stats(self) -> None:
+        return None
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        return None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        return None
+
+    def is_bf16_supported(self) -> bool:
+        return True

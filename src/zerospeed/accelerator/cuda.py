@@ -1,0 +1,49 @@
+"""CUDA: nccl, device memory from the caching allocator, pinned host buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Accelerator
+
+
+class CudaAccelerator(Accelerator):
+    name = "cuda"
+    communication_backend = "nccl"
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        if local_rank is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated())
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated())
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state)
+
+    def is_bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported()
+
+    def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()

@@ -1,0 +1,41 @@
+"""The only importer of torch.distributed: process groups, collectives, accounting.
+
+Every other package reaches communication through these functions, with the process group
+passed explicitly, so communication is counted in one place and fails with a precise message.
+"""
+
+from .backend import (
+    DEFAULT_TIMEOUT,
+    Group,
+    backend_name,
+    barrier,
+    destroy,
+    device_for_backend,
+    file_store,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+    new_group,
+    world_group,
+)
+from .collectives import (
+    CollectiveError,
+    Handle,
+    ReduceOp,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    all_reduce_max_flag,
+    broadcast,
+    broadcast_object,
+    reduce_scatter,
+)
+from .logger import COMMS_LOGGER, CommsLogger, OpStats
+
+__all__ = [
+    "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
+    "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name",
+    "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "file_store", "get_rank",
+    "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "world_group",
+]

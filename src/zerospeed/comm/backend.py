@@ -1,0 +1,114 @@
+"""Process-group lifecycle: the only place that creates or destroys groups."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import get_accelerator
+
+Group = dist.ProcessGroup
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Any = None,
+) -> None:
+    """Join the job (env:// from torchrun variables unless told otherwise). Gloo on CPU, NCCL on CUDA.
+
+    A no-op when already initialized. Without torchrun variables and without arguments, starts a
+    world of one on a loopback address so that single-process scripts work unchanged.
+    """
+    if is_initialized():
+        return
+    acc = get_accelerator()
+    backend = dist_backend or acc.communication_backend
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=float(timeout))
+    timeout = timeout or DEFAULT_TIMEOUT
+    if store is None and init_method is None:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        init_method = "env://"
+    if rank is None and "RANK" in os.environ and store is None:
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+    if acc.name == "cuda":
+        acc.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)))
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method
+    if rank is not None:
+        kwargs["rank"] = rank
+        kwargs["world_size"] = world_size
+    dist.init_process_group(**kwargs)
+
+
+def file_store(path: str, world_size: int) -> Any:
+    """A rendezvous store on a shared file (used by the test harness)."""
+    return dist.FileStore(path, world_size)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def destroy() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def world_group() -> Group:
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
+def get_rank(group: Group | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: Group | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def new_group(ranks: list[int], timeout: timedelta | None = None) -> Group:
+    """A subgroup; every rank of the world must call this with the same ranks."""
+    return dist.new_group(ranks=ranks, timeout=timeout)
+
+
+def barrier(group: Group | None = None) -> None:
+    if is_initialized():
+        dist.barrier(group=group)
+
+
+def backend_name(group: Group | None = None) -> str:
+    return str(dist.get_backend(group))
+
+
+def device_for_backend(group: Group | None = None) -> torch.device:
+    """Tensors handed to collectives must live here (gloo: cpu; nccl: the current cuda device)."""
+    if backend_name(group) == "nccl":
+        return get_accelerator().device()
+    return torch.device("cpu")

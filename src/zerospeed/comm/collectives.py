@@ -1,0 +1,144 @@
+"""The collectives zerospeed uses, each counted by the comms logger and failing with rank/op/group named."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backend import Group, get_rank, get_world_size, is_initialized
+from .logger import COMMS_LOGGER
+
+ReduceOp = dist.ReduceOp
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; says which rank, which op, which group."""
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` completes it and books its latency."""
+
+    def __init__(self, work: Any, op: str, group: Group | None, t0: float) -> None:
+        self._work = work
+        self._op = op
+        self._group = group
+        self._t0 = t0
+        self.done = work is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise _error(self._op, self._group, exc) from exc
+        self.done = True
+        COMMS_LOGGER.add_time(self._op, time.perf_counter() - self._t0)
+
+
+def _group_name(group: Group | None) -> str:
+    if group is None:
+        return "WORLD"
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # pragma: no cover - defensive, only for the message
+        return "?"
+    return f"ranks {ranks}"
+
+
+def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"rank {get_rank()}: collective '{op}' on group {_group_name(group)} failed: {exc}"
+    )
+
+
+def _run(op: str, group: Group | None, nbytes: int, volume: int, async_op: bool, fn: Any) -> Handle | None:
+    t0 = time.perf_counter()
+    try:
+        work = fn()
+    except RuntimeError as exc:
+        raise _error(op, group, exc) from exc
+    if async_op:
+        COMMS_LOGGER.record(op, nbytes, volume)
+        return Handle(work, op, group, t0)
+    COMMS_LOGGER.record(op, nbytes, volume, time.perf_counter() - t0)
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group: Group | None = None, op: Any = ReduceOp.SUM, async_op: bool = False) -> Handle | None:
+    """In-place all-reduce."""
+    if get_world_size(group) == 1:
+        return Handle(None, "all_reduce", group, 0.0) if async_op else None
+    n = _nbytes(tensor)
+    return _run("all_reduce", group, n, 2 * n, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, op: Any = ReduceOp.SUM, async_op: bool = False) -> Handle | None:
+    """``input`` holds world_size equal chunks, rank r receives the reduction of chunk r in ``output``."""
+    if get_world_size(group) == 1:
+        output.copy_(input)
+        return Handle(None, "reduce_scatter", group, 0.0) if async_op else None
+    n = _nbytes(input)
+    return _run(
+        "reduce_scatter", group, n, n, async_op,
+        lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, async_op: bool = False) -> Handle | None:
+    """``output`` receives every rank's ``input`` in rank order."""
+    if get_world_size(group) == 1:
+        output.copy_(input)
+        return Handle(None, "all_gather", group, 0.0) if async_op else None
+    n = _nbytes(output)
+    return _run(
+        "all_gather", group, n, n, async_op,
+        lambda: dist.all_gather_single(output, input, group=group, async_op=async_op),
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_op: bool = False) -> Handle | None:
+    """``src`` is a global rank."""
+    if get_world_size(group) == 1:
+        return None
+    n = _nbytes(tensor)
+    return _run("broadcast", group, n, n, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+
+
+def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
+    """Small python objects (pickled; only for trusted in-job data)."""
+    if not is_initialized() or get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as exc:
+        raise _error("all_gather_object", group, exc) from exc
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Group | None = None) -> Any:
+    if not is_initialized() or get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except RuntimeError as exc:
+        raise _error("broadcast_object", group, exc) from exc
+    return box[0]
+
+
+def all_reduce_max_flag(flag: bool, group: Group | None = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank."""
+    if get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32)
+    all_reduce(t, group=group, op=ReduceOp.MAX)
+    return bool(t.item() > 0)

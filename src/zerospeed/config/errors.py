@@ -1,0 +1,29 @@
+"""User-facing configuration errors: name the key, the value and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed-style config is wrong; the message names the full key path."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"config key '{key}': {message}" if key else message)
+
+
+class NotSupportedYetError(ConfigError):
+    """A key DeepSpeed has but zerospeed does not implement yet."""
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """Return ' Did you mean 'x'?' for the closest candidate, or ''."""
+    matches = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
+    return f" Did you mean '{matches[0]}'?" if matches else ""
+
+
+def unknown_key_error(path: str, key: str, known: Iterable[str]) -> ConfigError:
+    full = f"{path}.{key}" if path else key
+    return ConfigError(full, f"unknown key.{did_you_mean(key, known)}")

@@ -1,0 +1,125 @@
+"""The whole DeepSpeed config, validated once; each component gets its own section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .base import Section, known_keys
+from .batch import BatchSizes, resolve_batch
+from .errors import ConfigError
+from .monitoring import (
+    ActivationCheckpointingConfig,
+    CommsLoggerConfig,
+    CsvMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from .optimizer import OptimizerConfig, SchedulerConfig
+from .precision import Bf16Config, Fp16Config
+from .unsupported import NOT_SUPPORTED_YET, check_not_supported
+from .zero import ZeroConfig
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class ZeroSpeedConfig(Section):
+    """A DeepSpeed ``ds_config.json``. Batch sizes are resolved against the data-parallel size."""
+
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float = Field(0.0, ge=0)
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    bf16: Bf16Config = Field(default_factory=Bf16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    steps_per_print: int = Field(10, ge=1)
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    dump_state: bool = False
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = Field(1.0, gt=0)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = False
+    dataloader_drop_last: bool = False
+    seed: int | None = None
+
+    @field_validator(*_BATCH_KEYS, mode="before")
+    @classmethod
+    def _auto_batch(cls, v: Any) -> Any:
+        return None if v == "auto" else v
+
+    @field_validator("gradient_clipping", mode="before")
+    @classmethod
+    def _auto_clip(cls, v: Any) -> Any:
+        if v == "auto":
+            raise ValueError("'auto' cannot be derived here; set a number (0 disables clipping)")
+        return v
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        aliases = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "half": "fp16", "fp16": "fp16",
+                   "bfloat16": "bf16", "bf16": "bf16"}
+        return aliases.get(str(v).lower(), v) if v is not None else None
+
+    # --- resolved views -------------------------------------------------------------------------
+    def batch(self, dp_world_size: int) -> BatchSizes:
+        return resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps, dp_world_size)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.zero_optimization.stage
+
+
+def _read(config: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return dict(config)
+    path = Path(config)
+    if not path.exists():
+        raise ConfigError("", f"config file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError("", f"config file {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"config file {str(path)!r} must hold a JSON object")
+    return data
+
+
+def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
+                dp_world_size: int | None = None) -> ZeroSpeedConfig:
+    """Validate a JSON path, dict or config object. With ``dp_world_size`` the batch triple is checked."""
+    if config is None:
+        raise ConfigError("", "no config given: pass config=<path or dict> (or args.deepspeed_config)")
+    if isinstance(config, ZeroSpeedConfig):
+        cfg = config
+    else:
+        raw = _read(config)
+        if "bfloat16" in raw and "bf16" not in raw:
+            raw["bf16"] = raw.pop("bfloat16")
+        check_not_supported(raw)
+        cfg = ZeroSpeedConfig.parse_section(raw, "")
+        # Unknown-key hints should also consider not-yet-supported keys.
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
+    if dp_world_size is not None:
+        cfg.batch(dp_world_size)
+    return cfg
+
+
+ALL_TOP_LEVEL_KEYS = known_keys(ZeroSpeedConfig) | {k.split(".")[0] for k in NOT_SUPPORTED_YET}

@@ -1,0 +1,87 @@
+"""DeepSpeed keys zerospeed does not implement yet. This table shrinks as features land.
+
+A listed key that is present and switched on raises ``NotSupportedYetError`` naming it; one that is
+present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``) is accepted,
+since honouring "off" is not ignoring it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import NotSupportedYetError
+
+NOT_SUPPORTED_YET: dict[str, str] = {
+    "pipeline": "pipeline parallelism",
+    "tensor_parallel": "tensor parallelism (AutoTP)",
+    "sequence_parallel_size": "sequence parallelism (Ulysses)",
+    "compression_training": "compression training",
+    "sparse_attention": "sparse attention",
+    "elasticity": "elastic training",
+    "autotuning": "the autotuner",
+    "data_efficiency": "data efficiency (curriculum / random-LTD)",
+    "curriculum_learning": "curriculum learning",
+    "amp": "apex AMP",
+    "quantize_training": "quantization-aware training",
+    "aio": "async I/O for NVMe offload",
+    "nebula": "Nebula checkpointing",
+    "checkpoint": "the checkpoint section (engine checkpointing options)",
+    "data_types": "data_types (grad_accum_dtype)",
+    "sparse_gradients": "sparse gradients",
+    "disable_allgather": "disable_allgather",
+    "eigenvalue": "eigenvalue computation",
+    "progressive_layer_drop": "progressive layer drop",
+    "hybrid_engine": "the hybrid (RLHF) engine",
+    "compile": "the compile section (torch.compile of the engine)",
+    "weight_quantization": "weight quantization",
+    "comet": "the Comet monitor",
+    "zero_optimization.offload_optimizer": "ZeRO-Offload of the optimizer (CPU/NVMe)",
+    "zero_optimization.offload_param": "ZeRO-Infinity parameter offload",
+    "zero_optimization.cpu_offload": "ZeRO-Offload (cpu_offload)",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
+    "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
+    "zero_optimization.mics_shard_size": "MiCS sharding",
+    "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
+    "bf16.immediate_grad_update": "bf16 immediate gradient update",
+}
+
+# Stage-3 keys are rejected until stage 3 lands.
+STAGE3_KEYS = (
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
+)
+for _k in STAGE3_KEYS:
+    NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
+
+
+def is_off(value: Any) -> bool:
+    if value is None or value is False or value == 0:
+        return True
+    if isinstance(value, dict):
+        if value.get("enabled") is False:
+            return True
+        if str(value.get("device", "")).lower() == "none":
+            return True
+        if not value:
+            return True
+    return False
+
+
+def check_not_supported(raw: dict[str, Any]) -> None:
+    """Raise for the first not-yet-supported key that is switched on."""
+    for path, feature in NOT_SUPPORTED_YET.items():
+        node: Any = raw
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                node = _MISSING
+                break
+            node = node[part]
+        if node is _MISSING or is_off(node):
+            continue
+        raise NotSupportedYetError(path, f"{feature} is not supported yet by zerospeed (value {node!r}). "
+                                         "Remove the key or switch it off.")
+
+
+_MISSING = object()

@@ -1,0 +1,158 @@
+"""The training engine: DeepSpeed's forward / backward / step contract around a ZeRO optimizer.
+
+The engine owns the step counters and the gradient-accumulation protocol; everything that depends
+on which stage, precision or feature is on was decided in ``build.py`` and handed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..config import ZeroSpeedConfig
+from ..config.batch import BatchSizes
+from ..zero import ZeroOptimizer
+
+
+class Engine(nn.Module):
+    def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes,
+                 optimizer: ZeroOptimizer | None, lr_scheduler: Any, dp_group: comm.Group | None,
+                 device: torch.device, compute_dtype: torch.dtype, training_dataloader: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self._batch = batch
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dp_group = dp_group
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.training_dataloader = training_dataloader
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._comm_volume_at_step_start = 0
+        self.last_step_comm_volume = 0
+        self.global_rank = comm.get_rank()
+        self.dp_world_size = comm.get_world_size(dp_group)
+
+    # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch.micro_batch_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._batch.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    # --- forward / backward / step ----------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale)."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.backward() needs an optimizer: set 'optimizer' in the config or pass one")
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward(loss) expects a scalar loss tensor")
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        scale = self.optimizer.loss_scaler.loss_scale
+        if scale != 1.0:
+            scaled = scaled * scale
+        if self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
+        reducer = self.optimizer.reducer
+        reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
+        scaled.backward(retain_graph=retain_graph)
+        reducer.end_micro_step()
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Advance one micro-step; at the accumulation boundary apply the optimizer and the schedule."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: set 'optimizer' in the config or pass one")
+        if self.is_gradient_accumulation_boundary():
+            applied = self.optimizer.step()
+            self._step_applied = applied
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.last_step_comm_volume = comm.COMMS_LOGGER.total_volume() - self._comm_volume_at_step_start
+            if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+                self._report()
+        self.micro_steps += 1
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def _report(self) -> None:
+        lr = self.get_lr()
+        scale = f", loss_scale={self.optimizer.loss_scale:g}" if self.optimizer and self.optimizer.loss_scaler.dynamic else ""
+        print(f"[zerospeed] step={self.global_steps}, skipped={self.skipped_steps}, lr={lr}{scale}", flush=True)
+        if self.config.memory_breakdown:
+            print(f"[zerospeed] memory (bytes, rank {self.global_rank}): {self.memory_breakdown()}", flush=True)
+
+    # --- state queries ----------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return None if self.optimizer is None else self.optimizer.global_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.optimizer is None else self.optimizer.loss_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scale
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of model state held by this rank, by kind (persistent buffers only)."""
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        grads = self.optimizer.reducer.grad_bytes() if self.optimizer else 0
+        master = self.optimizer.master_bytes() if self.optimizer else 0
+        state = self.optimizer.optimizer_state_bytes() if self.optimizer else 0
+        out = {"params": params, "grads": grads, "master": master, "optimizer_state": state, "buffers": buffers}
+        out["model_states"] = params + grads + master + state
+        out["total"] = out["model_states"] + buffers
+        return out
+
+    def comms_summary(self) -> str:
+        return comm.COMMS_LOGGER.summary(self.dp_world_size)
+
+    # --- not built yet ----------------------------------------------------------------------------
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("engine.save_checkpoint is not supported yet by zerospeed (checkpointing is planned)")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("engine.load_checkpoint is not supported yet by zerospeed (checkpointing is planned)")

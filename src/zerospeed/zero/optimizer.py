@@ -1,0 +1,153 @@
+"""The ZeRO optimizer: one implementation for stages 0, 1 and 2 (the stage is a setting).
+
+At the accumulation boundary: take the reduced fp32 gradient partition, detect overflow (any rank),
+compute the global gradient norm over all partitions, unscale and clip in one multiply, step the
+wrapped torch optimizer on this rank's fp32 master shards, then rebuild the full model parameters
+(stage 0: copy; stages 1-2: all-gather the updated shards, bucket by bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import comm
+from ..precision import LossScaler
+from .grad_reducer import GradReducer
+from .sharded_group import ShardedGroup
+
+
+class ZeroOptimizer:
+    """Wraps a torch optimizer whose params are the master shards of ``groups``."""
+
+    def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
+                 scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
+                 allgather_bucket_numel: int) -> None:
+        self.groups = groups
+        self.optimizer = optimizer
+        self.reducer = reducer
+        self.loss_scaler = scaler
+        self.dp_group = dp_group
+        self.clip = clip
+        self.compute_dtype = compute_dtype
+        self.allgather_bucket_numel = allgather_bucket_numel
+        self.overflow = False
+        self.global_grad_norm: float | None = None
+        self.partitioned = any(g.num_partitions > 1 for g in groups)
+        self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
+
+    # --- torch.optim.Optimizer-like surface -------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.zero()
+        for g in self.groups:
+            g.attach_grads(None)
+
+    # --- the step ---------------------------------------------------------------------------------
+    def _collect_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for gi, grp in enumerate(self.groups):
+            part = self.reducer.partition_buffer(gi)
+            fp32 = part if part.dtype == torch.float32 else part.float()
+            self._fp32_grads[gi] = fp32
+            grp.attach_grads(fp32)
+            grads.append(fp32)
+        return grads
+
+    def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
+        local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        return comm.all_reduce_max_flag(local, group=self.dp_group) if self.partitioned else local
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        if self.partitioned:
+            comm.all_reduce(sq, group=self.dp_group)
+        return math.sqrt(float(sq))
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Apply one optimizer step; returns False when skipped for overflow."""
+        grads = self._collect_grads()
+        scale = self.loss_scaler.loss_scale
+        self.overflow = self._has_overflow(grads) if self.loss_scaler.dynamic or scale != 1.0 else False
+        if self.overflow:
+            self.loss_scaler.update(True)
+            self.global_grad_norm = None
+            self._release()
+            return False
+        norm = self._global_norm(grads) / scale
+        self.global_grad_norm = norm
+        mult = 1.0 / scale
+        if self.clip > 0:
+            coef = self.clip / (norm + 1e-6)
+            if coef < 1.0:
+                mult *= coef
+        if mult != 1.0:
+            for g in grads:
+                g.mul_(mult)
+        self.optimizer.step()
+        self.loss_scaler.update(False)
+        self._write_back()
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        for gi, grp in enumerate(self.groups):
+            grp.attach_grads(None)
+            self._fp32_grads[gi] = None
+        self.reducer.zero()
+
+    def _write_back(self) -> None:
+        for grp in self.groups:
+            if grp.alias:
+                continue
+            if grp.num_partitions == 1:
+                grp.copy_master_to_params()
+                continue
+            assert grp.master is not None
+            for run in grp.gather_runs(self.allgather_bucket_numel):
+                first = grp.plan.buckets[run.start]
+                last = grp.plan.buckets[run.stop - 1]
+                send = grp.master[first.partition_offset: last.partition_offset + last.shard_numel]
+                send = send.to(self.compute_dtype) if self.compute_dtype != torch.float32 else send
+                out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
+                comm.all_gather(out, send, group=self.dp_group)
+                grp.unpack_gathered(out, run)
+
+    # --- accounting -------------------------------------------------------------------------------
+    def optimizer_state_bytes(self) -> int:
+        total = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.numel() > 1:
+                    total += v.numel() * v.element_size()
+        return total
+
+    def master_bytes(self) -> int:
+        return sum(g.master_bytes() for g in self.groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])

@@ -1,0 +1,111 @@
+"""One optimizer parameter group under ZeRO: its plan, fp32 master partition, and gradient partition.
+
+With ``N`` partitions the rank holds the fp32 master of its shards only (a flat tensor laid out as
+the plan's partition); the optimizer sees one ``nn.Parameter`` view per parameter shard, so state
+stays addressable per parameter. With one partition and fp32 compute the master *is* the model
+parameter (no copy), as in plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layout import gather_from
+from .partition import PartitionPlan, plan_partitions
+
+
+class ShardedGroup:
+    def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
+                 bucket_numel: int, compute_dtype: torch.dtype) -> None:
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
+        self.params = params
+        self.options = options
+        self.num_partitions = num_partitions
+        self.rank = rank
+        self.plan: PartitionPlan = plan_partitions([p.numel() for p in params], num_partitions, bucket_numel)
+        self.alias = num_partitions == 1 and compute_dtype == torch.float32
+        self.device = params[0].device
+        self.master: torch.Tensor | None = None
+        self.master_params: list[nn.Parameter]
+        if self.alias:
+            self.master_params = list(params)
+        else:
+            self.master = torch.zeros(self.plan.partition_numel, dtype=torch.float32, device=self.device)
+            self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
+            self.load_master_from_params()
+
+    # --- range helpers ---------------------------------------------------------------------------
+    def slot_range(self, i: int) -> tuple[int, int]:
+        """Partition-flat range of parameter i's shard."""
+        slot = self.plan.slots[i]
+        start = self.plan.buckets[slot.bucket].partition_offset + slot.offset
+        return start, start + slot.shard
+
+    def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        start, end = self.slot_range(i)
+        if self.num_partitions == 1:
+            return flat[start:start + self.params[i].numel()].view(self.params[i].shape)
+        return flat[start:end]
+
+    # --- master <-> model ------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_master_from_params(self) -> None:
+        """Copy this rank's shards of the model parameters into the fp32 master partition."""
+        if self.master is None:
+            return
+        for i, p in enumerate(self.params):
+            slot = self.plan.slots[i]
+            lo, hi = slot.owned_range(self.rank)
+            start, _ = self.slot_range(i)
+            view = self.master[start:start + slot.shard]
+            view.zero_()
+            if hi > lo:
+                view[: hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+
+    def attach_grads(self, part_grad: torch.Tensor | None) -> None:
+        """Point every master parameter's ``.grad`` at its slice of the fp32 gradient partition."""
+        for i, mp in enumerate(self.master_params):
+            mp.grad = None if part_grad is None else self.slot_view(part_grad, i)
+
+    @torch.no_grad()
+    def copy_master_to_params(self) -> None:
+        """One partition: cast the fp32 master back into the model parameters (no communication)."""
+        if self.master is None:
+            return
+        for i, p in enumerate(self.params):
+            p.copy_(self.slot_view(self.master, i))
+
+    @torch.no_grad()
+    def unpack_gathered(self, out: torch.Tensor, buckets: range) -> None:
+        """Write an all-gathered run of buckets (``[N, L]`` rank-major) into the model parameters."""
+        first = self.plan.buckets[buckets.start]
+        length = sum(self.plan.buckets[b].shard_numel for b in buckets)
+        out2d = out.view(self.num_partitions, length)
+        for b in buckets:
+            bucket = self.plan.buckets[b]
+            base = bucket.partition_offset - first.partition_offset
+            for i in bucket.params:
+                slot = self.plan.slots[i]
+                gather_from(out2d, base + slot.offset, slot.shard, self.params[i].data.view(-1))
+
+    def gather_runs(self, cap_numel: int) -> list[range]:
+        """Consecutive buckets coalesced so each all-gather output stays within ``cap_numel`` elements."""
+        runs: list[range] = []
+        start, size = 0, 0
+        for b, bucket in enumerate(self.plan.buckets):
+            padded = bucket.shard_numel * self.num_partitions
+            if b > start and size + padded > cap_numel:
+                runs.append(range(start, b))
+                start, size = b, 0
+            size += padded
+        if self.plan.buckets:
+            runs.append(range(start, len(self.plan.buckets)))
+        return runs
+
+    def master_bytes(self) -> int:
+        return 0 if self.master is None else self.master.numel() * 4

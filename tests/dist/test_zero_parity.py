@@ -1,0 +1,21 @@
+"""Stages 0, 1 and 2 reproduce one process: same seed, same global batch, fp32 within rtol 1e-5."""
+
+import pytest
+import torch
+
+from zerospeed.testing import run_distributed
+
+from .parity import engine_losses, reference_losses
+
+STEPS, MB, GAS, CLIP = 10, 2, 2, 0.5
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp32_parity(stage: int, world: int) -> None:
+    ref_losses, ref_state = reference_losses(STEPS, MB, GAS, world, CLIP)
+    results = run_distributed(engine_losses, world, stage, STEPS, MB, GAS, CLIP, timeout=120)
+    for losses, state in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"parameter {k}")
