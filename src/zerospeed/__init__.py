@@ -1,9 +1,35 @@
-"""zerospeed: DeepSpeed's training contract, rewritten small and trustworthy on PyTorch."""
+"""zerospeed: DeepSpeed's training contract, rewritten small and trustworthy on PyTorch.
 
-from .comm import init_distributed
-from .config import ConfigError, NotSupportedYetError
-from .runtime import Engine, initialize
+Public names load on first use, so the ``zerospeed`` command line starts without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "Engine", "NotSupportedYetError", "__version__", "init_distributed", "initialize"]
+_LAZY = {
+    "initialize": ("zerospeed.runtime", "initialize"),
+    "Engine": ("zerospeed.runtime", "Engine"),
+    "DeepSpeedEngine": ("zerospeed.runtime", "Engine"),
+    "init_distributed": ("zerospeed.comm", "init_distributed"),
+    "ConfigError": ("zerospeed.config", "ConfigError"),
+    "NotSupportedYetError": ("zerospeed.config", "NotSupportedYetError"),
+    "zero": ("zerospeed.zero", None),
+    "comm": ("zerospeed.comm", None),
+    "checkpointing": ("zerospeed.checkpointing", None),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

@@ -58,9 +58,11 @@ class GradReducer:
         self.communicate = True
         self.first_micro_step = True
         dev = groups[0].device if groups else torch.device("cpu")
-        # Full-size accumulation buffers (stages 0 and 1) or transient per-bucket ones (stage 2).
+        # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
+        # ones (stage 2).
         self.full: list[torch.Tensor | None] = [
-            torch.zeros(g.plan.padded_numel, dtype=settings.accum_dtype, device=dev) if settings.stage < 2 else None
+            torch.zeros(g.plan.padded_numel, dtype=settings.accum_dtype, device=dev)
+            if settings.stage < 2 or g.num_partitions == 1 else None
             for g in groups
         ]
         self.staging: dict[tuple[int, int], torch.Tensor] = {}
@@ -90,9 +92,9 @@ class GradReducer:
     def partition_buffer(self, g: int) -> torch.Tensor:
         """The reduced gradient partition of group g (accumulation dtype)."""
         grp = self.groups[g]
-        if self.s.stage == 0 or grp.num_partitions == 1:
+        if grp.num_partitions == 1:
             full = self.full[g]
-            assert full is not None
+            assert full is not None, "a single partition always has a full gradient buffer"
             return full
         part = self.partition[g]
         if part is None:

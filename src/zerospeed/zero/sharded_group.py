@@ -26,7 +26,7 @@ class ShardedGroup:
         self.params = params
         self.options = options
         self.num_partitions = num_partitions
-        self.rank = rank
+        self.rank = rank if num_partitions > 1 else 0  # position among the partitions
         self.plan: PartitionPlan = plan_partitions([p.numel() for p in params], num_partitions, bucket_numel)
         self.alias = num_partitions == 1 and compute_dtype == torch.float32
         self.device = params[0].device

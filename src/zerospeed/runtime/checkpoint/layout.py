@@ -1,0 +1,223 @@
+"""Checkpoint directory layout, manifest, atomic commit and the ``latest`` pointer.
+
+::
+
+    save_dir/
+      latest                      the tag of the newest complete checkpoint (replaced atomically, last)
+      <tag>/
+        manifest.json             every other file with its size and sha256 (written last inside the tag)
+        meta.json                 rank 0: names, shapes, dtypes, engine/scheduler/scaler state, client state
+        index.json                where each tensor's element ranges live (merged from the ranks' markers)
+        model_states.safetensors  rank 0: module state the optimizer does not own (frozen params, buffers)
+        shards/rank_XXXXX.safetensors   each rank: the elements it owns of fp32 master + optimizer state
+        rng/rank_XXXXX.json       each rank: CPU / device / python / numpy RNG states
+
+Commit protocol: every rank writes into ``save_dir/.tmp-<tag>-<nonce>/``, fsyncs, and publishes a marker
+(its file list, written by rename). Rank 0 then writes ``index.json`` and ``manifest.json``, renames the
+directory to ``<tag>`` (an older ``<tag>`` is first renamed aside to ``.old-<tag>-<nonce>``) and finally
+replaces ``latest``. A process killed at any moment leaves at worst a ``.tmp-``/``.old-`` directory that
+the next save removes; ``latest`` always names a directory whose manifest verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from typing import Any
+
+from .errors import CheckpointError
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+META = "meta.json"
+INDEX = "index.json"
+MODULE_FILE = "model_states.safetensors"
+FORMAT = "zerospeed-checkpoint"
+VERSION = 1
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+def shard_file(rank: int) -> str:
+    return f"shards/rank_{rank:05d}.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng/rank_{rank:05d}.json"
+
+
+def marker_file(rank: int) -> str:
+    return f"done_rank_{rank:05d}.json"
+
+
+def check_tag(tag: str) -> str:
+    tag = str(tag)
+    if not _TAG.match(tag) or tag == LATEST:
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (letters, digits, '_', '-', '.'; "
+                         f"not starting with '.', not 'latest')")
+    return tag
+
+
+# --- small durable-file helpers -------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> tuple[int, str]:
+    """Write JSON durably and atomically (temporary file, fsync, rename); returns ``(bytes, sha256)``."""
+    data = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True).encode()
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.part"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def read_json(path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {path} is not valid JSON ({exc})") from None
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * 1024 * 1024):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- saving ---------------------------------------------------------------------------------------
+def begin(save_dir: str, tag: str) -> str:
+    """Rank 0: remove leftovers of interrupted saves and create a fresh staging directory."""
+    os.makedirs(save_dir, exist_ok=True)
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.startswith(".tmp-"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".old-"):
+            original = name[len(".old-"):].rsplit("-", 1)[0]
+            if os.path.isfile(os.path.join(save_dir, original, MANIFEST)):
+                shutil.rmtree(path, ignore_errors=True)
+    staging = os.path.join(save_dir, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.join(staging, "shards"))
+    os.makedirs(os.path.join(staging, "rng"))
+    return staging
+
+
+def publish_marker(staging: str, rank: int, files: dict[str, dict[str, Any]], index: dict[str, list[int]]) -> None:
+    """A rank's last act: its files (already fsynced) and the element ranges its shard file holds."""
+    write_json(os.path.join(staging, marker_file(rank)), {"rank": rank, "files": files, "index": index})
+
+
+def wait_markers(staging: str, world: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Rank 0 of an async save: wait (polling the file system, no collectives) for every rank's marker."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(world))
+    while missing:
+        missing = [r for r in missing if not os.path.exists(os.path.join(staging, marker_file(r)))]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint in {staging}: rank(s) {missing} did not finish writing within "
+                                  f"{timeout_s:.0f} s; the checkpoint was not committed")
+        time.sleep(0.01)
+    return [read_json(os.path.join(staging, marker_file(r))) for r in range(world)]
+
+
+def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]], save_latest: bool) -> str:
+    """Rank 0: index + manifest, rename into place, then move ``latest``. Returns the final path."""
+    files: dict[str, dict[str, Any]] = {}
+    index: dict[str, list[list[Any]]] = {}
+    for m in markers:
+        files.update(m["files"])
+        fname = shard_file(int(m["rank"]))
+        for key, (lo, hi) in m["index"].items():
+            index.setdefault(key, []).append([fname, lo, hi])
+    nbytes, digest = write_json(os.path.join(staging, INDEX), index)
+    files[INDEX] = {"bytes": nbytes, "sha256": digest}
+    write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": VERSION, "tag": tag, "files": files})
+    for m in markers:
+        os.remove(os.path.join(staging, marker_file(int(m["rank"]))))
+    fsync_dir(staging)
+    final = os.path.join(save_dir, tag)
+    aside = None
+    if os.path.exists(final):
+        aside = os.path.join(save_dir, f".old-{tag}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+    os.rename(staging, final)
+    fsync_dir(save_dir)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    if save_latest:
+        tmp = os.path.join(save_dir, f".latest.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, LATEST))
+        fsync_dir(save_dir)
+    return final
+
+
+# --- loading --------------------------------------------------------------------------------------
+def resolve(load_dir: str, tag: str | None) -> str | None:
+    """The checkpoint directory for ``tag`` (default: the one ``latest`` names); None if there is none.
+
+    If a crash interrupted an overwrite of the same tag between its two renames, the previous copy
+    (``.old-<tag>-*``) is used.
+    """
+    if tag is None:
+        pointer = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(pointer):
+            return None
+        with open(pointer) as f:
+            tag = f.read().strip()
+    tag = check_tag(tag)
+    path = os.path.join(load_dir, tag)
+    if os.path.isdir(path):
+        return path
+    if os.path.isdir(load_dir):
+        for name in sorted(os.listdir(load_dir)):
+            if name.startswith(f".old-{tag}-") and os.path.isfile(os.path.join(load_dir, name, MANIFEST)):
+                return os.path.join(load_dir, name)
+    raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir}")
+
+
+def read_manifest(ckpt: str) -> dict[str, Any]:
+    m = read_json(os.path.join(ckpt, MANIFEST))
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)} is not a zerospeed checkpoint manifest")
+    if int(m.get("version", -1)) > VERSION:
+        raise CheckpointError(f"{ckpt} has format version {m.get('version')}; this zerospeed reads up to {VERSION}")
+    return m
+
+
+def verify_files(ckpt: str, manifest: dict[str, Any], names: list[str] | None = None, hash_: bool = True) -> None:
+    """Check size (and sha256) of the listed files; the error names the first bad file."""
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    for name in sorted(files) if names is None else names:
+        entry = files[name]
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} has {size} bytes, the manifest says {entry['bytes']} "
+                                  "(truncated or overwritten)")
+        if hash_ and sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} does not match its sha256 in the manifest (corrupt)")
