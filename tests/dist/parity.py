@@ -49,10 +49,19 @@ def micro_batch(step: int, micro: int, rank: int, world: int, mb: int, gas: int)
     return x[lo:lo + mb], y[lo:lo + mb]
 
 
-def reference_losses(steps: int, mb: int, gas: int, world: int, clip: float, lr: float = 1e-2) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch on one process: the whole global batch, AdamW, global-norm clipping."""
+def reference_losses(steps: int, mb: int, gas: int, world: int, clip: float, lr: float = 1e-2,
+                     scheduler: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch on one process: the whole global batch, AdamW, global-norm clipping.
+
+    ``scheduler`` ({"type", "params"}) is built on the plain optimizer and stepped after each step.
+    """
     model = make_model()
-    opt = torch.optim.AdamW(param_groups(model), lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sched = None
+    if scheduler is not None:
+        from zerospeed.optim import build_scheduler
+
+        sched = build_scheduler(scheduler["type"], dict(scheduler["params"]), opt)
     losses = []
     for step in range(steps):
         x, y = global_batch(step, mb * gas * world)
@@ -65,6 +74,8 @@ def reference_losses(steps: int, mb: int, gas: int, world: int, clip: float, lr:
         if clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

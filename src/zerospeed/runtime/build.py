@@ -129,13 +129,19 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     dp_group = comm.world_group()
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
     cfg = load_config(_config_from(args, config, config_params), dp_size)
+    if cfg.comms_timeout_s is not None:
+        comm.set_timeout(cfg.comms_timeout_s, dp_group)
     batch = cfg.batch(dp_size)
-    if cfg.zero_stage == 3:
-        raise NotSupportedYetError("zero_optimization.stage", "ZeRO stage 3 is not supported yet by zerospeed; use 0, 1 or 2")
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
-    model.to(device=device, dtype=policy.compute)
-    _sync_module(model, dp_group)
+    stage3 = None
+    if cfg.zero_stage == 3:  # parameters partitioned too: cast, sync and cut them, install module hooks
+        from ..zero.stage3 import setup_stage3
+
+        stage3 = setup_stage3(model, cfg.zero_optimization, policy.compute, device, dp_group)
+    else:
+        model.to(device=device, dtype=policy.compute)
+        _sync_module(model, dp_group)
 
     raw_groups = _param_groups(model, model_parameters, optimizer)
     _check_ownership(model, raw_groups)
@@ -146,8 +152,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     for g in raw_groups:
         trainable = [p for p in g["params"] if p.requires_grad]
         options.append({k: v for k, v in g.items() if k != "params"})
-        groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, zcfg.reduce_bucket_size, policy.compute)
-                      if trainable else None)
+        if not trainable:
+            groups.append(None)
+        elif stage3 is not None:
+            groups.append(stage3.make_group(trainable, options[-1], dp_rank, zcfg.reduce_bucket_size))
+        else:
+            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, zcfg.reduce_bucket_size,
+                                       policy.compute))
     live = [g for g in groups if g is not None]
     base = _build_base_optimizer(cfg, optimizer, groups, options)
     zero_opt: ZeroOptimizer | None = None
@@ -160,7 +171,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                                   prescale_gradients=cfg.prescale_gradients,
                                   gradient_predivide_factor=cfg.gradient_predivide_factor)
-        reducer = GradReducer(live, settings, dp_group)
+        reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
         scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
         zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                                  zcfg.allgather_bucket_size)
@@ -172,4 +183,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, dp_rank, dp_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
     engine = Engine(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
+    engine.zero3 = stage3
+    if "activation_checkpointing" in cfg.model_fields_set:
+        from .. import checkpointing
+
+        checkpointing.configure(cfg.activation_checkpointing, mp_world_size=1, timers=engine.timers)
     return engine, zero_opt, loader, scheduler

@@ -15,9 +15,11 @@ from .. import comm
 from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
 from ..zero import ZeroOptimizer
+from .observer import StepObserver
 
 
 class Engine(nn.Module):
+    zero3: Any = None  # ZeRO-3 runtime (zero.stage3.Stage3Runtime) when stage 3 is on; set by build.py
     def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes,
                  optimizer: ZeroOptimizer | None, lr_scheduler: Any, dp_group: comm.Group | None,
                  device: torch.device, compute_dtype: torch.dtype, training_dataloader: Any = None) -> None:
@@ -38,8 +40,13 @@ class Engine(nn.Module):
         self._step_applied = False
         self._comm_volume_at_step_start = 0
         self.last_step_comm_volume = 0
+        self.last_checkpoint_stats: Any = None
         self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(dp_group)
+        self.mp_world_size = 1
+        self.observer = StepObserver(self, config, self.global_rank)
+        self.timers = self.observer.timers
 
     # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
     def train_batch_size(self) -> int:
@@ -62,7 +69,10 @@ class Engine(nn.Module):
 
     # --- forward / backward / step ----------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        self.observer.forward_start()
+        out = self.module(*inputs, **kwargs)
+        self.observer.forward_end()
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale)."""
@@ -78,17 +88,21 @@ class Engine(nn.Module):
             scaled = scaled * scale
         if self.micro_steps % self.gradient_accumulation_steps() == 0:
             self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
+        self.observer.backward_start(float(loss.detach()))
         reducer = self.optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
         scaled.backward(retain_graph=retain_graph)
         reducer.end_micro_step()
+        self.observer.backward_end()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at the accumulation boundary apply the optimizer and the schedule."""
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: set 'optimizer' in the config or pass one")
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        self.observer.step_start()
+        if boundary:
             applied = self.optimizer.step()
             self._step_applied = applied
             if applied:
@@ -99,19 +113,11 @@ class Engine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.last_step_comm_volume = comm.COMMS_LOGGER.total_volume() - self._comm_volume_at_step_start
-            if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-                self._report()
+        self.observer.step_end(boundary)
         self.micro_steps += 1
 
     def was_step_applied(self) -> bool:
         return self._step_applied
-
-    def _report(self) -> None:
-        lr = self.get_lr()
-        scale = f", loss_scale={self.optimizer.loss_scale:g}" if self.optimizer and self.optimizer.loss_scaler.dynamic else ""
-        print(f"[zerospeed] step={self.global_steps}, skipped={self.skipped_steps}, lr={lr}{scale}", flush=True)
-        if self.config.memory_breakdown:
-            print(f"[zerospeed] memory (bytes, rank {self.global_rank}): {self.memory_breakdown()}", flush=True)
 
     # --- state queries ----------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -137,7 +143,8 @@ class Engine(nn.Module):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of model state held by this rank, by kind (persistent buffers only)."""
-        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        params = (self.zero3.param_bytes() if self.zero3 is not None
+                  else sum(p.numel() * p.element_size() for p in self.module.parameters()))
         buffers = sum(b.numel() * b.element_size() for b in self.module.buffers())
         grads = self.optimizer.reducer.grad_bytes() if self.optimizer else 0
         master = self.optimizer.master_bytes() if self.optimizer else 0
@@ -147,12 +154,57 @@ class Engine(nn.Module):
         out["total"] = out["model_states"] + buffers
         return out
 
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
     def comms_summary(self) -> str:
         return comm.COMMS_LOGGER.summary(self.dp_world_size)
 
-    # --- not built yet ----------------------------------------------------------------------------
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.save_checkpoint is not supported yet by zerospeed (checkpointing is planned)")
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: the whole model in its compute dtype, as safetensors on rank 0 (True there).
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.load_checkpoint is not supported yet by zerospeed (checkpointing is planned)")
+        Under stage 3 this gathers the partitioned parameters, so it needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` as in DeepSpeed.
+        """
+        from ..config import ConfigError
+        from ..zero.stage3 import save_16bit_model
+
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) is not supported yet by zerospeed")
+        if self.zero3 is not None and not self.zero3.gather_16bit_on_save:
+            raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                              "under ZeRO stage 3 saving a 16-bit model gathers the partitioned parameters; set it "
+                              "to true (or export with zerospeed.zero.full_state_dict)")
+        return save_16bit_model(self.module, save_dir, save_filename, group=self.dp_group)
+
+    # --- checkpoints (runtime/checkpoint/) ---------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool | None = None) -> bool:
+        """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's)."""
+        from .checkpoint import save_checkpoint
+
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet by zerospeed")
+        use_async = self.config.checkpoint.async_save if async_save is None else async_save
+        self.last_checkpoint_stats = save_checkpoint(self, save_dir, tag, client_state, save_latest, use_async,
+                                                     self.config.comms_timeout_s)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+        """Collective: returns ``(path, client_state)``, or ``(None, None)`` when there is no checkpoint."""
+        from .checkpoint import load_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported yet by zerospeed")
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an async save has been written and committed (re-raises its error)."""
+        from .checkpoint import wait_for_checkpoint
+
+        wait_for_checkpoint(self)

@@ -1,0 +1,56 @@
+"""The monitor interface: ``write_events([(name, value, step), ...])``, tensorboard-style tuples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Event = tuple[str, float, int]
+
+
+class Monitor:
+    """A sink for scalar events. The base class is the disabled monitor: it accepts and drops events."""
+
+    enabled: bool = False
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        """Record each ``(name, value, step)``."""
+
+    def flush(self) -> None:
+        """Push buffered events to storage."""
+
+    def close(self) -> None:
+        """Flush and release files or sessions."""
+        self.flush()
+
+
+def check_event(event: Event) -> Event:
+    """Validate one event tuple; a malformed event is a caller bug worth a clear message."""
+    if not isinstance(event, tuple | list) or len(event) != 3:
+        raise ValueError(f"a monitor event is (name, value, step), got {event!r}")
+    name, value, step = event
+    if not isinstance(name, str):
+        raise ValueError(f"monitor event name must be a str, got {name!r}")
+    return name, float(value), int(step)
+
+
+class MonitorMaster(Monitor):
+    """Fans events out to every enabled backend (DeepSpeed's ``MonitorMaster``)."""
+
+    def __init__(self, monitors: Sequence[Monitor]) -> None:
+        self.monitors = [m for m in monitors if m.enabled]
+        self.enabled = bool(self.monitors)
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        if not self.monitors:
+            return
+        checked = [check_event(e) for e in events]
+        for monitor in self.monitors:
+            monitor.write_events(checked)
+
+    def flush(self) -> None:
+        for monitor in self.monitors:
+            monitor.flush()
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close()

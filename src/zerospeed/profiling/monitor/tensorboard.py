@@ -1,0 +1,40 @@
+"""TensorBoard monitor: scalars through ``torch.utils.tensorboard.SummaryWriter`` in ``output_path/job_name``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ...config.errors import ConfigError
+from ...config.monitoring import TensorBoardConfig
+from .base import Event, Monitor, check_event
+
+
+class TensorBoardMonitor(Monitor):
+    """Writes each event as ``add_scalar(name, value, step)`` and flushes after every batch of events."""
+
+    def __init__(self, config: TensorBoardConfig) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # tensorboard itself is missing
+            raise ConfigError(
+                "tensorboard.enabled",
+                "is true but the 'tensorboard' package is not installed; `pip install tensorboard` "
+                "or set tensorboard.enabled to false",
+            ) from exc
+        self.enabled = True
+        self.log_dir = os.path.join(config.output_path, config.job_name)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        for event in events:
+            name, value, step = check_event(event)
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,138 @@
+"""``engine.load_checkpoint``: verify the manifest, then rebuild every part of the state at this world size.
+
+Verification is shared out: rank r hashes every M-th file (M ranks), then the ranks agree on the first
+error, so the checkpoint is read once for checking whatever the world size. Nothing is unpickled: tensors
+come from safetensors files, everything else from JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ... import comm
+from ...precision import NoScaler
+from . import layout
+from .errors import CheckpointError
+from .save import CLIENT_FILE, writer_of
+from .state import from_json, restore_param_group_options, set_rng_state
+from .tensor_file import TensorReader
+from .universal import CheckpointReader, canonical_names, load_optimizer_state, load_params, names_by_id
+
+
+def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
+    """Every file's size on every rank; each file's sha256 on one rank; the same error on all ranks."""
+    rank, world = comm.get_rank(group), comm.get_world_size(group)
+    names = sorted(manifest["files"])
+    error = ""
+    try:
+        layout.verify_files(ckpt, manifest, names, hash_=False)
+        layout.verify_files(ckpt, manifest, names[rank::world])
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = [e for e in comm.all_gather_object(error, group=group) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+def _check_names(module: torch.nn.Module, meta: dict[str, Any], strict: bool) -> None:
+    saved = meta["tensors"]
+    current = module.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}"
+                              f"{' (and more)' if len(missing) > 10 or len(unexpected) > 10 else ''}")
+    for k, t in current.items():
+        if k in saved and list(t.shape) != saved[k]["shape"]:
+            raise CheckpointError(f"checkpoint tensor {k!r} has shape {saved[k]['shape']}, the model has {list(t.shape)}")
+
+
+@torch.no_grad()
+def _load_module_rest(engine: Any, grouped: set[str], meta: dict[str, Any], ckpt: str, reader: CheckpointReader) -> None:
+    """State-dict entries the optimizer does not own: frozen params, buffers, params not in any group."""
+    canon = canonical_names(engine.module)
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    buffers = dict(engine.module.named_buffers(remove_duplicate=False))
+    saved = meta["tensors"]
+    with TensorReader(os.path.join(ckpt, layout.MODULE_FILE)) as mf:
+        for key in engine.module.state_dict():
+            base = canon.get(key, key)
+            if base in grouped or key not in saved or base != key:
+                continue
+            target = params.get(key, buffers.get(key))
+            if target is None:
+                continue
+            if key in mf.entries:
+                src = mf.read(key)
+            elif reader.has(f"master/{key}"):
+                src = reader.read_range(f"master/{key}", 0, target.numel()).view(target.shape)
+            else:
+                raise CheckpointError(f"checkpoint {ckpt} has no data for {key!r}")
+            target.data.copy_(src)
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    writer_of(engine).wait()
+    group = engine.dp_group
+    rank = comm.get_rank(group)
+    ckpt = layout.resolve(os.fspath(load_dir), None if tag is None else str(tag))
+    if ckpt is None:
+        warnings.warn(f"no checkpoint to load: {os.path.join(load_dir, layout.LATEST)} does not exist "
+                      "(pass tag= to pick one)", stacklevel=3)
+        return None, None
+    manifest = layout.read_manifest(ckpt)
+    verify_shared(ckpt, manifest, group)
+    meta = layout.read_json(os.path.join(ckpt, layout.META))
+    index = layout.read_json(os.path.join(ckpt, layout.INDEX))
+    if meta.get("format") != layout.FORMAT:
+        raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata")
+    _check_names(engine.module, meta, load_module_strict)
+    names = names_by_id(engine.module)
+    groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
+    grouped = {names[id(p)] for g in groups for p in g.params}
+    reader = CheckpointReader(ckpt, index)
+    try:
+        load_params(groups, names, reader)
+        _load_module_rest(engine, grouped, meta, ckpt, reader)
+        if not load_module_only:
+            _load_training_state(engine, meta, reader, names, load_optimizer_states, load_lr_scheduler_states)
+            rng_path = os.path.join(ckpt, layout.rng_file(rank))
+            if os.path.isfile(rng_path):
+                set_rng_state(layout.read_json(rng_path))
+    finally:
+        reader.close()
+    client_tensors: dict[str, torch.Tensor] = {}
+    if os.path.isfile(os.path.join(ckpt, CLIENT_FILE)):
+        with TensorReader(os.path.join(ckpt, CLIENT_FILE)) as cf:
+            client_tensors = {k: cf.read(k) for k in cf.keys()}
+    return ckpt, from_json(meta.get("client_state") or {}, client_tensors)
+
+
+def _load_training_state(engine: Any, meta: dict[str, Any], reader: CheckpointReader, names: dict[int, str],
+                         load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
+    saved_opt = meta.get("optimizer")
+    if engine.optimizer is not None and saved_opt is not None and load_optimizer_states:
+        opt = engine.optimizer.optimizer
+        if saved_opt["type"] != type(opt).__name__:
+            warnings.warn(f"checkpoint optimizer is {saved_opt['type']}, the engine's is {type(opt).__name__}; "
+                          "loading its state by name anyway", stacklevel=4)
+        restore_param_group_options(opt.param_groups, saved_opt["param_groups"])
+        load_optimizer_state(list(engine.optimizer.groups), names, reader, saved_opt["layout"], opt)
+        if not isinstance(engine.optimizer.loss_scaler, NoScaler):  # bf16/fp32 keep scale 1 whatever was saved
+            engine.optimizer.loss_scaler.load_state_dict(saved_opt["loss_scaler"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    counters = meta["engine"]
+    engine.global_steps = int(counters["global_steps"])
+    engine.global_samples = int(counters["global_samples"])
+    engine.micro_steps = int(counters["micro_steps"])
+    engine.skipped_steps = int(counters["skipped_steps"])
+    loader = engine.training_dataloader
+    if meta.get("data") is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(meta["data"])
