@@ -17,6 +17,7 @@ from .backend import (
     init_distributed,
     is_initialized,
     new_group,
+    set_timeout,
     world_group,
 )
 from .collectives import (
@@ -37,5 +38,5 @@ __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
     "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name",
     "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "file_store", "get_rank",
-    "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "world_group",
+    "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "set_timeout", "world_group",
 ]

@@ -63,6 +63,21 @@ def init_distributed(
     dist.init_process_group(**kwargs)
 
 
+def set_timeout(timeout: timedelta | float, group: Group | None = None) -> None:
+    """Change how long collectives on ``group`` (default: the world) wait for peers before failing.
+
+    For a job that is already initialized (by the user, the launcher or the test harness), so that the
+    config's ``comms_timeout_s`` applies however the process group was created.
+    """
+    if not is_initialized():
+        return
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=float(timeout))
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # no public equivalent in torch 2.13
+
+    _set_pg_timeout(timeout, group)
+
+
 def file_store(path: str, world_size: int) -> Any:
     """A rendezvous store on a shared file (used by the test harness)."""
     return dist.FileStore(path, world_size)
@@ -99,8 +114,16 @@ def new_group(ranks: list[int], timeout: timedelta | None = None) -> Group:
 
 
 def barrier(group: Group | None = None) -> None:
-    if is_initialized():
+    """Wait for every rank of ``group``; a timeout or dead peer raises naming rank and group."""
+    if not is_initialized():
+        return
+    try:
         dist.barrier(group=group)
+    except RuntimeError as exc:
+        from .collectives import CollectiveError
+
+        where = "WORLD" if group is None else f"ranks {dist.get_process_group_ranks(group)}"
+        raise CollectiveError(f"rank {get_rank()}: collective 'barrier' on group {where} failed: {exc}") from exc
 
 
 def backend_name(group: Group | None = None) -> str:

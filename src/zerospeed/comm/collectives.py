@@ -50,9 +50,12 @@ def _group_name(group: Group | None) -> str:
 
 
 def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
-    return CollectiveError(
-        f"rank {get_rank()}: collective '{op}' on group {_group_name(group)} failed: {exc}"
-    )
+    text = str(exc)
+    hint = ""
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        hint = (" -- a peer rank did not join this collective within the timeout (config 'comms_timeout_s'): "
+                "it is hung, dead, or running different code")
+    return CollectiveError(f"rank {get_rank()}: collective '{op}' on group {_group_name(group)} failed: {text}{hint}")
 
 
 def _run(op: str, group: Group | None, nbytes: int, volume: int, async_op: bool, fn: Any) -> Handle | None:

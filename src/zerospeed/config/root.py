@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from .base import Section, known_keys
 from .batch import BatchSizes, resolve_batch
+from .checkpoint import CheckpointConfig
 from .errors import ConfigError
 from .monitoring import (
     ActivationCheckpointingConfig,
@@ -56,6 +57,10 @@ class ZeroSpeedConfig(Section):
     zero_force_ds_cpu_optimizer: bool = False
     dataloader_drop_last: bool = False
     seed: int | None = None
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    comms_timeout_s: float | None = Field(None, gt=0)
+    """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
+    the collective and the group (torch's default, 30 minutes, when unset)."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod
@@ -112,9 +117,8 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
         raw = _read(config)
         if "bfloat16" in raw and "bf16" not in raw:
             raw["bf16"] = raw.pop("bfloat16")
-        check_not_supported(raw)
+        raw = check_not_supported(raw)
         cfg = ZeroSpeedConfig.parse_section(raw, "")
-        # Unknown-key hints should also consider not-yet-supported keys.
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     if dp_world_size is not None:

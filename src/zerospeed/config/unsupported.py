@@ -25,7 +25,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "quantize_training": "quantization-aware training",
     "aio": "async I/O for NVMe offload",
     "nebula": "Nebula checkpointing",
-    "checkpoint": "the checkpoint section (engine checkpointing options)",
     "data_types": "data_types (grad_accum_dtype)",
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
@@ -46,12 +45,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "bf16.immediate_grad_update": "bf16 immediate gradient update",
 }
 
-# Stage-3 keys are rejected until stage 3 lands.
-STAGE3_KEYS = (
-    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-    "stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
-)
+# Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
+STAGE3_KEYS = ("stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params")
 for _k in STAGE3_KEYS:
     NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
 
@@ -69,8 +64,12 @@ def is_off(value: Any) -> bool:
     return False
 
 
-def check_not_supported(raw: dict[str, Any]) -> None:
-    """Raise for the first not-yet-supported key that is switched on."""
+def check_not_supported(raw: dict[str, Any]) -> dict[str, Any]:
+    """Raise for the first not-yet-supported key that is switched on; return ``raw`` without the ones
+    that are switched off (they have been honoured: the feature is off)."""
+    import copy
+
+    cleaned = copy.deepcopy(raw)
     for path, feature in NOT_SUPPORTED_YET.items():
         node: Any = raw
         for part in path.split("."):
@@ -78,10 +77,18 @@ def check_not_supported(raw: dict[str, Any]) -> None:
                 node = _MISSING
                 break
             node = node[part]
-        if node is _MISSING or is_off(node):
+        if node is _MISSING:
+            continue
+        if is_off(node):
+            *parents, leaf = path.split(".")
+            parent: Any = cleaned
+            for part in parents:
+                parent = parent[part]
+            parent.pop(leaf, None)
             continue
         raise NotSupportedYetError(path, f"{feature} is not supported yet by zerospeed (value {node!r}). "
                                          "Remove the key or switch it off.")
+    return cleaned
 
 
 _MISSING = object()

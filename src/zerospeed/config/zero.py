@@ -1,19 +1,26 @@
-"""``zero_optimization`` section (stages 0-2 here)."""
+"""``zero_optimization`` section (stages 0-3)."""
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 
-_AUTO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000}
+_AUTO_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+}
 
 
 class ZeroConfig(Section):
     """ZeRO: which model states are partitioned over the data-parallel ranks.
 
     stage 0: nothing (plain data parallelism); 1: optimizer state and fp32 master weights;
-    2: also gradients.
+    2: also gradients; 3: also the parameters themselves (gathered around each module's forward and
+    backward). The ``stage3_*`` sizes count elements, as in DeepSpeed.
     """
 
     stage: int = Field(0, ge=0, le=3)
@@ -31,8 +38,32 @@ class ZeroConfig(Section):
     sub_group_size: int = Field(1_000_000_000, gt=0)
     memory_efficient_linear: bool = True
     log_trace_cache_warnings: bool = False
+    # Stage 3 (DeepSpeed names and defaults).
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    stage3_model_persistence_threshold: int = Field(2**63 - 1, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    # Accepted only when off (config/unsupported.py rejects them switched on).
+    stage3_module_granularity_threshold: int = 0
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    zeropp_loco_param: Any = None
 
-    @field_validator("reduce_bucket_size", "allgather_bucket_size", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _fp16_alias(cls, data: Any) -> Any:
+        """``stage3_gather_fp16_weights_on_model_save`` is DeepSpeed's older name of the 16-bit key."""
+        old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
+        if isinstance(data, dict) and old in data:
+            data = dict(data)
+            value = data.pop(old)
+            data.setdefault(new, value)
+        return data
+
+    @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                     mode="before")
     @classmethod
     def _auto(cls, v: object, info: object) -> object:
         if v == "auto":

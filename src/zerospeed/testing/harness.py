@@ -52,10 +52,10 @@ def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
-                    **kwargs: Any) -> list[Any]:
+                    collective_timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result (picklable).
 
-    ``timeout`` bounds the whole run (and each collective inside it).
+    ``timeout`` bounds the whole run; ``collective_timeout`` (default: ``timeout``) each collective.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -65,7 +65,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     procs, conns = [], []
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(rank, world_size, store_path, fn, args, kwargs, send, timeout),
+        p = ctx.Process(target=_child, args=(rank, world_size, store_path, fn, args, kwargs, send, collective_timeout or timeout),
                         daemon=True)
         p.start()
         send.close()
@@ -78,17 +78,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
 
     def watch(rank: int) -> None:
         conn = conns[rank]
+        grace_end: float | None = None
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 errors.setdefault(rank, f"rank {rank}: no result within the {timeout:.0f} s deadline")
                 failed.set()
                 return
-            if failed.is_set() and rank not in errors:
+            if failed.is_set():
                 # Another rank failed: give this one a short grace period to report its own error.
-                remaining = min(remaining, 2.0)
+                grace_end = grace_end or now + 2.0
+                if now >= grace_end:
+                    errors.setdefault(rank, f"rank {rank}: stopped after another rank failed")
+                    return
             try:
-                if conn.poll(min(remaining, 0.05)):
+                if conn.poll(0.05):
                     status, payload = pickle.loads(conn.recv_bytes())
                     if status == "ok":
                         results[rank] = payload
@@ -97,19 +101,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
                         failed.set()
                     return
             except (EOFError, OSError):
-                code = procs[rank].exitcode
-                errors[rank] = f"rank {rank}: process exited (code {code}) without a result"
+                errors[rank] = f"rank {rank}: process exited (code {procs[rank].exitcode}) without a result"
                 failed.set()
                 return
-            if failed.is_set() and time.monotonic() > deadline - timeout + 0 and _grace_over(rank):
-                errors.setdefault(rank, f"rank {rank}: stopped after another rank failed")
-                return
-
-    grace: dict[int, float] = {}
-
-    def _grace_over(rank: int) -> bool:
-        start = grace.setdefault(rank, time.monotonic())
-        return time.monotonic() - start > 2.0
 
     threads = [threading.Thread(target=watch, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
