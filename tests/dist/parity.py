@@ -99,14 +99,15 @@ def engine_losses(stage: int, steps: int, mb: int, gas: int, clip: float, lr: fl
     config.update(extra or {})
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     losses = []
+    dev, dt = engine.device, engine.compute_dtype
     for step in range(steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         for m in range(gas):
             x, y = micro_batch(step, m, rank, world, mb, gas)
-            loss = engine(x.to(engine.compute_dtype), y.to(engine.compute_dtype))
+            loss = engine(x.to(dev, dt), y.to(dev, dt))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float() / gas
         comm.all_reduce(total)
         losses.append(float(total) / world)
-    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}

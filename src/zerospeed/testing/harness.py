@@ -28,12 +28,16 @@ class DistributedTestError(AssertionError):
 
 
 def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
-           conn: Any, timeout: float) -> None:
+           conn: Any, timeout: float, backend: str) -> None:
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"})
     try:
-        comm.init_distributed(dist_backend="gloo", store=comm.file_store(store_path, world), rank=rank,
+        if backend == "gloo":  # CPU ranks even on a machine with a GPU
+            from ..accelerator import CpuAccelerator, set_accelerator
+
+            set_accelerator(CpuAccelerator())
+        comm.init_distributed(dist_backend=backend, store=comm.file_store(store_path, world), rank=rank,
                               world_size=world, timeout=timeout)
         result = fn(*args, **kwargs)
         # Plain pickle: tensors travel by value (torch's shared-memory reducers would not outlive the rank).
@@ -52,10 +56,12 @@ def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
-                    collective_timeout: float | None = None, **kwargs: Any) -> list[Any]:
+                    collective_timeout: float | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result (picklable).
 
     ``timeout`` bounds the whole run; ``collective_timeout`` (default: ``timeout``) each collective.
+    ``backend``: "gloo" (CPU, the default) or "nccl" (one CUDA device per rank; fork needs CUDA
+    uninitialised in the parent).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -65,8 +71,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     procs, conns = [], []
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(rank, world_size, store_path, fn, args, kwargs, send, collective_timeout or timeout),
-                        daemon=True)
+        child_args = (rank, world_size, store_path, fn, args, kwargs, send, collective_timeout or timeout, backend)
+        p = ctx.Process(target=_child, args=child_args, daemon=True)
         p.start()
         send.close()
         procs.append(p)
