@@ -85,3 +85,37 @@ def test_gathered_parameters_modify_and_broadcast() -> None:
     for r in run_distributed(_modify, 2, timeout=60):
         assert r["seen_ok"] and r["master_ok"] and r["read_ok"]
         assert r["outside"] == 0
+
+
+def _save(path: str) -> dict:
+    import zerospeed
+    from zerospeed.config import ConfigError
+    from zerospeed.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    model = Stack()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero}
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    try:
+        engine.save_16bit_model(path)
+        refused = False
+    except ConfigError as exc:
+        refused = "stage3_gather_16bit_weights_on_model_save" in str(exc)
+    engine.zero3.gather_16bit_on_save = True
+    wrote = engine.save_16bit_model(path, "m.safetensors")
+    with GatheredParameters(model.parameters()):
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"refused": refused, "wrote": wrote, "expected": expected}
+
+
+def test_save_16bit_model(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    results = run_distributed(_save, 2, str(tmp_path), timeout=60)
+    assert all(r["refused"] for r in results)
+    assert [r["wrote"] for r in results] == [True, False]
+    saved = load_file(str(tmp_path / "m.safetensors"))
+    assert set(saved) == set(results[0]["expected"])
+    for k, v in results[0]["expected"].items():
+        assert saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], v), k

@@ -38,7 +38,7 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._step_applied = False
-        self._comm_volume_at_step_start = 0
+        self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
         self.last_step_comm_volume = 0
         self.last_checkpoint_stats: Any = None
         self.global_rank = comm.get_rank()
@@ -86,8 +86,6 @@ class Engine(nn.Module):
         scale = self.optimizer.loss_scaler.loss_scale
         if scale != 1.0:
             scaled = scaled * scale
-        if self.micro_steps % self.gradient_accumulation_steps() == 0:
-            self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
         self.observer.backward_start(float(loss.detach()))
         reducer = self.optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
@@ -112,7 +110,10 @@ class Engine(nn.Module):
                 self.skipped_steps += 1
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self.last_step_comm_volume = comm.COMMS_LOGGER.total_volume() - self._comm_volume_at_step_start
+            # Everything since the previous boundary: the step's forwards (stage-3 gathers), backwards, update.
+            total = comm.COMMS_LOGGER.total_volume()
+            self.last_step_comm_volume = total - self._comm_volume_at_step_start
+            self._comm_volume_at_step_start = total
         self.observer.step_end(boundary)
         self.micro_steps += 1
 

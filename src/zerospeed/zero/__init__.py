@@ -1,9 +1,20 @@
-"""ZeRO: partition plan (pure), sharded parameter groups, bucketed gradient reduction, the optimizer."""
+"""ZeRO: partition plan (pure), sharded parameter groups, bucketed gradient reduction, the optimizer,
+and stage 3 (partitioned parameters, ``Init``, ``GatheredParameters``)."""
 
 from .grad_reducer import GradReducer, ReduceSettings
 from .optimizer import ZeroOptimizer
 from .partition import BucketPlan, ParamSlot, PartitionPlan, plan_partitions, shard_size
 from .sharded_group import ShardedGroup
+from .stage3 import (
+    GatheredParameters,
+    Init,
+    ShardState,
+    full_state_dict,
+    register_external_parameter,
+    save_16bit_model,
+    shard_of,
+)
 
-__all__ = ["BucketPlan", "GradReducer", "ParamSlot", "PartitionPlan", "ReduceSettings", "ShardedGroup",
-           "ZeroOptimizer", "plan_partitions", "shard_size"]
+__all__ = ["BucketPlan", "GatheredParameters", "GradReducer", "Init", "ParamSlot", "PartitionPlan",
+           "ReduceSettings", "ShardState", "ShardedGroup", "ZeroOptimizer", "full_state_dict", "plan_partitions",
+           "register_external_parameter", "save_16bit_model", "shard_of", "shard_size"]

@@ -3,7 +3,8 @@
 At the accumulation boundary: take the reduced fp32 gradient partition, detect overflow (any rank),
 compute the global gradient norm over all partitions, unscale and clip in one multiply, step the
 wrapped torch optimizer on this rank's fp32 master shards, then rebuild the full model parameters
-(stage 0: copy; stages 1-2: all-gather the updated shards, bucket by bucket).
+(stage 0: copy; stages 1-2: all-gather the updated shards, bucket by bucket; stage 3: update each
+parameter's local shard, no communication).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class ZeroOptimizer:
         for grp in self.groups:
             if grp.alias:
                 continue
-            if grp.num_partitions == 1:
+            if grp.num_partitions == 1 or grp.params_sharded:
                 grp.copy_master_to_params()
                 continue
             assert grp.master is not None

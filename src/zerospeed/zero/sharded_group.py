@@ -18,8 +18,12 @@ from .partition import PartitionPlan, plan_partitions
 
 
 class ShardedGroup:
+    # Stage 3 (a subclass) keeps the model parameters themselves partitioned: the optimizer's write-back
+    # is then local (``copy_master_to_params``) instead of an all-gather of full parameters.
+    params_sharded = False
+
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
-                 bucket_numel: int, compute_dtype: torch.dtype) -> None:
+                 bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None) -> None:
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
@@ -27,9 +31,9 @@ class ShardedGroup:
         self.options = options
         self.num_partitions = num_partitions
         self.rank = rank if num_partitions > 1 else 0  # position among the partitions
-        self.plan: PartitionPlan = plan_partitions([p.numel() for p in params], num_partitions, bucket_numel)
+        self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel)
         self.alias = num_partitions == 1 and compute_dtype == torch.float32
-        self.device = params[0].device
+        self.device = params[0].device if device is None else device
         self.master: torch.Tensor | None = None
         self.master_params: list[nn.Parameter]
         if self.alias:
@@ -38,6 +42,10 @@ class ShardedGroup:
             self.master = torch.zeros(self.plan.partition_numel, dtype=torch.float32, device=self.device)
             self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
             self.load_master_from_params()
+
+    def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
+        """Elements of each full parameter (stage 3 reads them from its shard state)."""
+        return [p.numel() for p in params]
 
     # --- range helpers ---------------------------------------------------------------------------
     def slot_range(self, i: int) -> tuple[int, int]:

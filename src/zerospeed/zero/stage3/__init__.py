@@ -1,0 +1,19 @@
+"""ZeRO stage 3: parameters partitioned too, gathered around each module's forward and backward.
+
+``param_store`` (each parameter's shard and state), ``fetcher`` (gather, release, prefetch in recorded
+order), ``hooks`` (module hooks), ``group`` (optimizer group and reducer), ``setup`` (what
+``initialize`` calls), ``init`` (``zero.Init``), ``gathered`` (``GatheredParameters``), ``export``
+(full state dict, 16-bit safetensors).
+"""
+
+from .export import full_state_dict, save_16bit_model, save_safetensors
+from .fetcher import Fetcher, Unit
+from .gathered import GatheredParameters
+from .group import Stage3Group, Stage3Reducer
+from .init import Init
+from .param_store import GatherOp, ParamShard, ShardState, shard_of
+from .setup import Stage3Runtime, register_external_parameter, setup_stage3
+
+__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "ParamShard", "ShardState", "Stage3Group",
+           "Stage3Reducer", "Stage3Runtime", "Unit", "full_state_dict", "register_external_parameter",
+           "save_16bit_model", "save_safetensors", "setup_stage3", "shard_of"]

@@ -1,0 +1,117 @@
+"""Stage 3's optimizer group and gradient reducer: stage 2's, with the parameters themselves partitioned.
+
+The partition plan is the same (shard ``s = ceil(n/N)``, rank ``r`` owns ``[r*s, (r+1)*s)``), so a
+parameter's master slot and its compute-dtype local shard cover the same elements: after the optimizer
+step the write-back is a local copy, master slot -> shard. Persistent (whole) parameters are updated by
+one all-gather of their master slots per group. Gradients go through the stage-2 reducer; once a
+parameter's gradient is taken, its module may release the parameter (``Fetcher.on_grad``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import comm
+from ..grad_reducer import GradReducer, ReduceSettings
+from ..layout import gather_from
+from ..sharded_group import ShardedGroup
+from .fetcher import Fetcher
+from .param_store import ParamShard, shard_of
+
+
+def _shards(params: list[nn.Parameter]) -> list[ParamShard]:
+    out = []
+    for p in params:
+        s = shard_of(p)
+        if s is None:
+            raise RuntimeError("stage-3 group built over a parameter that was not partitioned")
+        out.append(s)
+    return out
+
+
+class Stage3Group(ShardedGroup):
+    params_sharded = True
+
+    def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
+                 bucket_numel: int, compute_dtype: torch.dtype, dp_group: comm.Group | None) -> None:
+        self.shards = _shards(params)
+        self.dp_group = dp_group
+        super().__init__(params, options, num_partitions, rank, bucket_numel, compute_dtype,
+                         device=self.shards[0].device if self.shards else None)
+        for i, s in enumerate(self.shards):
+            s.on_modified.append(lambda i=i: self._refresh_master(i))
+
+    def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
+        return [s.numel for s in _shards(params)]
+
+    @torch.no_grad()
+    def _refresh_master(self, i: int) -> None:
+        """Parameter i's value changed (GatheredParameters with a modifier): reload its master slot."""
+        if self.master is None:
+            return
+        s = self.shards[i]
+        start, end = self.slot_range(i)
+        view = self.master[start:end]
+        if s.local is not None and self.num_partitions > 1:
+            view.copy_(s.local)
+            return
+        lo, hi = self.plan.slots[i].owned_range(self.rank)
+        view.zero_()
+        if hi > lo:
+            view[: hi - lo].copy_(s.param.detach().reshape(-1)[lo:hi])
+
+    @torch.no_grad()
+    def load_master_from_params(self) -> None:
+        for i in range(len(self.params)):
+            self._refresh_master(i)
+
+    @torch.no_grad()
+    def copy_master_to_params(self) -> None:
+        """Write-back after the step: shards locally; persistent parameters by one all-gather."""
+        if self.master is None:
+            return
+        if self.num_partitions == 1:
+            super().copy_master_to_params()
+            return
+        whole = [i for i, s in enumerate(self.shards) if s.local is None]
+        for i, s in enumerate(self.shards):
+            if s.local is not None:
+                s.local.copy_(self.slot_view(self.master, i))
+        if whole:
+            self._gather_whole(whole)
+
+    def _gather_whole(self, idx: list[int]) -> None:
+        dtype = self.shards[idx[0]].dtype
+        send = torch.cat([self.slot_view(self.master, i) for i in idx]).to(dtype)
+        out = torch.empty(send.numel() * self.num_partitions, dtype=dtype, device=send.device)
+        comm.all_gather(out, send, group=self.dp_group)
+        out2d = out.view(self.num_partitions, send.numel())
+        col = 0
+        for i in idx:
+            shard = self.plan.slots[i].shard
+            gather_from(out2d, col, shard, self.params[i].data.view(-1))
+            col += shard
+
+
+class Stage3Reducer(GradReducer):
+    """The stage-2 reducer, telling the fetcher when a parameter's gradient has been taken."""
+
+    def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None,
+                 fetcher: Fetcher) -> None:
+        super().__init__(groups, settings, dp_group)
+        self.fetcher = fetcher
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        super()._on_grad(p)
+        s = shard_of(p)
+        if s is not None:
+            self.fetcher.on_grad(s)
+
+    @torch.no_grad()
+    def end_micro_step(self) -> None:
+        super().end_micro_step()
+        self.fetcher.end_backward()

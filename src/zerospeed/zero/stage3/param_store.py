@@ -1,0 +1,223 @@
+"""Each parameter's storage under ZeRO-3: a local shard and an explicit state, checked at each transition.
+
+A parameter of ``n`` elements is cut as in the partition plan: shard size ``s = ceil(n / N)``, rank
+``r`` owns flattened elements ``[r*s, (r+1)*s)``, zero-padded to ``s``. The shard lives in a
+:class:`ParamShard`, kept in a side table keyed by the parameter (never attributes on the parameter):
+
+* ``SHARDED``: the ``nn.Parameter``'s data is an empty placeholder (shape ``(0,)``, same dtype and
+  device); the real shape is kept in the state object;
+* ``GATHERING``: an all-gather of the shard is in flight (a prefetch);
+* ``GATHERED``: the parameter's data is the full tensor; it stays so while any *holder* (a module
+  running forward or backward, a ``GatheredParameters`` block) holds it.
+
+A *persistent* parameter (no more elements than ``stage3_param_persistence_threshold``, or any
+parameter at world size 1) is never cut: it is always ``GATHERED`` and has no separate shard.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ... import comm
+from ..layout import gather_from
+from ..partition import shard_size
+
+
+class ShardState(Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class ParamShard:
+    """One parameter's ZeRO-3 state: shape, this rank's shard, who holds it gathered."""
+
+    def __init__(self, param: nn.Parameter, group: comm.Group | None, persistent: bool) -> None:
+        self._param = weakref.ref(param)
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.persistent = persistent
+        self.shard = shard_size(self.numel, self.world)
+        self.local: torch.Tensor | None = None
+        self.state = ShardState.GATHERED
+        self.holders: set[object] = set()
+        self.pending: GatherOp | None = None
+        # Called after the full value changed outside training (GatheredParameters with a modifier).
+        self.on_modified: list[object] = []
+
+    @property
+    def param(self) -> nn.Parameter:
+        p = self._param()
+        if p is None:
+            raise RuntimeError("the parameter of this ZeRO-3 shard no longer exists")
+        return p
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype if self.local is not None else self.param.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device if self.local is not None else self.param.device
+
+    def owned_range(self) -> tuple[int, int]:
+        lo = min(self.rank * self.shard, self.numel)
+        return lo, min(lo + self.shard, self.numel)
+
+    def _expect(self, *states: ShardState, action: str) -> None:
+        if self.state not in states:
+            raise RuntimeError(f"ZeRO-3 parameter of shape {tuple(self.shape)}: cannot {action} while "
+                               f"{self.state.value} (expected {' or '.join(s.value for s in states)})")
+
+    # --- transitions -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def cut(self) -> None:
+        """GATHERED -> SHARDED the first time: keep this rank's slice of the full data, free the rest."""
+        self._expect(ShardState.GATHERED, action="partition")
+        if self.persistent or self.local is not None:
+            raise RuntimeError("parameter is persistent or already partitioned")
+        p = self.param
+        self.local = torch.zeros(self.shard, dtype=p.dtype, device=p.device)
+        self.refresh_local()
+        self._free()
+
+    @torch.no_grad()
+    def refresh_local(self) -> None:
+        """Copy this rank's slice of the (gathered) full value into the local shard."""
+        if self.local is None:
+            return
+        lo, hi = self.owned_range()
+        self.local.zero_()
+        if hi > lo:
+            self.local[: hi - lo].copy_(self.param.data.reshape(-1)[lo:hi])
+
+    def set_full(self, full: torch.Tensor) -> None:
+        """SHARDED/GATHERING -> GATHERED with ``full`` (flat, ``numel`` elements) as the data."""
+        self._expect(ShardState.SHARDED, ShardState.GATHERING, action="set the gathered value")
+        self.param.data = full.view(self.shape)
+        self.state = ShardState.GATHERED
+        self.pending = None
+
+    def release(self) -> None:
+        """GATHERED -> SHARDED when nobody holds it any more (persistent parameters stay)."""
+        if self.persistent or self.holders or self.state is not ShardState.GATHERED:
+            return
+        self._free()
+
+    def _free(self) -> None:
+        p = self.param
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.state = ShardState.SHARDED
+
+    def cast_(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Move/cast the stored value (shard, or full data when persistent or gathered)."""
+        if self.local is not None:
+            self.local = self.local.to(device=device, dtype=dtype)
+        p = self.param
+        if p.dtype != dtype or p.device != device:
+            p.data = p.data.to(device=device, dtype=dtype)
+
+    def local_bytes(self) -> int:
+        """Bytes this rank keeps for the parameter between uses."""
+        if self.local is not None:
+            return self.local.numel() * self.local.element_size()
+        p = self.param
+        return p.numel() * p.element_size()
+
+
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shard_of(param: torch.Tensor) -> ParamShard | None:
+    """The ZeRO-3 state of ``param``, or None when it is an ordinary (unpartitioned) tensor."""
+    return _SHARDS.get(param)
+
+
+def register(param: nn.Parameter, group: comm.Group | None, persistent: bool) -> ParamShard:
+    state = _SHARDS.get(param)
+    if state is None:
+        state = ParamShard(param, group, persistent)
+        _SHARDS[param] = state
+    return state
+
+
+def partition(param: nn.Parameter, group: comm.Group | None, persistent: bool) -> ParamShard:
+    """Register ``param`` (its full value identical on every rank) and, unless persistent, cut it."""
+    state = register(param, group, persistent)
+    if not persistent and state.local is None:
+        state.cut()
+    return state
+
+
+class GatherOp:
+    """One all-gather bringing in several parameters (same dtype, device and group): a single collective."""
+
+    def __init__(self, shards: Sequence[ParamShard], async_op: bool) -> None:
+        for s in shards:
+            s._expect(ShardState.SHARDED, action="start a gather")
+            assert s.local is not None
+        self.shards = list(shards)
+        first = self.shards[0]
+        self.world = first.world
+        self.cols = []
+        col = 0
+        for s in self.shards:
+            self.cols.append(col)
+            col += s.shard
+        self.width = col
+        send = torch.cat([s.local for s in self.shards]) if len(self.shards) > 1 else first.local
+        self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
+        self.handle = comm.all_gather(self.out, send, group=first.group, async_op=async_op)
+        for s in self.shards:
+            s.state = ShardState.GATHERING
+            s.pending = self
+
+    def numel(self) -> int:
+        return self.width * self.world
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the collective and hand every parameter its full value (idempotent)."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.out is None:
+            return
+        out2d = self.out.view(self.world, self.width)
+        for s, col in zip(self.shards, self.cols):
+            if s.pending is not self:
+                continue
+            full = torch.empty(s.numel, dtype=s.dtype, device=s.device)
+            gather_from(out2d, col, s.shard, full)
+            s.set_full(full)
+        self.out = None
+
+
+def start_gather(shards: Iterable[ParamShard], async_op: bool) -> list[GatherOp]:
+    """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group)."""
+    buckets: dict[tuple[torch.dtype, torch.device, int], list[ParamShard]] = {}
+    seen: set[int] = set()
+    for s in shards:
+        if s.state is ShardState.SHARDED and id(s) not in seen:
+            seen.add(id(s))
+            buckets.setdefault((s.dtype, s.device, id(s.group)), []).append(s)
+    return [GatherOp(b, async_op) for b in buckets.values()]
+
+
+def ensure_gathered(shards: Iterable[ParamShard]) -> None:
+    """Block until every shard is GATHERED (finishing prefetches, gathering the rest now)."""
+    shards = list(shards)
+    for op in start_gather(shards, async_op=False):
+        op.finish()
+    for s in shards:
+        if s.state is ShardState.GATHERING and s.pending is not None:
+            s.pending.finish()

@@ -1,0 +1,130 @@
+"""Partition a model for ZeRO-3 and install its hooks: what ``initialize()`` calls for stage 3.
+
+Steps: cast parameters and buffers to the compute dtype on the device (already-partitioned ones, built
+under ``zero.Init``, are cast shard by shard); make every rank start from rank 0's values (broadcast of
+whole parameters and buffers; ``zero.Init`` already broadcast what it cut); cut every parameter larger
+than ``stage3_param_persistence_threshold``; group each module's directly-owned partitioned parameters
+into a unit; install the module hooks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ... import comm
+from ...config.zero import ZeroConfig
+from ..grad_reducer import ReduceSettings
+from .fetcher import Fetcher, Unit
+from .group import Stage3Group, Stage3Reducer
+from .hooks import HINT, install
+from .param_store import ParamShard, ShardState, partition, shard_of
+
+# Parameters to gather with a module although another module owns them (register_external_parameter).
+_EXTERNAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The unit of each module of a model set up for stage 3 (for registrations made after setup).
+_UNITS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Gather ``param`` whenever ``module`` runs, although another module owns it (e.g. a tied weight)."""
+    _EXTERNAL.setdefault(module, []).append(param)
+    unit = _UNITS.get(module)
+    shard = shard_of(param)
+    if unit is not None and shard is not None and not shard.persistent:
+        unit.add(shard)
+
+
+def _params(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters())  # deduplicated: a tied parameter appears once
+
+
+@torch.no_grad()
+def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
+             threshold: int) -> list[ParamShard]:
+    world = comm.get_world_size(group)
+    shards = []
+    for p in _params(module):
+        state = shard_of(p)
+        target = dtype if p.is_floating_point() or (state and state.dtype.is_floating_point) else None
+        if state is not None:
+            state.cast_(target or state.dtype, device)
+        else:
+            p.data = p.data.to(device=device, dtype=target or p.dtype)
+            comm.broadcast(p.data, src=0, group=group)
+            state = partition(p, group, persistent=world == 1 or p.numel() <= threshold)
+        shards.append(state)
+    for b in module.buffers():
+        b.data = b.data.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+        comm.broadcast(b.data, src=0, group=group)
+    return shards
+
+
+class Stage3Runtime:
+    """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
+
+    def __init__(self, module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
+                 dp_group: comm.Group | None) -> None:
+        for key in ("stage3_max_reuse_distance", "stage3_model_persistence_threshold"):
+            if key in zcfg.model_fields_set:
+                warnings.warn(f"zero_optimization.{key} is accepted but has no effect in zerospeed: a module's "
+                              "parameters are released after its forward and re-gathered for its backward")
+        self.module = module
+        self.dp_group = dp_group
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg.stage3_param_persistence_threshold)
+        units: list[Unit] = []
+        unit_of: dict[int, Unit] = {}
+        for name, m in module.named_modules():
+            owned = [shard_of(p) for p in m._parameters.values() if p is not None]
+            owned += [shard_of(p) for p in _EXTERNAL.get(m, [])]
+            mine = [s for s in dict.fromkeys(owned) if s is not None and not s.persistent]
+            if mine:
+                unit = Unit(len(units), name or "<root>", mine)
+                units.append(unit)
+                unit_of[id(m)] = unit
+                _UNITS[m] = unit
+        self.units = units
+        self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters)
+        self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
+        self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
+
+    def _check_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if any(s.state is not ShardState.GATHERED for s in self.shards):
+            raise RuntimeError("state_dict() of a ZeRO-3 model would hold empty partitioned parameters; use "
+                               "engine.save_16bit_model(), zerospeed.zero.full_state_dict(), or call it inside "
+                               "zerospeed.zero.GatheredParameters(model.parameters()).\n" + HINT)
+
+    # --- parts for initialize() ----------------------------------------------------------------------
+    def make_group(self, params: list[nn.Parameter], options: dict[str, Any], rank: int,
+                   bucket_numel: int) -> Stage3Group:
+        return Stage3Group(params, options, comm.get_world_size(self.dp_group), rank, bucket_numel,
+                           self.compute_dtype, self.dp_group)
+
+    def make_reducer(self, groups: list[Any], settings: ReduceSettings) -> Stage3Reducer:
+        return Stage3Reducer(groups, settings, self.dp_group, self.fetcher)
+
+    # --- accounting ----------------------------------------------------------------------------------
+    def param_bytes(self) -> int:
+        """Bytes of parameters this rank keeps between uses (shards, and whole persistent parameters)."""
+        return sum(s.local_bytes() for s in self.shards)
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def setup_stage3(module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
+                 dp_group: comm.Group | None) -> Stage3Runtime:
+    return Stage3Runtime(module, zcfg, compute_dtype, device, dp_group)
+
+
+__all__ = ["Stage3Runtime", "register_external_parameter", "setup_stage3"]

@@ -1,0 +1,64 @@
+"""ZeRO-3 shard states and module hooks in one process (world size 1: a shard is the whole parameter,
+but every transition, hook and release path is the same as with N ranks)."""
+
+import pytest
+import torch
+from torch import nn
+
+from zerospeed.zero.stage3 import Fetcher, GatheredParameters, ShardState, Unit, shard_of
+from zerospeed.zero.stage3.hooks import install
+from zerospeed.zero.stage3.param_store import GatherOp, partition
+
+
+def _partitioned(module: nn.Module) -> tuple[Fetcher, dict[int, Unit]]:
+    shards = [partition(p, None, persistent=False) for p in module.parameters()]
+    units, unit_of = [], {}
+    for m in module.modules():
+        mine = [shard_of(p) for p in m._parameters.values() if p is not None]
+        if mine:
+            unit_of[id(m)] = Unit(len(units), "", mine)
+            units.append(unit_of[id(m)])
+    fetcher = Fetcher(units, shards, prefetch_numel=10_000, max_live_numel=10_000)
+    install(module, fetcher, unit_of)
+    return fetcher, unit_of
+
+
+def test_transitions_are_checked() -> None:
+    p = nn.Parameter(torch.arange(6.0).view(2, 3))
+    s = partition(p, None, persistent=False)
+    assert s.state is ShardState.SHARDED and p.shape == (0,) and s.shape == (2, 3)
+    with pytest.raises(RuntimeError, match="cannot set the gathered value while gathered"):
+        GatherOp([s], async_op=False).finish()
+        s.set_full(torch.zeros(6))
+    assert s.state is ShardState.GATHERED and torch.equal(p, torch.arange(6.0).view(2, 3))
+    s.holders.add("someone")
+    s.release()
+    assert s.state is ShardState.GATHERED  # still held
+    s.holders.clear()
+    s.release()
+    assert s.state is ShardState.SHARDED and p.numel() == 0
+    with pytest.raises(RuntimeError, match="partition"):
+        s.cut()
+
+
+def test_hooks_gather_for_forward_and_backward_then_release() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref.load_state_dict(model.state_dict())
+    fetcher, _ = _partitioned(model)
+    x = torch.randn(3, 4)
+    for _ in range(2):  # the second pass runs with prefetch in the recorded order
+        out = model(x)
+        assert all(p.numel() == 0 for p in model.parameters())  # released after forward
+        out.sum().backward()
+        fetcher.end_backward()
+        fetcher.recording = False
+        assert all(p.numel() == 0 for p in model.parameters())
+    ref(x).sum().backward()
+    with GatheredParameters(model.parameters()):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, 2 * q.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+    assert fetcher.prefetched_numel > 0
