@@ -11,6 +11,10 @@ from zerospeed.testing import run_distributed
 
 from .parity import make_model, micro_batch, param_groups
 
+# Warm the parent before the harness forks: the first torch optimizer imports torch._dynamo (~5 s per rank).
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+import zerospeed.runtime.checkpoint  # noqa: E402,F401
+
 MB = 2
 GLOBAL_MICRO = 4  # micro-batches per step over all ranks: gas = GLOBAL_MICRO // world keeps the global batch fixed
 
@@ -29,6 +33,8 @@ def build(stage: int, extra: dict[str, Any] | None = None, lr: float = 1e-2, cli
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 300},
         "steps_per_print": 1000,
     }
+    if stage == 3:  # partition every parameter (the tiny model would otherwise stay whole)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     config.update(extra or {})
     model = make_model()
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -56,8 +62,12 @@ def train(engine: Any, steps: int) -> list[float]:
     return losses
 
 
-def full_state(engine: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+def full_state(engine: Any, fp32: bool = False) -> dict[str, torch.Tensor]:
+    """The full model (collective; works under stage 3 too); ``fp32`` takes trainable params from the masters."""
+    from zerospeed.zero import full_state_dict
+
+    sd = full_state_dict(engine.module, engine.optimizer, fp32=fp32, rank0_only=False)
+    return {k: v.detach().clone() for k, v in sd.items()}
 
 
 @functools.lru_cache(maxsize=1)

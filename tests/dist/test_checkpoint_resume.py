@@ -18,14 +18,13 @@ PRECISIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _first_half(stage: int, extra: dict[str, Any], path: str) -> tuple[list[float], list[float], dict[str, Any]]:
-    straight = build(stage, extra)
-    ref = train(straight, 10)
+def _first_half(stage: int, extra: dict[str, Any], path: str) -> tuple[list[float], dict[str, Any]]:
+    """10 steps straight, saving after step 5 (which must not disturb the run)."""
     engine = build(stage, extra)
-    first = train(engine, 5)
+    ref = train(engine, 5)
     engine.save_checkpoint(path, client_state={"note": "half", "t": torch.arange(3)})
     scaler = engine.optimizer.loss_scaler.state_dict()
-    return ref, first, scaler
+    return ref + train(engine, 5), scaler
 
 
 def _second_half(stage: int, extra: dict[str, Any], path: str) -> tuple[list[float], dict[str, Any], Any, Any]:
@@ -53,7 +52,7 @@ def test_resume_is_bitwise(stage: int, precision: str, tmp_path: Any) -> None:
     world = 2
     first = run_distributed(_first_half, world, stage, extra, str(tmp_path), timeout=120)
     second = run_distributed(_second_half, world, stage, extra, str(tmp_path), timeout=120)
-    for (ref, head, scaler_saved), (tail, scaler_loaded, client, _) in zip(first, second):
-        assert head + tail == ref, f"resumed losses differ:\n{head + tail}\n{ref}"
+    for (ref, scaler_saved), (tail, scaler_loaded, client, _) in zip(first, second):
+        assert ref[:5] + tail == ref, f"resumed losses differ:\n{tail}\n{ref[5:]}"
         assert scaler_loaded == scaler_saved
         assert client["note"] == "half" and torch.equal(client["t"], torch.arange(3))

@@ -12,6 +12,7 @@ from .base import Section, known_keys
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError
+from .offload import AioConfig
 from .monitoring import (
     ActivationCheckpointingConfig,
     CommsLoggerConfig,
@@ -58,6 +59,7 @@ class ZeroSpeedConfig(Section):
     dataloader_drop_last: bool = False
     seed: int | None = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from .base import Section
+from .offload import OffloadOptimizerConfig
 
 _AUTO_DEFAULTS = {
     "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -49,6 +50,8 @@ class ZeroConfig(Section):
     stage3_module_granularity_threshold: int = 0
     stage3_use_all_reduce_for_fetch_params: bool = False
     zeropp_loco_param: Any = None
+    # ZeRO-Offload of the optimizer step and state (config/offload.py).
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
 
     @model_validator(mode="before")
     @classmethod

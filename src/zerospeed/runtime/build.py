@@ -160,6 +160,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, zcfg.reduce_bucket_size,
                                        policy.compute))
     live = [g for g in groups if g is not None]
+    offload = zcfg.offload_optimizer
+    if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
+        if cfg.zero_stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer", "offload needs ZeRO stage 1, 2 or 3")
+        from ..offload import move_master_to_host
+
+        for g in live:
+            move_master_to_host(g, offload.pin_memory)
     base = _build_base_optimizer(cfg, optimizer, groups, options)
     zero_opt: ZeroOptimizer | None = None
     if base is not None:
@@ -175,6 +183,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
         zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                                  zcfg.allgather_bucket_size)
+        if offload.enabled:
+            from ..offload import OffloadStepper
+
+            zero_opt.stepper = OffloadStepper(live, base, offload, cfg.aio, zcfg.sub_group_size, dp_group, dp_rank)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops)

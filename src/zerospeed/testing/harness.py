@@ -27,6 +27,25 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed or missed the deadline."""
 
 
+_WARMED = False
+
+
+def _warm_up() -> None:
+    """Import in the parent what every rank would otherwise import after the fork (once per process).
+
+    The first torch optimizer step imports ``torch._dynamo`` (~5 s); paid here once, not per rank.
+    """
+    global _WARMED
+    if _WARMED:
+        return
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    torch.optim.AdamW([p]).step()
+    import zerospeed.runtime  # noqa: F401
+
+    _WARMED = True
+
+
 def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
            conn: Any, timeout: float, backend: str) -> None:
     torch.set_num_threads(1)
@@ -65,6 +84,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _warm_up()
     ctx = mp.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="zs-harness-")
     store_path = os.path.join(tmp, "store")

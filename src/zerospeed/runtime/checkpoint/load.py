@@ -15,12 +15,12 @@ import torch
 
 from ... import comm
 from ...precision import NoScaler
-from . import layout
+from . import layout, module_state
 from .errors import CheckpointError
 from .save import CLIENT_FILE, writer_of
 from .state import from_json, restore_param_group_options, set_rng_state
 from .tensor_file import TensorReader
-from .universal import CheckpointReader, canonical_names, load_optimizer_state, load_params, names_by_id
+from .universal import CheckpointReader, load_optimizer_state, load_params, names_by_id
 
 
 def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
@@ -36,43 +36,6 @@ def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
     errors = [e for e in comm.all_gather_object(error, group=group) if e]
     if errors:
         raise CheckpointError(errors[0])
-
-
-def _check_names(module: torch.nn.Module, meta: dict[str, Any], strict: bool) -> None:
-    saved = meta["tensors"]
-    current = module.state_dict()
-    missing = [k for k in current if k not in saved]
-    unexpected = [k for k in saved if k not in current]
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}"
-                              f"{' (and more)' if len(missing) > 10 or len(unexpected) > 10 else ''}")
-    for k, t in current.items():
-        if k in saved and list(t.shape) != saved[k]["shape"]:
-            raise CheckpointError(f"checkpoint tensor {k!r} has shape {saved[k]['shape']}, the model has {list(t.shape)}")
-
-
-@torch.no_grad()
-def _load_module_rest(engine: Any, grouped: set[str], meta: dict[str, Any], ckpt: str, reader: CheckpointReader) -> None:
-    """State-dict entries the optimizer does not own: frozen params, buffers, params not in any group."""
-    canon = canonical_names(engine.module)
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
-    buffers = dict(engine.module.named_buffers(remove_duplicate=False))
-    saved = meta["tensors"]
-    with TensorReader(os.path.join(ckpt, layout.MODULE_FILE)) as mf:
-        for key in engine.module.state_dict():
-            base = canon.get(key, key)
-            if base in grouped or key not in saved or base != key:
-                continue
-            target = params.get(key, buffers.get(key))
-            if target is None:
-                continue
-            if key in mf.entries:
-                src = mf.read(key)
-            elif reader.has(f"master/{key}"):
-                src = reader.read_range(f"master/{key}", 0, target.numel()).view(target.shape)
-            else:
-                raise CheckpointError(f"checkpoint {ckpt} has no data for {key!r}")
-            target.data.copy_(src)
 
 
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -92,14 +55,14 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     index = layout.read_json(os.path.join(ckpt, layout.INDEX))
     if meta.get("format") != layout.FORMAT:
         raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata")
-    _check_names(engine.module, meta, load_module_strict)
+    module_state.check_names(engine.module, meta["tensors"], load_module_strict)
     names = names_by_id(engine.module)
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
     grouped = {names[id(p)] for g in groups for p in g.params}
     reader = CheckpointReader(ckpt, index)
     try:
         load_params(groups, names, reader)
-        _load_module_rest(engine, grouped, meta, ckpt, reader)
+        module_state.load_rest(engine.module, grouped, meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE), reader)
         if not load_module_only:
             _load_training_state(engine, meta, reader, names, load_optimizer_states, load_lr_scheduler_states)
             rng_path = os.path.join(ckpt, layout.rng_file(rank))
@@ -131,7 +94,14 @@ def _load_training_state(engine: Any, meta: dict[str, Any], reader: CheckpointRe
     counters = meta["engine"]
     engine.global_steps = int(counters["global_steps"])
     engine.global_samples = int(counters["global_samples"])
-    engine.micro_steps = int(counters["micro_steps"])
+    gas = int(counters.get("gradient_accumulation_steps", engine.gradient_accumulation_steps()))
+    if gas == engine.gradient_accumulation_steps():
+        engine.micro_steps = int(counters["micro_steps"])
+    else:  # another world size or accumulation: count micro-steps in the new unit, from a step boundary
+        if int(counters["micro_steps"]) % gas:
+            warnings.warn("the checkpoint was saved in the middle of a gradient accumulation; its partial "
+                          "gradients are not stored, the next step starts a fresh accumulation", stacklevel=4)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     engine.skipped_steps = int(counters["skipped_steps"])
     loader = engine.training_dataloader
     if meta.get("data") is not None and hasattr(loader, "load_state_dict"):

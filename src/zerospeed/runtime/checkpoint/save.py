@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from ... import comm
-from . import layout
 from .async_save import BackgroundWriter, SaveStats
 from .state import param_group_options, rng_state, to_json
 from .tensor_file import write_tensors
-from .universal import canonical_names, names_by_id, snapshot_shards
+from . import layout, module_state
+from .universal import names_by_id, snapshot_shards
 
 CLIENT_FILE = "client_state.safetensors"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
@@ -43,26 +43,6 @@ def _groups(engine: Any) -> list[Any]:
     return list(engine.optimizer.groups) if engine.optimizer is not None else []
 
 
-def _module_entries(engine: Any, grouped: set[str], copy: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Describe every state_dict entry; return the tensors the optimizer does not own (rank 0 writes them)."""
-    canon = canonical_names(engine.module)
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
-    entries: dict[str, Any] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for key, t in engine.module.state_dict().items():
-        base = canon.get(key, key)
-        ref = params.get(key, t)
-        entry: dict[str, Any] = {"shape": list(ref.shape), "dtype": str(ref.dtype).removeprefix("torch."),
-                                 "source": "master" if base in grouped else "module"}
-        if base != key:
-            entry["alias_of"] = base
-        elif base not in grouped:
-            t = t.detach()
-            tensors[key] = t.to("cpu", copy=True) if copy or t.device.type != "cpu" else t
-        entries[key] = entry
-    return entries, tensors
-
-
 def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool) -> RankSnapshot:
     """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall)."""
     names = names_by_id(engine.module)
@@ -72,10 +52,10 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     snap = RankSnapshot(rank, world, index=ranges)
     snap.tensor_files[layout.shard_file(rank)] = tensors
     snap.json_files[layout.rng_file(rank)] = rng_state()
+    grouped = {names[id(p)] for g in groups for p in g.params}
+    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy)
     if rank != 0:
         return snap
-    grouped = {names[id(p)] for g in groups for p in g.params}
-    entries, module_tensors = _module_entries(engine, grouped, copy)
     client_tensors: dict[str, torch.Tensor] = {}
     client_json = to_json(dict(client_state or {}), "client_state", client_tensors)
     loader = engine.training_dataloader
@@ -90,7 +70,8 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
         "lr_scheduler": None if engine.lr_scheduler is None else
         to_json(engine.lr_scheduler.state_dict(), "lr_scheduler"),
         "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                   "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+                   "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+                   "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "data": to_json(loader.state_dict(), "dataloader") if hasattr(loader, "state_dict") else None,
         "client_state": client_json,
     }

@@ -29,15 +29,6 @@ from .errors import CheckpointError
 from .tensor_file import TensorReader
 
 
-def canonical_names(module: nn.Module) -> dict[str, str]:
-    """Every parameter name (tied ones included) -> the first name of the same parameter object."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(p), name)
-    return out
-
-
 def names_by_id(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 

@@ -1,0 +1,121 @@
+"""``zero_optimization.offload_optimizer``, ``zero_optimization.offload_param`` and ``aio`` (DeepSpeed names
+and defaults).
+
+ZeRO-Offload keeps the fp32 optimizer step (and its state) on the host: ``device: cpu`` holds the state in
+host memory, ``device: nvme`` streams it to and from files under ``nvme_path`` in sub-groups of
+``zero_optimization.sub_group_size`` elements. ``aio`` tunes the file I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import Section
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+def _device_alias(v: Any) -> Any:
+    return "none" if v is None else (str(v).lower() if isinstance(v, str) else v)
+
+
+class OffloadOptimizerConfig(Section):
+    """Where the fp32 optimizer step runs and its state lives: ``none`` (the accelerator), ``cpu``, ``nvme``.
+
+    ``buffer_count`` host buffers stream the ``nvme`` state (read-ahead and write-behind, at least 3);
+    ``pin_memory`` pins them (CUDA only); ``ratio`` below 1 (partial offload) is not supported yet;
+    ``fast_init`` and ``pipeline_read``/``pipeline_write`` are accepted: zerospeed always creates the swap
+    files lazily and always overlaps reads and writes with the step.
+    """
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    buffer_count: int = Field(4, ge=1)
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = Field(1.0, gt=0.0, le=1.0)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v: Any) -> Any:
+        return _device_alias(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadOptimizerConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path: a directory on a fast local disk")
+        if self.device == "nvme" and self.buffer_count < 3:
+            raise ValueError(f"device 'nvme' needs buffer_count >= 3 (read-ahead, update, write-behind), got "
+                             f"{self.buffer_count}")
+        if self.device != "none" and self.ratio != 1.0:
+            raise ValueError(f"ratio {self.ratio} (partial offload) is not supported yet by zerospeed; use 1.0")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+class OffloadParamConfig(Section):
+    """ZeRO-Infinity parameter offload for stage 3 (DeepSpeed's names and defaults)."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    buffer_count: int = Field(5, ge=1)
+    buffer_size: int = Field(100_000_000, gt=0)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+    pin_memory: bool = False
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v: Any) -> Any:
+        return _device_alias(v)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+class AioConfig(Section):
+    """Asynchronous file I/O for NVMe offload.
+
+    ``block_size`` bytes per request; ``intra_op_parallelism`` (DeepSpeed's older ``thread_count``) threads
+    split each transfer; ``queue_depth`` caps the requests in flight per thread; ``single_submit`` and
+    ``overlap_events`` are libaio submission details kept for compatibility (zerospeed's thread-pool I/O
+    has no such switches); ``use_gds`` (GPUDirect Storage) is not supported.
+    """
+
+    block_size: int = Field(1_048_576, gt=0)
+    queue_depth: int = Field(8, ge=1)
+    intra_op_parallelism: int = Field(1, ge=1)
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _thread_count_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "thread_count" in data:
+            data = dict(data)
+            value = data.pop("thread_count")
+            data.setdefault("intra_op_parallelism", value)
+        return data
+
+    @field_validator("block_size")
+    @classmethod
+    def _aligned(cls, v: int) -> int:
+        if v % 4096:
+            raise ValueError(f"block_size must be a multiple of 4096 bytes (direct I/O alignment), got {v}")
+        return v
+
+    @field_validator("use_gds")
+    @classmethod
+    def _no_gds(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("use_gds (GPUDirect Storage) is not supported by zerospeed: it needs CUDA with the "
+                             "cuFile library; set it to false (I/O goes through pinned host buffers)")
+        return v

@@ -1,0 +1,104 @@
+"""The module's state-dict entries as the checkpoint sees them, without calling ``state_dict()``.
+
+Under ZeRO-3 a parameter's data is an empty placeholder between uses (and ``state_dict()`` refuses to
+run), so entries are walked directly: parameters (tied ones under every name) and persistent buffers,
+in ``state_dict`` order, each with its *full* shape. Entries the optimizer owns come from the fp32
+master (see ``universal``); the rest (frozen parameters, buffers) are written whole by rank 0 into
+``model_states.safetensors``, gathered first when ZeRO-3 partitioned them (a collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...zero.stage3 import GatheredParameters, shard_of
+from .errors import CheckpointError
+from .universal import CheckpointReader
+from .tensor_file import TensorReader
+
+
+def entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(state_dict key, tensor)`` for parameters and persistent buffers, tied ones under every name."""
+    for mname, m in module.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for k, p in m._parameters.items():
+            if p is not None:
+                yield prefix + k, p
+        for k, b in m._buffers.items():
+            if b is not None and k not in m._non_persistent_buffers_set:
+                yield prefix + k, b
+
+
+def full_shape(t: torch.Tensor) -> torch.Size:
+    s = shard_of(t)
+    return s.shape if s is not None else t.shape
+
+
+def _canonical(module: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    return {key: first.setdefault(id(t), key) for key, t in entries(module)}
+
+
+def _gathered(tensors: list[torch.Tensor], modifier_rank: int | None) -> Any:
+    sharded = [t for t in tensors if shard_of(t) is not None]
+    return GatheredParameters(sharded, modifier_rank=modifier_rank) if sharded else contextlib.nullcontext()
+
+
+def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Every entry's shape/dtype/source; on rank 0 also the tensors the optimizer does not own.
+
+    Collective when ZeRO-3 partitioned some of those tensors (every rank must call it).
+    """
+    canon = _canonical(module)
+    listing = list(entries(module))
+    meta: dict[str, Any] = {}
+    rest = [(k, t) for k, t in listing if canon[k] == k and k not in grouped]
+    tensors: dict[str, torch.Tensor] = {}
+    with _gathered([t for _, t in rest], None):
+        for key, t in listing:
+            base = canon[key]
+            meta[key] = {"shape": list(full_shape(t)), "dtype": str(t.dtype).removeprefix("torch."),
+                         "source": "master" if base in grouped else "module"}
+            if base != key:
+                meta[key]["alias_of"] = base
+        if rank == 0:
+            for key, t in rest:
+                d = t.detach()
+                tensors[key] = d.to("cpu", copy=True) if copy or d.device.type != "cpu" or shard_of(t) else d
+    return meta, tensors
+
+
+def check_names(module: nn.Module, saved: dict[str, Any], strict: bool) -> None:
+    current = {k: full_shape(t) for k, t in entries(module)}
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if strict and (missing or unexpected):
+        more = " (and more)" if len(missing) > 10 or len(unexpected) > 10 else ""
+        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:10]}, "
+                              f"unexpected {unexpected[:10]}{more}")
+    for k, shape in current.items():
+        if k in saved and list(shape) != saved[k]["shape"]:
+            raise CheckpointError(f"checkpoint tensor {k!r} has shape {saved[k]['shape']}, the model has {list(shape)}")
+
+
+@torch.no_grad()
+def load_rest(module: nn.Module, grouped: set[str], saved: dict[str, Any], module_file: str,
+              reader: CheckpointReader) -> None:
+    """Frozen parameters and buffers (and parameters now outside any optimizer group). Collective under ZeRO-3."""
+    canon = _canonical(module)
+    rest = [(k, t) for k, t in entries(module) if canon[k] == k and k not in grouped and k in saved]
+    with TensorReader(module_file) as mf, _gathered([t for _, t in rest], 0):
+        for key, t in rest:
+            if key in mf.entries:
+                src = mf.read(key)
+            elif reader.has(f"master/{key}"):
+                src = reader.read_range(f"master/{key}", 0, t.numel()).view(t.shape)
+            else:
+                raise CheckpointError(f"checkpoint has no data for {key!r}")
+            t.data.copy_(src)
