@@ -23,6 +23,9 @@ from .sharded_group import ShardedGroup
 class ZeroOptimizer:
     """Wraps a torch optimizer whose params are the master shards of ``groups``."""
 
+    # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
+    stepper: Any = None
+
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
                  allgather_bucket_numel: int) -> None:
@@ -105,7 +108,10 @@ class ZeroOptimizer:
         if mult != 1.0:
             for g in grads:
                 g.mul_(mult)
-        self.optimizer.step()
+        if self.stepper is None:
+            self.optimizer.step()
+        else:
+            self.stepper.step(grads)
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
@@ -129,13 +135,15 @@ class ZeroOptimizer:
                 first = grp.plan.buckets[run.start]
                 last = grp.plan.buckets[run.stop - 1]
                 send = grp.master[first.partition_offset: last.partition_offset + last.shard_numel]
-                send = send.to(self.compute_dtype) if self.compute_dtype != torch.float32 else send
+                send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
                 out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
                 comm.all_gather(out, send, group=self.dp_group)
                 grp.unpack_gathered(out, run)
 
     # --- accounting -------------------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:
+        if self.stepper is not None:  # offloaded: what is held in host memory
+            return int(self.stepper.host_state_bytes())
         total = 0
         for st in self.optimizer.state.values():
             for v in st.values():

@@ -1,0 +1,250 @@
+"""The offloaded optimizer step: what ``ZeroOptimizer`` runs instead of ``optimizer.step()`` under ZeRO-Offload.
+
+``cpu``: the fp32 master and optimizer state live in host memory; each sub-group is stepped by the fused
+CPU kernel (optimizers without one, e.g. Lamb or SGD, run their own ``step()`` on the host tensors).
+``nvme``: the state of each sub-group lives in a swap file and is streamed through ``buffer_count``
+aligned host buffers: while sub-group ``j`` is updated, ``j+1 .. j+buffer_count-2`` are being read and
+``j-1`` written. The fp32 master stays in host memory (DeepSpeed also swaps it; zerospeed does not yet).
+
+Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). On CUDA they are copied to host
+sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
+raises naming the file on every rank, *before* the updated master reaches the model (the write-back runs
+only after a successful step); the stepper then refuses further steps (the state is half-updated: reload
+a checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from .. import comm
+from ..config import ConfigError
+from ..config.offload import AioConfig, OffloadOptimizerConfig
+from ..zero import ShardedGroup
+from .cpu_adam import kernel_for
+from .preflight import check_nvme_path
+from .state_store import HostStore, SwappedState, state_layout, state_views
+from .subgroups import SubGroup, plan_subgroups
+from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
+
+KEY = "zero_optimization.offload_optimizer"
+
+
+class _GradStager:
+    """Host copies of a sub-group's gradient pieces (views on CPU; pinned copies, prefetched, on CUDA)."""
+
+    def __init__(self, grads: list[torch.Tensor], pin: bool) -> None:
+        self.grads = grads
+        self.on_host = all(g.device.type == "cpu" for g in grads)
+        self.pin = pin
+        self.ready: dict[int, tuple[list[torch.Tensor], Any]] = {}
+        self.stream = None if self.on_host else torch.cuda.Stream()
+
+    def prefetch(self, key: int, sg: SubGroup) -> None:
+        if self.on_host or key in self.ready:
+            return
+        src = self.grads[sg.gi]
+        assert self.stream is not None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            host = [torch.empty(y - x, pin_memory=self.pin).copy_(src[x:y], non_blocking=True) for x, y in sg.pieces]
+            event = torch.cuda.Event()
+            event.record()
+        self.ready[key] = (host, event)
+
+    def take(self, key: int, sg: SubGroup) -> list[torch.Tensor]:
+        if self.on_host:
+            return [self.grads[sg.gi][x:y] for x, y in sg.pieces]
+        self.prefetch(key, sg)
+        host, event = self.ready.pop(key)
+        event.synchronize()
+        return host
+
+
+class OffloadStepper:
+    """Steps the master shards of ``groups`` on the host, with state in memory or in swap files."""
+
+    def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, cfg: OffloadOptimizerConfig,
+                 aio: AioConfig, sub_group_size: int, dp_group: comm.Group | None, rank: int = 0) -> None:
+        self.groups, self.optimizer, self.cfg, self.dp_group = groups, optimizer, cfg, dp_group
+        self.kernel = kernel_for(optimizer)
+        for g in groups:
+            if g.alias and g.params and g.params[0].device.type != "cpu":
+                raise ConfigError(KEY, "offload with one partition and fp32 compute on an accelerator is not "
+                                       "supported yet (the master is the model there); use bf16/fp16 or ZeRO "
+                                       "with more than one rank")
+        if self.kernel is not None:
+            for pg in optimizer.param_groups:
+                try:
+                    self.kernel.check(pg)
+                except ValueError as exc:
+                    raise ConfigError(KEY, str(exc)) from None
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in groups]
+        self.subgroups = [plan_subgroups(g, gi, sub_group_size) for gi, g in enumerate(groups)]
+        self.partitioned = any(g.num_partitions > 1 for g in groups)
+        self.broken: str | None = None
+        self.swapper: AsyncSwapper | None = None
+        self.host: HostStore | None = None
+        self.swapped: SwappedState | None = None
+        self.last_stats: dict[str, float] = {}
+        if cfg.device == "cpu":
+            if self.kernel is not None:
+                self.host = HostStore(groups, optimizer, self.kernel, self.steps)
+        else:
+            self._init_nvme(aio, rank)
+
+    def _init_nvme(self, aio: AioConfig, rank: int) -> None:
+        if self.kernel is None:
+            raise ConfigError(KEY, f"device 'nvme' streams the state of Adam, AdamW and Adagrad; "
+                                   f"{type(self.optimizer).__name__} has no flat kernel: use device 'cpu'")
+        keys = self.kernel.state_keys
+        jobs = [sg for sgs in self.subgroups for sg in sgs]
+        need = sum(state_layout(sg, keys)[0] for sg in jobs)
+        root = check_nvme_path(self.cfg.nvme_path, need, f"{KEY}.nvme_path")
+        self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism, prefix=f"zerospeed_rank{rank}_")
+        biggest = max((state_layout(sg, keys)[0] for sg in jobs), default=4096)
+        self.buffers = [aligned_empty(biggest, pin=self.cfg.pin_memory) for _ in range(self.cfg.buffer_count)]
+        self.swapped = SwappedState(self.groups, self.subgroups, self.kernel, self.swapper, self.steps,
+                                    self.optimizer.param_groups)
+        self._install_mapping()
+
+    def _install_mapping(self) -> None:
+        """Make ``optimizer.state`` the swapped mapping, adopting what a load put in a plain dict."""
+        assert self.swapped is not None
+        current = self.optimizer.state
+        if current is self.swapped:
+            return
+        self.optimizer.state = self.swapped  # type: ignore[assignment]
+        for mp, st in list(current.items()):
+            if mp in self.swapped.where:
+                self.swapped[mp] = st
+
+    # --- the step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """Update every master shard from the (unscaled, clipped) fp32 gradient partitions ``grads``."""
+        if self.broken:
+            raise RuntimeError(f"offloaded optimizer state is inconsistent after an earlier failure ({self.broken}); "
+                               "reload a checkpoint")
+        error: BaseException | None = None
+        try:
+            if self.kernel is None:
+                self.optimizer.step()  # cpu offload of an optimizer without a flat kernel: its own step on host
+            elif self.swapper is None:
+                self._step_host(grads)
+            else:
+                self._step_nvme(grads)
+        except (OffloadIOError, OSError) as exc:
+            error = exc
+        failed = comm.all_reduce_max_flag(error is not None, group=self.dp_group) if self.partitioned else error is not None
+        if error is not None:
+            self.broken = str(error)
+            raise error
+        if failed:
+            self.broken = "offload I/O failed on another rank"
+            raise RuntimeError("offload I/O failed on another rank (see its error); the weights were not updated")
+
+    def _begin(self) -> None:
+        for s in self.steps:
+            s += 1
+
+    def _step_host(self, grads: list[torch.Tensor]) -> None:
+        assert self.host is not None and self.kernel is not None
+        self.host.adopt()
+        self._begin()
+        stager = _GradStager(grads, self.cfg.pin_memory)
+        jobs = [sg for sgs in self.subgroups for sg in sgs]
+        for j, sg in enumerate(jobs):
+            if j + 1 < len(jobs):
+                stager.prefetch(j + 1, jobs[j + 1])
+            self.kernel.step(sg.masters, stager.take(j, sg), self.host.piece_states(sg), self.steps[sg.gi],
+                             self.optimizer.param_groups[sg.gi])
+
+    def _step_nvme(self, grads: list[torch.Tensor]) -> None:
+        assert self.swapper is not None and self.swapped is not None and self.kernel is not None
+        self._install_mapping()
+        self._begin()
+        stager = _GradStager(grads, self.cfg.pin_memory)
+        keys, sw = self.kernel.state_keys, self.swapper
+        jobs = [sg for sgs in self.subgroups for sg in sgs]
+        free = list(range(len(self.buffers)))
+        reads: dict[int, tuple[int, Handle | None]] = {}
+        writes: deque[tuple[int, Handle]] = deque()
+        depth = max(1, len(self.buffers) - 2)
+        t_read = t_write = t_compute = 0.0
+
+        def acquire() -> int:
+            nonlocal t_write
+            if not free:
+                t0 = time.perf_counter()
+                b, h = writes.popleft()
+                try:
+                    h.wait()
+                finally:
+                    free.append(b)
+                    t_write += time.perf_counter() - t0
+            return free.pop()
+
+        def start_read(j: int) -> None:
+            sg, b = jobs[j], acquire()
+            view = self.buffers[b][: state_layout(sg, keys)[0]]
+            if sg.name in sw.sizes:
+                reads[j] = (b, sw.read(sg.name, view))
+            else:
+                self.swapped.fresh(sg, view)  # type: ignore[union-attr]
+                reads[j] = (b, None)
+
+        try:
+            for j in range(min(depth, len(jobs))):
+                start_read(j)
+            for j, sg in enumerate(jobs):
+                if j + depth < len(jobs):
+                    start_read(j + depth)
+                if j + 1 < len(jobs):
+                    stager.prefetch(j + 1, jobs[j + 1])
+                b, h = reads.pop(j)
+                t0 = time.perf_counter()
+                if h is not None:
+                    h.wait()
+                t1 = time.perf_counter()
+                view = self.buffers[b][: state_layout(sg, keys)[0]]
+                self.kernel.step(sg.masters, stager.take(j, sg), state_views(view, sg, keys), self.steps[sg.gi],
+                                 self.optimizer.param_groups[sg.gi])
+                t_read, t_compute = t_read + t1 - t0, t_compute + time.perf_counter() - t1
+                writes.append((b, sw.write(sg.name, view)))
+            t0 = time.perf_counter()
+            while writes:
+                b, h = writes.popleft()
+                free.append(b)
+                h.wait()
+            t_write += time.perf_counter() - t0
+        finally:
+            for _, h in [*reads.values(), *writes]:  # let nothing in flight touch a buffer after we leave
+                if h is not None:
+                    try:
+                        h.wait()
+                    except OffloadIOError:
+                        pass
+        self.last_stats = {"read_wait_s": t_read, "compute_s": t_compute, "write_wait_s": t_write,
+                           "subgroups": float(len(jobs))}
+
+    # --- accounting / lifecycle ----------------------------------------------------------------------
+    def host_state_bytes(self) -> int:
+        """Optimizer state held in host memory (swap buffers under nvme)."""
+        if self.host is not None:
+            return self.host.host_bytes()
+        if self.swapper is not None:
+            return sum(b.numel() for b in self.buffers)
+        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.numel() > 1)
+
+    def disk_bytes(self) -> int:
+        return 0 if self.swapper is None else self.swapper.disk_bytes()
+
+    def close(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()

@@ -1,0 +1,139 @@
+"""The async swapper (round trips, O_DIRECT and buffered paths, length checks naming the file, cleanup),
+the nvme_path preflight, the flat CPU kernels against torch.optim, and the offload config sections."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zerospeed.config import ConfigError, NotSupportedYetError, load_config
+from zerospeed.offload import (AsyncSwapper, OffloadIOError, adam_step_flat, aligned_empty, check_nvme_path,
+                               kernel_for)
+from zerospeed.offload import preflight
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_trip_aligned_and_unaligned(direct: bool, tmp_path) -> None:
+    sw = AsyncSwapper(str(tmp_path), block_size=8192, threads=2, direct=direct)
+    assert sw.direct == direct  # this disk (ext4) takes O_DIRECT; direct=False forces the page-cache path
+    src = aligned_empty(40_000)[:40_000].view(torch.float32)  # a 4 KiB-aligned buffer: direct I/O
+    src.copy_(torch.randn(10_000))
+    odd = torch.randn(777)  # unaligned length and address: buffered I/O
+    handles = [sw.write("a", src), sw.write("b", odd)]
+    for h in handles:
+        h.wait()
+    back_a, back_b = aligned_empty(40_000)[:40_000].view(torch.float32), torch.empty(777)
+    sw.read("a", back_a).wait()
+    sw.read("b", back_b).wait()
+    assert torch.equal(back_a, src) and torch.equal(back_b, odd)
+    part = torch.empty(10)
+    sw.read_range("a", 400, part)
+    assert torch.equal(part, src[100:110])
+    sw.write_range("a", 400, torch.zeros(10))
+    sw.read("a", back_a).wait()
+    assert back_a[100:110].abs().sum() == 0 and torch.equal(back_a[110:], src[110:])
+    root_dir = sw.root
+    sw.close()
+    assert not os.path.exists(root_dir)
+
+
+def test_short_or_missing_reads_raise_naming_the_file(tmp_path) -> None:
+    sw = AsyncSwapper(str(tmp_path))
+    t = torch.randn(5000)
+    sw.write("x", t).wait()
+    with pytest.raises(OffloadIOError, match=r"x\.swp.*never|nothing was written"):
+        sw.read("never", torch.empty(3))
+    with pytest.raises(OffloadIOError, match=r"x\.swp.*bytes asked"):
+        sw.read("x", torch.empty(10))
+    os.truncate(sw.path("x"), 64)
+    with pytest.raises(OffloadIOError, match=r"x\.swp.*truncated"):
+        sw.read("x", torch.empty(5000))
+    sw.close()
+
+
+def test_a_failing_transfer_raises_on_wait(tmp_path, monkeypatch) -> None:
+    from zerospeed.offload import swapper
+
+    sw = AsyncSwapper(str(tmp_path))
+    sw.write("x", torch.randn(100)).wait()
+
+    def eio(*args: object) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(swapper, "_pread", eio)
+    handle = sw.read("x", torch.empty(100))
+    with pytest.raises(OffloadIOError, match=r"read of .*x\.swp.*Input/output error"):
+        handle.wait()
+    sw.close()
+
+
+def test_preflight(tmp_path, monkeypatch) -> None:
+    assert check_nvme_path(str(tmp_path), 1, "k") == str(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_nvme_path(str(tmp_path / "missing"), 1, "k")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="not a directory"):
+        check_nvme_path(str(tmp_path / "f"), 1, "k")
+    with pytest.raises(ConfigError, match="not writable"):
+        check_nvme_path("/sys", 1, "k")
+    monkeypatch.setattr(preflight, "free_bytes", lambda p: 10 << 30)
+    with pytest.raises(ConfigError, match=r"10.00 GiB free but offload needs 21.00 GiB"):
+        check_nvme_path(str(tmp_path), 20 << 30, "k")
+    assert os.listdir(tmp_path) == ["f"]  # the probe file is gone
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_flat_adam_equals_torch(decoupled: bool) -> None:
+    torch.manual_seed(0)
+    p = torch.randn(1000)
+    ref = p.clone().requires_grad_(True)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls([ref], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    m, v, step = torch.zeros(1000), torch.zeros(1000), torch.zeros(())
+    for _ in range(5):
+        g = torch.randn(1000)
+        ref.grad = g.clone()
+        opt.step()
+        adam_step_flat(p, g, m, v, step, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                       adamw_mode=decoupled)
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+    assert float(step) == 5
+    assert kernel_for(opt).name == ("adamw" if decoupled else "adam")
+
+
+def test_offload_config_sections() -> None:
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "NVMe", "nvme_path": "/x", "pin_memory": True}},
+        "aio": {"thread_count": 4, "block_size": 262144}}, 2)
+    off = cfg.zero_optimization.offload_optimizer
+    assert off.device == "nvme" and off.enabled and off.buffer_count == 4
+    assert cfg.aio.intra_op_parallelism == 4 and cfg.aio.queue_depth == 8
+    assert not load_config({"train_batch_size": 8}, 2).zero_optimization.offload_optimizer.enabled
+    bad = [({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "needs nvme_path"),
+           ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "device"),
+           ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "partial offload"),
+           ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_cnt": 3}}}, "buffer_count"),
+           ({"aio": {"use_gds": True}}, "GPUDirect"),
+           ({"aio": {"block_size": 1000}}, "multiple of 4096")]
+    for extra, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            load_config({"train_batch_size": 8, **extra}, 2)
+    with pytest.raises(NotSupportedYetError, match="offload_param"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, 2)
+
+
+def test_report_command_measures_a_directory(tmp_path, capsys) -> None:
+    import json
+
+    from zerospeed.launcher import cli
+
+    assert cli.main(["report", "--nvme_path", str(tmp_path), "--size_mb", "8", "--block_sizes", "1048576",
+                     "--threads", "1", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["environment"]["fused_cpu_adam"] is True
+    assert lines[1]["label"].startswith("raw") and lines[2]["read_mb_s"] > 0
+    assert lines[-1]["suggested"]["aio"]["block_size"] == 1048576
+    assert os.listdir(tmp_path) == []
+    assert cli.main(["report", "--nvme_path", str(tmp_path / "missing")]) == 2
