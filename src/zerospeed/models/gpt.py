@@ -1,0 +1,154 @@
+"""A small byte-level GPT: the model our demo, tests and benchmarks train.
+
+The shape is the classic decoder-only transformer: token and position embeddings, ``n_layer`` pre-LayerNorm
+blocks (causal self-attention through ``F.scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm
+and an LM head that shares its weight with the token embedding. Initialisation draws from a private
+``torch.Generator`` seeded by ``seed``, so two processes building ``GPT(config, seed=s)`` hold identical weights
+without touching the global RNG (construction runs under ``fork_rng``) — the basis of every parity test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig", "bench", "demo", "tiny"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model hyper-parameters. ``vocab_size=256`` means one token per byte."""
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+def tiny() -> GPTConfig:
+    """About 35k parameters: for unit and multi-process tests."""
+    return GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def demo() -> GPTConfig:
+    """About 1.9M parameters: learns visibly in a few minutes on two CPU processes."""
+    return GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=192)
+
+
+def bench() -> GPTConfig:
+    """About 10.8M parameters: a heavier benchmark where communication and optimizer state matter more."""
+    return GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention where position t sees only positions <= t."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: widen 4x, GELU, project back."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer over bytes; ``forward(idx, targets)`` returns ``(logits, loss or None)``."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        with torch.random.fork_rng(devices=[]):  # PyTorch's default init draws are discarded below
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one tensor, counted once by parameters()
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """N(0, 0.02) weights, zero biases, unit LayerNorms; residual projections scaled by 1/sqrt(2*n_layer)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():  # fixed order, so the stream of draws is reproducible
+            if p.dim() < 2:
+                p.fill_(1.0 if "ln" in name and name.endswith("weight") else 0.0)
+                continue
+            std = resid_std if name.endswith("proj.weight") else 0.02
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (the tied head counted once); ``non_embedding`` drops the position table."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = idx.size(1)
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
