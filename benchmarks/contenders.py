@@ -1,0 +1,208 @@
+"""The training setups a benchmark compares; each turns (model, spec) into a ``Trainer`` inside one rank.
+
+Every contender does the same math per optimizer step: ``micro_batches`` forward/backward passes with the
+loss divided by the number of micro-batches in the global batch, gradients averaged over ranks, gradient
+norm clipped to ``spec.clip``, one AdamW step at a constant learning rate. So their losses agree to float
+tolerance and only the machinery differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every contender trains: model preset, global batch, steps and optimizer settings."""
+
+    preset: str = "demo"
+    micro_batch: int = 8
+    grad_accum: int = 2  # per rank at ``world_size``; one-process contenders accumulate ``grad_accum * world_size``
+    world_size: int = 2
+    warmup: int = 2
+    steps: int = 10
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    clip: float = 1.0
+
+    def global_micro_batches(self) -> int:
+        return self.grad_accum * self.world_size
+
+
+class Trainer(Protocol):
+    def step(self, micro_batches: list[Batch]) -> float:
+        """One optimizer step over this rank's micro-batches; returns this rank's mean loss."""
+        ...
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds (params, grads, optimizer state, total)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named setup: ``make`` builds its trainer in each rank; ``skip`` says why it cannot run (or None)."""
+
+    name: str
+    make: Callable[[nn.Module, BenchSpec], Trainer]
+    world_size: int | None = None  # None: spec.world_size
+    threads: int = 1  # intra-op threads per rank
+    skip: Callable[[], str | None] = field(default=lambda: None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor shards count their local part
+
+
+def count_state(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Per-rank bytes of distinct parameter, gradient and optimizer-state tensors."""
+    seen: dict[int, torch.Tensor] = {}  # holds the tensors, so an id cannot be reused while counting
+
+    def size(ts: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in ts:
+            if id(t) not in seen:
+                seen[id(t)] = t
+                local = _local(t)
+                total += local.numel() * local.element_size()
+        return total
+
+    params = list(params)
+    out = {"params": size(params), "grads": size(p.grad for p in params if p.grad is not None)}
+    states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    out["optimizer"] = size(states)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _adamw(params: Iterable[nn.Parameter], spec: BenchSpec) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=spec.weight_decay)
+
+
+class TorchTrainer:
+    """Plain PyTorch: one process, DDP or FSDP2 — ``no_sync(i)`` returns the context for micro-batch i."""
+
+    def __init__(self, model: nn.Module, spec: BenchSpec, wrapped: nn.Module, no_sync: Callable[[bool], Any]):
+        self.model, self.wrapped, self.no_sync = model, wrapped, no_sync
+        self.params = [p for p in wrapped.parameters()]
+        self.opt = _adamw(self.params, spec)
+        self.clip = spec.clip
+
+    def step(self, micro_batches: list[Batch]) -> float:
+        self.opt.zero_grad(set_to_none=True)  # at the start, so state_bytes() after a step still sees grads
+        total = 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            with self.no_sync(i < len(micro_batches) - 1):
+                _, loss = self.wrapped(x, y)
+                (loss / len(micro_batches)).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        return total / len(micro_batches)
+
+    def state_bytes(self) -> dict[str, int]:
+        return count_state(self.params, self.opt)
+
+
+def make_single(model: nn.Module, spec: BenchSpec) -> Trainer:
+    from contextlib import nullcontext
+
+    return TorchTrainer(model, spec, model, lambda _skip: nullcontext())
+
+
+def make_ddp(model: nn.Module, spec: BenchSpec) -> Trainer:
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    return TorchTrainer(model, spec, ddp, lambda skip: ddp.no_sync() if skip else nullcontext())
+
+
+def make_fsdp2(model: nn.Module, spec: BenchSpec) -> Trainer:
+    from contextlib import contextmanager
+
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:  # type: ignore[attr-defined]
+        fully_shard(block)
+    fully_shard(model)
+
+    @contextmanager
+    def no_sync(skip: bool) -> Any:
+        model.set_requires_gradient_sync(not skip)  # type: ignore[operator]
+        yield
+
+    return TorchTrainer(model, spec, model, no_sync)
+
+
+class ZeroSpeedTrainer:
+    """zerospeed's engine, configured by a ds_config dict equivalent to the torch baselines."""
+
+    def __init__(self, model: nn.Module, spec: BenchSpec, stage: int) -> None:
+        import zerospeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": spec.micro_batch,
+            "gradient_accumulation_steps": spec.grad_accum,
+            "gradient_clipping": spec.clip,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                      "weight_decay": spec.weight_decay}},
+            "zero_optimization": {"stage": stage},
+        }
+        self.engine, self.opt, _, _ = zerospeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+
+    def step(self, micro_batches: list[Batch]) -> float:
+        total = 0.0
+        for x, y in micro_batches:
+            _, loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.item()
+        return total / len(micro_batches)
+
+    def state_bytes(self) -> dict[str, int]:
+        if hasattr(self.engine, "memory_breakdown"):
+            return {k: int(v) for k, v in self.engine.memory_breakdown().items() if isinstance(v, (int, float))}
+        return count_state(self.engine.module.parameters(), self.opt)
+
+
+def zerospeed_missing() -> str | None:
+    try:
+        import zerospeed
+    except ImportError as exc:  # pragma: no cover - the project is installed editable
+        return f"zerospeed is not importable: {exc}"
+    if not hasattr(zerospeed, "initialize"):
+        return "zerospeed.initialize does not exist yet (engine not written)"
+    return None
+
+
+def single(threads: int = 1) -> Contender:
+    return Contender("one process", make_single, world_size=1, threads=threads)
+
+
+def ddp() -> Contender:
+    return Contender("torch DDP", make_ddp)
+
+
+def fsdp2() -> Contender:
+    return Contender("torch FSDP2", make_fsdp2)
+
+
+def zerospeed_stage(stage: int) -> Contender:
+    return Contender(f"zerospeed stage {stage}", lambda m, s: ZeroSpeedTrainer(m, s, stage), skip=zerospeed_missing)
+
+
+def world_of(contender: Contender, spec: BenchSpec) -> int:
+    return contender.world_size or spec.world_size
