@@ -17,21 +17,13 @@ import torch
 from torch import nn
 
 from ...zero.stage3 import GatheredParameters, shard_of
+from ...zero.stage3.export import state_entries
 from .errors import CheckpointError
 from .universal import CheckpointReader
 from .tensor_file import TensorReader
 
 
-def entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(state_dict key, tensor)`` for parameters and persistent buffers, tied ones under every name."""
-    for mname, m in module.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        for k, p in m._parameters.items():
-            if p is not None:
-                yield prefix + k, p
-        for k, b in m._buffers.items():
-            if b is not None and k not in m._non_persistent_buffers_set:
-                yield prefix + k, b
+entries = state_entries
 
 
 def full_shape(t: torch.Tensor) -> torch.Size:

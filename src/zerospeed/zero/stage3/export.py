@@ -23,7 +23,8 @@ from ..layout import gather_from
 from .gathered import GatheredParameters
 
 
-def _entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def state_entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(state_dict key, tensor)`` for parameters and persistent buffers, tied ones under every name."""
     for mname, m in module.named_modules(remove_duplicate=False):
         prefix = f"{mname}." if mname else ""
         for k, p in m._parameters.items():
@@ -78,7 +79,7 @@ def full_state_dict(module: nn.Module, optimizer: Any = None, fp32: bool = False
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    for name, t in _entries(module):
+    for name, t in state_entries(module):
         v = values.get(id(t))
         if v is None:  # a buffer
             v = t.detach().cpu().clone()
