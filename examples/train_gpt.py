@@ -25,6 +25,9 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.data import ByteDataset
 from zerospeed.models import GPT, PRESETS
+from zerospeed.profiling._device import device_name
+from zerospeed.profiling.flops_profiler import get_model_profile
+from zerospeed.profiling.flops_profiler.peaks import mfu
 
 MiB = 1024 * 1024
 
@@ -109,6 +112,22 @@ def memory_line(engine: Any) -> str:
     return line
 
 
+def forward_flops(model: GPT, micro: int, block_size: int, device: torch.device) -> float:
+    """FLOPs of one micro-batch forward, counted by zerospeed's flops profiler (no hooks left behind)."""
+    x = torch.zeros(micro, block_size, dtype=torch.long, device=device)
+    flops, _, _ = get_model_profile(model, args=[x, x], print_profile=False, as_string=False, warm_up=0)
+    return float(flops)
+
+
+def mfu_line(step_flops: float, s_per_step: float, world: int) -> str:
+    achieved = step_flops / s_per_step
+    name = device_name()
+    util = mfu(achieved / world, name)
+    util_text = f"{util * 100:.1f}%" if util is not None else f"n/a (no known peak FLOP/s for '{name}')"
+    return (f"model FLOPs: {step_flops / 1e9:.2f} GFLOP/step (3 x forward) | achieved {achieved / 1e9:.2f} GFLOP/s "
+            f"global, {achieved / world / 1e9:.2f} per rank | MFU {util_text}")
+
+
 def main() -> None:
     args = parse_args()
     zerospeed.init_distributed()
@@ -121,6 +140,7 @@ def main() -> None:
     )
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = micro * gas * world * cfg.block_size
+    step_flops = 3 * forward_flops(model, micro, cfg.block_size, engine.device) * gas * world
     if rank == 0:
         print(
             f"GPT[{args.preset}] {model.num_params() / 1e6:.2f}M params | world {world} | micro {micro} x gas {gas}"
@@ -141,6 +161,7 @@ def main() -> None:
         print(f"\nloss: first {first:.3f} (ln 256 = {math.log(256):.3f}) -> last {final:.3f} (last {last} steps)")
         print(f"val loss: {val_loss:.3f} ({val_loss / math.log(2):.2f} bits/byte)")
         print(f"time: {wall:.1f} s, {s_per_step:.3f} s/step, {tok_s:,.0f} tokens/s (global; steps after the first)")
+        print(mfu_line(step_flops, s_per_step, world))
         for r, line in enumerate(mem):
             print(f"memory rank {r}: {line}")
         summary = {"first_loss": first, "last_loss": final, "val_loss": val_loss, "s_per_step": s_per_step,
