@@ -19,3 +19,14 @@ def test_fp32_parity(stage: int, world: int) -> None:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"parameter {k}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_parity_without_reduce_scatter_or_allgather(stage: int) -> None:
+    """``reduce_scatter: false`` (all-reduce, keep the own partition) and ``allgather_partitions: false``
+    (one broadcast per rank) compute the same step."""
+    extra = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "reduce_scatter": False,
+                                   "allgather_partitions": False, "overlap_comm": False}}
+    ref_losses, _ = reference_losses(STEPS, MB, GAS, 2, CLIP)
+    for losses, _ in run_distributed(engine_losses, 2, stage, STEPS, MB, GAS, CLIP, 1e-2, extra, timeout=120):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)

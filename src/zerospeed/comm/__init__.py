@@ -25,6 +25,7 @@ from .collectives import (
     Handle,
     ReduceOp,
     all_gather,
+    all_gather_by_broadcast,
     all_gather_object,
     all_reduce,
     all_reduce_max_flag,
@@ -36,7 +37,7 @@ from .logger import COMMS_LOGGER, CommsLogger, OpStats
 
 __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
-    "ReduceOp", "all_gather", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name",
+    "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name",
     "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "file_store", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "set_timeout", "world_group",
 ]

@@ -107,6 +107,20 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
     )
 
 
+def all_gather_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None:
+    """What ``all_gather`` computes, as one broadcast per rank (DeepSpeed's ``allgather_partitions: false``)."""
+    world = get_world_size(group)
+    n = input.numel()
+    me = dist.get_rank(group) if world > 1 else 0
+    for r in range(world):
+        chunk = output[r * n:(r + 1) * n]
+        if r == me:
+            chunk.copy_(input)
+        if world > 1:
+            src = dist.get_global_rank(group, r) if group is not None else r
+            broadcast(chunk, src=src, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_op: bool = False) -> Handle | None:
     """``src`` is a global rank."""
     if get_world_size(group) == 1:

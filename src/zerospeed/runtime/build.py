@@ -183,6 +183,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
         zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                                  zcfg.allgather_bucket_size)
+        zero_opt.allgather_partitions = zcfg.allgather_partitions
         if offload.enabled:
             from ..offload import OffloadStepper
 

@@ -38,6 +38,7 @@ class ZeroOptimizer:
         self.compute_dtype = compute_dtype
         self.allgather_bucket_numel = allgather_bucket_numel
         self.overflow = False
+        self.allgather_partitions = True  # false: rebuild parameters with one broadcast per rank instead
         self.global_grad_norm: float | None = None
         self.partitioned = any(g.num_partitions > 1 for g in groups)
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
@@ -137,7 +138,10 @@ class ZeroOptimizer:
                 send = grp.master[first.partition_offset: last.partition_offset + last.shard_numel]
                 send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
                 out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
-                comm.all_gather(out, send, group=self.dp_group)
+                if self.allgather_partitions:
+                    comm.all_gather(out, send, group=self.dp_group)
+                else:
+                    comm.all_gather_by_broadcast(out, send, group=self.dp_group)
                 grp.unpack_gathered(out, run)
 
     # --- accounting -------------------------------------------------------------------------------
