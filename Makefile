@@ -5,6 +5,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zerospeed-installed
+SHELL := bash
+.SHELLFLAGS := -o pipefail -c
+# pip on these machines warns about local mirror folders that do not exist; keep the output readable.
+QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 .PHONY: demo test install bench clean
 
@@ -12,9 +16,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(TORCH_SPEC) $(QUIET_PIP)
+	$(PY) -m pip install -q -e '.[test]' $(QUIET_PIP)
 	touch $(STAMP)
 
 install: $(STAMP)
