@@ -19,13 +19,13 @@ PRECISIONS = {
 }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize(("stage", "world"), [(0, 2), (1, 2), (2, 2), (1, 4), (2, 4)])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_half_precision_parity(precision: str, stage: int) -> None:
+def test_half_precision_parity(precision: str, stage: int, world: int) -> None:
     extra = PRECISIONS[precision]
-    (single, _), = run_distributed(engine_losses, 1, stage, STEPS, MB, GAS * 2, CLIP, 1e-2, extra, timeout=120)
-    results = run_distributed(engine_losses, 2, stage, STEPS, MB, GAS, CLIP, 1e-2, extra, timeout=120)
-    ref, _ = reference_losses(STEPS, MB, GAS, 2, CLIP)
+    (single, _), = run_distributed(engine_losses, 1, stage, STEPS, MB, GAS * world, CLIP, 1e-2, extra, timeout=120)
+    results = run_distributed(engine_losses, world, stage, STEPS, MB, GAS, CLIP, 1e-2, extra, timeout=120)
+    ref, _ = reference_losses(STEPS, MB, GAS, world, CLIP)
     for losses, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=2e-3, atol=1e-4)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=3e-2, atol=1e-3)
