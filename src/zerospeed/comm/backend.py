@@ -73,8 +73,14 @@ def set_timeout(timeout: timedelta | float, group: Group | None = None) -> None:
         return
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=float(timeout))
-    from torch.distributed.distributed_c10d import _set_pg_timeout  # no public equivalent in torch 2.13
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # no public equivalent in torch 2.13
+    except ImportError:  # pragma: no cover - depends on the torch version
+        import warnings
 
+        warnings.warn("this torch cannot change the timeout of an existing process group: comms_timeout_s "
+                      "applies only when zerospeed creates the group (init_distributed(timeout=...))")
+        return
     _set_pg_timeout(timeout, group)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import Group, get_rank, get_world_size, is_initialized
+from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized
 from .logger import COMMS_LOGGER
 
 ReduceOp = dist.ReduceOp
@@ -156,6 +156,6 @@ def all_reduce_max_flag(flag: bool, group: Group | None = None) -> bool:
     """True on every rank when ``flag`` is true on any rank."""
     if get_world_size(group) == 1:
         return flag
-    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32)
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=device_for_backend(group))
     all_reduce(t, group=group, op=ReduceOp.MAX)
     return bool(t.item() > 0)

@@ -85,6 +85,7 @@ class ZeroOptimizer:
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.partitioned:
+            sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
             comm.all_reduce(sq, group=self.dp_group)
         return math.sqrt(float(sq))
 
