@@ -46,6 +46,10 @@ class Trainer(Protocol):
         """Bytes of model state this rank holds (params, grads, optimizer state, total)."""
         ...
 
+    def comm_bytes(self) -> int | None:
+        """Bytes this rank communicated in the last optimizer step (ZeRO convention), None if not counted."""
+        ...
+
 
 @dataclass(frozen=True)
 class Contender:
@@ -111,6 +115,9 @@ class TorchTrainer:
     def state_bytes(self) -> dict[str, int]:
         return count_state(self.params, self.opt)
 
+    def comm_bytes(self) -> int | None:
+        return None  # torch's collectives are not counted
+
 
 def make_single(model: nn.Module, spec: BenchSpec) -> Trainer:
     from contextlib import nullcontext
@@ -127,14 +134,14 @@ def make_ddp(model: nn.Module, spec: BenchSpec) -> Trainer:
     return TorchTrainer(model, spec, ddp, lambda skip: ddp.no_sync() if skip else nullcontext())
 
 
-def make_fsdp2(model: nn.Module, spec: BenchSpec) -> Trainer:
+def make_fsdp2(model: nn.Module, spec: BenchSpec, reshard_after_forward: bool = True) -> Trainer:
     from contextlib import contextmanager
 
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:  # type: ignore[attr-defined]
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
 
     @contextmanager
     def no_sync(skip: bool) -> Any:
@@ -147,7 +154,7 @@ def make_fsdp2(model: nn.Module, spec: BenchSpec) -> Trainer:
 class ZeroSpeedTrainer:
     """zerospeed's engine, configured by a ds_config dict equivalent to the torch baselines."""
 
-    def __init__(self, model: nn.Module, spec: BenchSpec, stage: int) -> None:
+    def __init__(self, model: nn.Module, spec: BenchSpec, stage: int, zero_extra: dict[str, Any] | None = None) -> None:
         import zerospeed
 
         config = {
@@ -157,7 +164,7 @@ class ZeroSpeedTrainer:
             "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                                                       "weight_decay": spec.weight_decay}},
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **(zero_extra or {})},
         }
         self.engine, self.opt, _, _ = zerospeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
@@ -176,6 +183,86 @@ class ZeroSpeedTrainer:
         if hasattr(self.engine, "memory_breakdown"):
             return {k: int(v) for k, v in self.engine.memory_breakdown().items() if isinstance(v, (int, float))}
         return count_state(self.engine.module.parameters(), self.opt)
+
+    def comm_bytes(self) -> int | None:
+        return getattr(self.engine, "last_step_comm_volume", None)
+
+
+class DeepSpeedTrainer:
+    """DeepSpeed 0.19.8 on CPU (fp32, Gloo), configured like ``ZeroSpeedTrainer``; no JIT-built C++ ops."""
+
+    def __init__(self, model: nn.Module, spec: BenchSpec, stage: int) -> None:
+        import warnings
+
+        import deepspeed
+        import deepspeed.ops
+
+        warnings.filterwarnings("ignore", category=FutureWarning)  # its reduce_scatter_tensor etc. (torch 2.13)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip the ~3 min g++ build of shm comm
+        config = {
+            "train_micro_batch_size_per_gpu": spec.micro_batch,
+            "gradient_accumulation_steps": spec.grad_accum,
+            "gradient_clipping": spec.clip,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                      "weight_decay": spec.weight_decay, "torch_adam": True}},
+            "zero_optimization": {"stage": stage},
+        }
+        self.stage = stage
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=config)
+
+    def step(self, micro_batches: list[Batch]) -> float:
+        total = 0.0
+        for x, y in micro_batches:
+            _, loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.item()
+        return total / len(micro_batches)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Local parameters (stage 3: partitions and persistent ones), fp32 master partitions, optimizer state.
+
+        DeepSpeed's gradient buffers are internal and mostly freed after the step: not counted.
+        """
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor) -> int:
+            key = t.untyped_storage().data_ptr()
+            if t.numel() == 0 or key in seen:
+                return 0
+            seen.add(key)
+            return t.untyped_storage().nbytes()
+
+        params = 0
+        for p in self.engine.module.parameters():
+            ds = getattr(p, "ds_tensor", None)
+            persistent = getattr(p, "ds_persist", False)
+            params += size(p.data) if ds is None or persistent else size(ds)
+        base = getattr(self.opt, "optimizer", self.opt)  # ZeRO wraps the torch optimizer
+        master = sum(size(p) for g in base.param_groups for p in g["params"])
+        state = sum(size(v) for s in base.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.numel() > 1)
+        return {"params": params, "master": master, "optimizer": state, "total": params + master + state}
+
+    def comm_bytes(self) -> int | None:
+        return None
+
+
+def deepspeed_missing() -> str | None:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401  (imported in the parent once, so forked ranks start warm)
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not available here
+        return f"deepspeed is not importable ({type(exc).__name__}: {exc}); pip install deepspeed==0.19.8"
+    return None
+
+
+def deepspeed_stage(stage: int) -> Contender:
+    return Contender(f"DeepSpeed stage {stage}", lambda m, s: DeepSpeedTrainer(m, s, stage), skip=deepspeed_missing)
 
 
 def zerospeed_missing() -> str | None:
@@ -196,12 +283,14 @@ def ddp() -> Contender:
     return Contender("torch DDP", make_ddp)
 
 
-def fsdp2() -> Contender:
-    return Contender("torch FSDP2", make_fsdp2)
+def fsdp2(reshard_after_forward: bool = True, name: str = "torch FSDP2") -> Contender:
+    return Contender(name, lambda m, s: make_fsdp2(m, s, reshard_after_forward))
 
 
-def zerospeed_stage(stage: int) -> Contender:
-    return Contender(f"zerospeed stage {stage}", lambda m, s: ZeroSpeedTrainer(m, s, stage), skip=zerospeed_missing)
+def zerospeed_stage(stage: int, zero_extra: dict[str, Any] | None = None, name: str | None = None) -> Contender:
+    """zerospeed at ZeRO ``stage``; ``zero_extra``: more ``zero_optimization`` keys."""
+    return Contender(name or f"zerospeed stage {stage}", lambda m, s: ZeroSpeedTrainer(m, s, stage, zero_extra),
+                     skip=zerospeed_missing)
 
 
 def world_of(contender: Contender, spec: BenchSpec) -> int:

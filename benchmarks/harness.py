@@ -51,6 +51,7 @@ class Result:
     last_loss: float
     ratio: float | None = None  # wall s/step over the baseline's in the same round (median over rounds)
     cpu_ratio: float | None = None  # the same for CPU s/step
+    comm_bytes_per_step: int | None = None  # bytes a rank communicated in the last step (max over ranks), if counted
 
 
 def rank_batches(spec: BenchSpec, rank: int, world: int) -> list[list[Batch]]:
@@ -95,6 +96,7 @@ def _rank_main(spec: BenchSpec, contender: Contender) -> dict[str, Any]:
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
         "start_rss": start_rss,
         "state": trainer.state_bytes(),
+        "comm": trainer.comm_bytes() if hasattr(trainer, "comm_bytes") else None,
     }
 
 
@@ -117,6 +119,7 @@ def run_contender(spec: BenchSpec, contender: Contender, timeout: float = 1800.0
         state_mib=state.get("total", 0) / MiB,
         state_detail={k: v / MiB for k, v in state.items()},
         last_loss=sum(r["loss"] for r in per_rank) / len(per_rank),
+        comm_bytes_per_step=None if per_rank[0]["comm"] is None else max(r["comm"] for r in per_rank),
     )
 
 

@@ -120,8 +120,13 @@ def test_offload_config_sections() -> None:
     for extra, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             load_config({"train_batch_size": 8, **extra}, 2)
-    with pytest.raises(NotSupportedYetError, match="offload_param"):
-        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, 2)
+    with pytest.raises(ConfigError, match="offload_param.*needs nvme_path"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 2)
+    par = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/x", "buffer_count": 2, "max_in_cpu": 0}}}, 2).zero_optimization.offload_param
+    assert par.enabled and par.nvme_path == "/x" and par.buffer_count == 2 and par.max_in_cpu == 0
+    with pytest.raises(NotSupportedYetError, match="cpu_offload"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 2)
 
 
 def test_report_command_measures_a_directory(tmp_path, capsys) -> None:

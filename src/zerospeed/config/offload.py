@@ -3,7 +3,8 @@ and defaults).
 
 ZeRO-Offload keeps the fp32 optimizer step (and its state) on the host: ``device: cpu`` holds the state in
 host memory, ``device: nvme`` streams it to and from files under ``nvme_path`` in sub-groups of
-``zero_optimization.sub_group_size`` elements. ``aio`` tunes the file I/O.
+``zero_optimization.sub_group_size`` elements. ZeRO-Infinity's ``offload_param`` (stage 3) keeps the
+parameter shards there too. ``aio`` tunes the file I/O.
 """
 
 from __future__ import annotations
@@ -61,7 +62,13 @@ class OffloadOptimizerConfig(Section):
 
 
 class OffloadParamConfig(Section):
-    """ZeRO-Infinity parameter offload for stage 3 (DeepSpeed's names and defaults)."""
+    """ZeRO-Infinity parameter offload (stage 3): where each rank's parameter shards live between uses.
+
+    ``cpu``: host memory; ``nvme``: one swap file per shard under ``nvme_path`` (except the first
+    ``max_in_cpu`` elements, kept on the host). Shards are read back before a module's all-gather, read
+    ahead in the recorded module order up to ``buffer_count * buffer_size`` elements, and dropped after
+    the gather; ``pin_memory`` pins the host copies (CUDA only).
+    """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
@@ -74,6 +81,12 @@ class OffloadParamConfig(Section):
     @classmethod
     def _device(cls, v: Any) -> Any:
         return _device_alias(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadParamConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path: a directory on a fast local disk")
+        return self
 
     @property
     def enabled(self) -> bool:

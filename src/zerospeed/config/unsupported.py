@@ -33,7 +33,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "compile": "the compile section (torch.compile of the engine)",
     "weight_quantization": "weight quantization",
     "comet": "the Comet monitor",
-    "zero_optimization.offload_param": "ZeRO-Infinity parameter offload",
     "zero_optimization.cpu_offload": "ZeRO-Offload (cpu_offload)",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from .base import Section
-from .offload import OffloadOptimizerConfig
+from .offload import OffloadOptimizerConfig, OffloadParamConfig
 
 _AUTO_DEFAULTS = {
     "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -52,6 +52,8 @@ class ZeroConfig(Section):
     zeropp_loco_param: Any = None
     # ZeRO-Offload of the optimizer step and state (config/offload.py).
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    # ZeRO-Infinity: stage-3 parameter shards on the host or on disk (config/offload.py).
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
 
     @model_validator(mode="before")
     @classmethod

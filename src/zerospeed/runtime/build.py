@@ -101,6 +101,20 @@ def _build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimiz
     return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), opt)
 
 
+def _param_home(cfg: ZeroSpeedConfig, model: nn.Module, dtype: torch.dtype, rank: int) -> Any:
+    """ZeRO-Infinity: the home of the parameter shards (the one ``zero.Init`` made, or a new one)."""
+    from ..offload.param_home import ParamHome
+    from ..zero.stage3 import shard_of
+
+    shards = [shard_of(p) for p in model.parameters()]
+    for s in shards:
+        if s is not None and s.home is not None:
+            return s.home
+    dp = comm.get_world_size(comm.world_group())
+    need = sum(((p.numel() + dp - 1) // dp * dtype.itemsize + 4095) // 4096 * 4096 for p in model.parameters())
+    return ParamHome(cfg.zero_optimization.offload_param, cfg.aio, rank, need_bytes=need)
+
+
 @torch.no_grad()
 def _sync_module(module: nn.Module, group: comm.Group | None) -> None:
     """Every rank starts from rank 0's parameters and buffers."""
@@ -135,10 +149,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
     stage3 = None
+    if cfg.zero_optimization.offload_param.enabled and cfg.zero_stage != 3:
+        raise ConfigError("zero_optimization.offload_param", f"parameter offload needs ZeRO stage 3 (parameters "
+                          f"partitioned), got stage {cfg.zero_stage}; set zero_optimization.stage to 3 or remove "
+                          "offload_param")
     if cfg.zero_stage == 3:  # parameters partitioned too: cast, sync and cut them, install module hooks
         from ..zero.stage3 import setup_stage3
 
-        stage3 = setup_stage3(model, cfg.zero_optimization, policy.compute, device, dp_group)
+        home = _param_home(cfg, model, policy.compute, dp_rank) if cfg.zero_optimization.offload_param.enabled else None
+        stage3 = setup_stage3(model, cfg.zero_optimization, policy.compute, device, dp_group, home)
     else:
         model.to(device=device, dtype=policy.compute)
         _sync_module(model, dp_group)

@@ -12,7 +12,9 @@ is launched asynchronously, always in bucket order so every rank issues the same
   the result into the gradient partition.
 
 Buckets whose parameters got no gradient (unused in this forward) are launched at the end of
-backward, so ranks that used different parameters still issue identical collectives.
+backward, so ranks that used different parameters still issue identical collectives. At most
+``MAX_IN_FLIGHT`` buckets are in flight: launching one more first completes the oldest, so stage 2's
+transient bucket buffers stay bounded (about two buckets) instead of adding up to the whole model.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from torch import nn
 from .. import comm
 from .layout import scatter_into
 from .sharded_group import ShardedGroup
+
+
+MAX_IN_FLIGHT = 2  # bucket collectives launched and not yet completed (double buffering)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class GradReducer:
         return 1.0 / f, f / n
 
     def _launch(self, k: int) -> None:
+        while len(self.pending) >= MAX_IN_FLIGHT:  # bound the buffers held by collectives in flight
+            self._complete(self.pending.pop(0))
         g, b = self.order[k]
         self.next_launch = k + 1
         if self.s.dp_size == 1:

@@ -82,8 +82,8 @@ class ZeroOptimizer:
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-        for g in grads:
-            sq += g.float().pow(2).sum()
+        for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if self.partitioned:
             sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
             comm.all_reduce(sq, group=self.dp_group)

@@ -32,7 +32,7 @@ class ShardedGroup:
         self.num_partitions = num_partitions
         self.rank = rank if num_partitions > 1 else 0  # position among the partitions
         self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel)
-        self.alias = num_partitions == 1 and compute_dtype == torch.float32
+        self.alias = num_partitions == 1 and compute_dtype == torch.float32 and self._may_alias(params)
         self.device = params[0].device if device is None else device
         self.master: torch.Tensor | None = None
         self.master_params: list[nn.Parameter]
@@ -42,6 +42,14 @@ class ShardedGroup:
             self.master = torch.zeros(self.plan.partition_numel, dtype=torch.float32, device=self.device)
             self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
             self.load_master_from_params()
+
+    def _may_alias(self, params: list[nn.Parameter]) -> bool:
+        """Whether the model parameters may serve as the fp32 master (stage 3 says no when offloaded)."""
+        return True
+
+    def _full_shape(self, i: int) -> torch.Size:
+        """Parameter i's shape (stage 3 reads it from its shard state: the data may be a placeholder)."""
+        return self.params[i].shape
 
     def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
         """Elements of each full parameter (stage 3 reads them from its shard state)."""
@@ -57,7 +65,7 @@ class ShardedGroup:
     def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         start, end = self.slot_range(i)
         if self.num_partitions == 1:
-            return flat[start:start + self.params[i].numel()].view(self.params[i].shape)
+            return flat[start:start + self.plan.slots[i].numel].view(self._full_shape(i))
         return flat[start:end]
 
     # --- master <-> model ------------------------------------------------------------------------

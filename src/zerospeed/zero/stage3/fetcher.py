@@ -10,13 +10,17 @@ gathers for the units after it are launched asynchronously, up to ``prefetch_num
 never beyond ``max_live_numel`` gathered elements, so the collective overlaps the current module's
 compute. As soon as execution leaves the recorded order, prefetch stops for the rest of that pass; every
 rank sees the same order, so every rank issues the same collectives.
+
+Under parameter offload to disk, reads run further ahead than gathers: when unit ``k`` is acquired, the
+home starts reading the shards of the units after it, up to its ``read_ahead_numel`` elements, so the
+disk works while the current module computes and the next gathers find their shards already read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .param_store import GatherOp, ParamShard, ShardState, ensure_gathered, start_gather
+from .param_store import GatherOp, ParamShard, ShardHome, ShardState, ensure_gathered, start_gather
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -42,8 +46,9 @@ class Unit:
 
 class Fetcher:
     def __init__(self, units: Sequence[Unit], shards: Sequence[ParamShard], prefetch_numel: int,
-                 max_live_numel: int) -> None:
+                 max_live_numel: int, home: ShardHome | None = None) -> None:
         self.units = list(units)
+        self.home = home
         self.shards = list(shards)
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -132,6 +137,8 @@ class Fetcher:
             self.cursor[reason] = None  # left the recorded order: no more prefetch in this pass
             return
         self.cursor[reason] = pos + 1
+        if self.home is not None:
+            self._read_ahead(trace, pos)
         if self.prefetch_numel <= 0:
             return
         self.inflight = [op for op in self.inflight if op.out is not None]
@@ -147,3 +154,15 @@ class Fetcher:
                 live += cost
                 self.inflight.extend(start_gather(todo, async_op=True))
                 self.prefetched_numel += sum(s.numel for s in todo)
+
+    def _read_ahead(self, trace: list[int], pos: int) -> None:
+        """Start reading the offloaded shards of the units after ``pos`` (at least the next one)."""
+        assert self.home is not None
+        ahead = 0
+        for j in range(pos + 1, len(trace)):
+            todo = [s for s in self.units[trace[j]].shards if s.home is self.home and s.state is ShardState.SHARDED]
+            cost = sum(s.shard for s in todo)
+            if ahead and ahead + cost > self.home.read_ahead_numel:
+                break
+            ahead += cost
+            self.home.prefetch(todo)

@@ -47,6 +47,12 @@ class Stage3Group(ShardedGroup):
     def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
         return [s.numel for s in _shards(params)]
 
+    def _full_shape(self, i: int) -> torch.Size:
+        return self.shards[i].shape
+
+    def _may_alias(self, params: list[nn.Parameter]) -> bool:
+        return all(s.home is None for s in _shards(params))  # an offloaded parameter is not addressable
+
     @torch.no_grad()
     def _refresh_master(self, i: int) -> None:
         """Parameter i's value changed (GatheredParameters with a modifier): reload its master slot."""
@@ -55,8 +61,9 @@ class Stage3Group(ShardedGroup):
         s = self.shards[i]
         start, end = self.slot_range(i)
         view = self.master[start:end]
-        if s.local is not None and self.num_partitions > 1:
-            view.copy_(s.local)
+        if s.local is not None:
+            with s.loaded() as local:
+                view.copy_(local)
             return
         lo, hi = self.plan.slots[i].owned_range(self.rank)
         view.zero_()
@@ -73,14 +80,14 @@ class Stage3Group(ShardedGroup):
         """Write-back after the step: shards locally; persistent parameters by one all-gather."""
         if self.master is None:
             return
-        if self.num_partitions == 1:
-            super().copy_master_to_params()
-            return
         whole = [i for i, s in enumerate(self.shards) if s.local is None]
         for i, s in enumerate(self.shards):
-            if s.local is not None:
-                s.local.copy_(self.slot_view(self.master, i))
-        if whole:
+            if s.local is not None:  # cut (one partition too under offload): local copy or write to its home
+                s.write_local(self.master[slice(*self.slot_range(i))])
+        if whole and self.num_partitions == 1:
+            for i in whole:
+                self.params[i].copy_(self.slot_view(self.master, i))
+        elif whole:
             self._gather_whole(whole)
 
     def _gather_whole(self, idx: list[int]) -> None:

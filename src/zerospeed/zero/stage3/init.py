@@ -9,7 +9,9 @@ holds the shards built so far plus the one submodule being built whole: peak par
 ``1/N`` of the model plus its largest layer (``peak_param_bytes`` counts it).
 
 Parameters no larger than ``stage3_param_persistence_threshold`` stay whole (``initialize`` broadcasts
-them). Changing a cut parameter later (custom initialisation) needs ``GatheredParameters(p,
+them). With ``zero_optimization.offload_param`` in the config (or ``remote_device`` "cpu"/"nvme" matching
+it), each shard goes to its home (host memory or a swap file) as soon as it is cut, at world size 1
+too: the model is then never whole in memory, only its largest submodule at a time. Changing a cut parameter later (custom initialisation) needs ``GatheredParameters(p,
 modifier_rank=0)``; written directly, it would write into an empty placeholder.
 """
 
@@ -40,8 +42,8 @@ class Init:
         if on:
             raise NotSupportedYetError(f"zero.Init({sorted(on)[0]})", f"zero.Init arguments {sorted(on)} are not "
                                        "supported yet by zerospeed")
-        if remote_device not in (None, "none", "cpu") or mpu is not None:
-            raise NotSupportedYetError("zero.Init(remote_device/mpu)", "parameter offload (remote_device) and mpu "
+        if remote_device not in (None, "none", "cpu", "nvme") or mpu is not None:
+            raise NotSupportedYetError("zero.Init(remote_device/mpu)", f"remote_device {remote_device!r} and mpu "
                                        "are not supported yet by zerospeed")
         self.enabled = enabled
         if not enabled:
@@ -54,7 +56,8 @@ class Init:
         if dtype is None:
             dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         self.dtype = dtype
-        self.device = torch.device("cpu") if remote_device == "cpu" else None
+        self.device = torch.device("cpu") if remote_device in ("cpu", "nvme") else None
+        self.home = self._home(cfg, remote_device)
         self._owners: dict[int, nn.Module] = {}
         self._handles: list[Any] = []
         self._whole_bytes: dict[int, int] = {}
@@ -62,6 +65,20 @@ class Init:
         self.peak_param_bytes = 0
         if module is not None:
             self._cut(module)
+
+    def _home(self, cfg: Any, remote_device: str | None) -> Any:
+        """The parameter-offload home from the config's ``offload_param`` section, or None."""
+        section = cfg.zero_optimization.offload_param
+        if remote_device == "nvme" and section.device != "nvme":
+            from ...config import ConfigError
+
+            raise ConfigError("zero_optimization.offload_param", "zero.Init(remote_device='nvme') needs the "
+                              "config's offload_param section with device 'nvme' and an nvme_path")
+        if not section.enabled:
+            return None
+        from ...offload.param_home import ParamHome
+
+        return ParamHome(section, cfg.aio, comm.get_rank(self.group))
 
     # --- the hooks ---------------------------------------------------------------------------------
     def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
@@ -83,7 +100,7 @@ class Init:
     @torch.no_grad()
     def _cut(self, module: nn.Module) -> None:
         for p in module.parameters():
-            if shard_of(p) is not None or p.numel() <= self.threshold or self.world == 1:
+            if shard_of(p) is not None or p.numel() <= self.threshold or (self.world == 1 and self.home is None):
                 continue
             self._whole_bytes[id(p)] = p.numel() * p.element_size()
             self._account()
@@ -91,6 +108,8 @@ class Init:
             p.data = p.data.to(device=self.device or p.device, dtype=target)
             comm.broadcast(p.data, src=0, group=self.group)
             state = partition(p, self.group, persistent=False)
+            if self.home is not None:
+                self.home.adopt(state)
             self._whole_bytes.pop(id(p), None)
             self.shard_bytes += state.local_bytes()
 

@@ -11,14 +11,22 @@ A parameter of ``n`` elements is cut as in the partition plan: shard size ``s = 
   running forward or backward, a ``GatheredParameters`` block) holds it.
 
 A *persistent* parameter (no more elements than ``stage3_param_persistence_threshold``, or any
-parameter at world size 1) is never cut: it is always ``GATHERED`` and has no separate shard.
+parameter at world size 1 without parameter offload) is never cut: it is always ``GATHERED`` and has no
+separate shard.
+
+Under parameter offload (ZeRO-Infinity) a shard has a *home* (:class:`ShardHome`, implemented in
+``offload/param_home.py``): host memory or a swap file. Between uses ``local`` is then an empty
+placeholder (``resident`` is False); a gather loads the shards first and drops them once the full value
+is there; a new shard value (after the optimizer step) is written to the home.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from enum import Enum
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,6 +43,18 @@ class ShardState(Enum):
     GATHERED = "gathered"
 
 
+class ShardHome(Protocol):
+    """Where offloaded shards live between uses (host memory or swap files)."""
+
+    read_ahead_numel: int
+
+    def adopt(self, shard: ParamShard) -> None: ...  # take ``shard.local`` in, leave a placeholder
+    def load(self, shards: Sequence[ParamShard]) -> None: ...  # make ``local`` resident (raises on I/O error)
+    def prefetch(self, shards: Sequence[ParamShard]) -> None: ...  # start reading, do not wait
+    def evict(self, shard: ParamShard) -> None: ...  # drop the resident copy
+    def store(self, shard: ParamShard, values: torch.Tensor) -> None: ...  # new shard value (flat)
+
+
 class ParamShard:
     """One parameter's ZeRO-3 state: shape, this rank's shard, who holds it gathered."""
 
@@ -48,9 +68,16 @@ class ParamShard:
         self.persistent = persistent
         self.shard = shard_size(self.numel, self.world)
         self.local: torch.Tensor | None = None
+        self.home: ShardHome | None = None  # parameter offload: where the shard lives between uses
+        self.home_key = ""
+        self.resident = True  # False while an offloaded shard is only in its home
         self.state = ShardState.GATHERED
         self.holders: set[object] = set()
         self.pending: GatherOp | None = None
+        # The gathered value's buffer: freed by shrinking its storage (autograd's saved views of the weight,
+        # e.g. ``W.t()`` in a linear layer, would otherwise keep every gathered weight alive from forward to
+        # backward), and refilled in place by the next gather so those views see the value again.
+        self._full: torch.Tensor | None = None
         # Called after the full value changed outside training (GatheredParameters with a modifier).
         self.on_modified: list[object] = []
 
@@ -96,9 +123,32 @@ class ParamShard:
         if self.local is None:
             return
         lo, hi = self.owned_range()
-        self.local.zero_()
+        values = torch.zeros(self.shard, dtype=self.dtype, device=self.device)
         if hi > lo:
-            self.local[: hi - lo].copy_(self.param.data.reshape(-1)[lo:hi])
+            values[: hi - lo].copy_(self.param.data.reshape(-1)[lo:hi])
+        self.write_local(values)
+
+    @torch.no_grad()
+    def write_local(self, values: torch.Tensor) -> None:
+        """Set the shard to ``values`` (flat, ``shard`` elements): in place, or written to its home."""
+        assert self.local is not None, "only a partitioned parameter has a local shard"
+        if self.home is None:
+            self.local.copy_(values.reshape(-1))
+        else:
+            self.home.store(self, values.reshape(-1).to(self.dtype))
+
+    @contextmanager
+    def loaded(self) -> Iterator[torch.Tensor]:
+        """The local shard, read from its home for the block when it is offloaded."""
+        assert self.local is not None, "only a partitioned parameter has a local shard"
+        if self.home is None or self.resident:
+            yield self.local
+            return
+        self.home.load([self])
+        try:
+            yield self.local
+        finally:
+            self.home.evict(self)
 
     def set_full(self, full: torch.Tensor) -> None:
         """SHARDED/GATHERING -> GATHERED with ``full`` (flat, ``numel`` elements) as the data."""
@@ -113,14 +163,31 @@ class ParamShard:
             return
         self._free()
 
+    def full_buffer(self) -> torch.Tensor:
+        """Where the next gather writes the full value (the previous buffer, storage grown back)."""
+        buf = self._full
+        if buf is None or buf.dtype != self.dtype or buf.device != self.device:
+            self._full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            return self._full
+        buf.untyped_storage().resize_(self.numel * buf.element_size())
+        return buf
+
     def _free(self) -> None:
+        if self._full is not None and self.param.data.untyped_storage() is not None and \
+                self.param.data.data_ptr() == self._full.data_ptr():
+            self._full.untyped_storage().resize_(0)
         p = self.param
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.state = ShardState.SHARDED
 
     def cast_(self, dtype: torch.dtype, device: torch.device) -> None:
         """Move/cast the stored value (shard, or full data when persistent or gathered)."""
-        if self.local is not None:
+        if self.local is not None and self.home is not None and (self.dtype != dtype or self.device != device):
+            with self.loaded() as local:
+                values = local.to(device=device, dtype=dtype)
+            self.local = torch.empty(0, dtype=dtype, device=device)
+            self.home.store(self, values)
+        elif self.local is not None:
             self.local = self.local.to(device=device, dtype=dtype)
         p = self.param
         if p.dtype != dtype or p.device != device:
@@ -166,6 +233,8 @@ class GatherOp:
             s._expect(ShardState.SHARDED, action="start a gather")
             assert s.local is not None
         self.shards = list(shards)
+        for home, group in _by_home(self.shards).items():
+            home.load(group)  # offloaded shards: read them in (prefetched reads are waited for)
         first = self.shards[0]
         self.world = first.world
         self.cols = []
@@ -176,6 +245,7 @@ class GatherOp:
         self.width = col
         send = torch.cat([s.local for s in self.shards]) if len(self.shards) > 1 else first.local
         self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
+        self.send: torch.Tensor | None = send  # kept alive while the collective runs
         self.handle = comm.all_gather(self.out, send, group=first.group, async_op=async_op)
         for s in self.shards:
             s.state = ShardState.GATHERING
@@ -190,16 +260,29 @@ class GatherOp:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+        self.send = None
+        for s in self.shards:
+            if s.home is not None and s.resident:
+                s.home.evict(s)  # the shard was read for this gather only
         if self.out is None:
             return
         out2d = self.out.view(self.world, self.width)
         for s, col in zip(self.shards, self.cols):
             if s.pending is not self:
                 continue
-            full = torch.empty(s.numel, dtype=s.dtype, device=s.device)
-            gather_from(out2d, col, s.shard, full)
+            full = s.full_buffer()
+            with torch.autograd._unsafe_preserve_version_counter(full):
+                gather_from(out2d, col, s.shard, full)
             s.set_full(full)
         self.out = None
+
+
+def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
+    out: dict[ShardHome, list[ParamShard]] = {}
+    for s in shards:
+        if s.home is not None and not s.resident:
+            out.setdefault(s.home, []).append(s)
+    return out
 
 
 def start_gather(shards: Iterable[ParamShard], async_op: bool) -> list[GatherOp]:

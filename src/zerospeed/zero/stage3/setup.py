@@ -3,8 +3,9 @@
 Steps: cast parameters and buffers to the compute dtype on the device (already-partitioned ones, built
 under ``zero.Init``, are cast shard by shard); make every rank start from rank 0's values (broadcast of
 whole parameters and buffers; ``zero.Init`` already broadcast what it cut); cut every parameter larger
-than ``stage3_param_persistence_threshold``; group each module's directly-owned partitioned parameters
-into a unit; install the module hooks.
+than ``stage3_param_persistence_threshold``; under parameter offload, hand each cut shard to its
+home (host memory or a swap file; at world size 1 too, where a "shard" is the whole parameter); group
+each module's directly-owned partitioned parameters into a unit; install the module hooks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
-from .param_store import ParamShard, ShardState, partition, shard_of
+from .param_store import ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
 _EXTERNAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -46,7 +47,7 @@ def _params(module: nn.Module) -> list[nn.Parameter]:
 
 @torch.no_grad()
 def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
-             threshold: int) -> list[ParamShard]:
+             threshold: int, home: ShardHome | None) -> list[ParamShard]:
     world = comm.get_world_size(group)
     shards = []
     for p in _params(module):
@@ -57,7 +58,9 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
             comm.broadcast(p.data, src=0, group=group)
-            state = partition(p, group, persistent=world == 1 or p.numel() <= threshold)
+            state = partition(p, group, persistent=(world == 1 and home is None) or p.numel() <= threshold)
+            if home is not None and not state.persistent:
+                home.adopt(state)
         shards.append(state)
     for b in module.buffers():
         b.data = b.data.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
@@ -69,7 +72,7 @@ class Stage3Runtime:
     """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
 
     def __init__(self, module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
-                 dp_group: comm.Group | None) -> None:
+                 dp_group: comm.Group | None, param_home: ShardHome | None = None) -> None:
         for key in ("stage3_max_reuse_distance", "stage3_model_persistence_threshold"):
             if key in zcfg.model_fields_set:
                 warnings.warn(f"zero_optimization.{key} is accepted but has no effect in zerospeed: a module's "
@@ -79,7 +82,9 @@ class Stage3Runtime:
         self.compute_dtype = compute_dtype
         self.device = device
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
-        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg.stage3_param_persistence_threshold)
+        self.param_home = param_home
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg.stage3_param_persistence_threshold,
+                               param_home)
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():
@@ -92,7 +97,8 @@ class Stage3Runtime:
                 unit_of[id(m)] = unit
                 _UNITS[m] = unit
         self.units = units
-        self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters)
+        self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
+                               param_home)
         self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
         self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
 
@@ -123,8 +129,8 @@ class Stage3Runtime:
 
 
 def setup_stage3(module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
-                 dp_group: comm.Group | None) -> Stage3Runtime:
-    return Stage3Runtime(module, zcfg, compute_dtype, device, dp_group)
+                 dp_group: comm.Group | None, param_home: ShardHome | None = None) -> Stage3Runtime:
+    return Stage3Runtime(module, zcfg, compute_dtype, device, dp_group, param_home)
 
 
 __all__ = ["Stage3Runtime", "register_external_parameter", "setup_stage3"]
