@@ -11,8 +11,10 @@ holds the shards built so far plus the one submodule being built whole: peak par
 Parameters no larger than ``stage3_param_persistence_threshold`` stay whole (``initialize`` broadcasts
 them). With ``zero_optimization.offload_param`` in the config (or ``remote_device`` "cpu"/"nvme" matching
 it), each shard goes to its home (host memory or a swap file) as soon as it is cut, at world size 1
-too: the model is then never whole in memory, only its largest submodule at a time. Changing a cut parameter later (custom initialisation) needs ``GatheredParameters(p,
-modifier_rank=0)``; written directly, it would write into an empty placeholder.
+too: the model is then never whole in memory, only its largest submodule at a time. A parent that
+re-initialises an already-cut child's weights (``self.apply(self._init_weights)``, ``nn.init.*``,
+``p.data.normal_()``, ``p.data = t``) gets exactly what it would without ``Init``: inside the block such
+calls run on the gathered value and the result is cut again (``init_writes``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.nn.modules.module import (
 from ... import comm
 from ...config import load_config
 from ...config.errors import NotSupportedYetError
+from .init_writes import CutParameterWrites
 from .param_store import partition, shard_of
 
 
@@ -60,6 +63,7 @@ class Init:
         self.home = self._home(cfg, remote_device)
         self._owners: dict[int, nn.Module] = {}
         self._handles: list[Any] = []
+        self._writes = CutParameterWrites()
         self._whole_bytes: dict[int, int] = {}
         self.shard_bytes = 0
         self.peak_param_bytes = 0
@@ -110,6 +114,7 @@ class Init:
             state = partition(p, self.group, persistent=False)
             if self.home is not None:
                 self.home.adopt(state)
+            self._writes.remember(state)
             self._whole_bytes.pop(id(p), None)
             self.shard_bytes += state.local_bytes()
 
@@ -118,6 +123,7 @@ class Init:
         if self.enabled:
             self._handles = [register_module_module_registration_hook(self._on_module),
                              register_module_parameter_registration_hook(self._on_param)]
+            self._writes.__enter__()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -127,6 +133,7 @@ class Init:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._writes.__exit__(exc_type, exc, tb)
         if exc_type is None:
             roots = list(self._owners.values())
             for m in roots:

@@ -172,6 +172,11 @@ class ParamShard:
         buf.untyped_storage().resize_(self.numel * buf.element_size())
         return buf
 
+    def drop_buffer(self) -> None:
+        """Give back the memory of the last gathered value (only while SHARDED: nothing can read it)."""
+        if self.state is ShardState.SHARDED and self._full is not None:
+            self._full.untyped_storage().resize_(0)
+
     def _free(self) -> None:
         if self._full is not None and self.param.data.untyped_storage() is not None and \
                 self.param.data.data_ptr() == self._full.data_ptr():
