@@ -56,3 +56,25 @@ def test_model_state_bytes_and_volume(world: int, precision: str, bytes_per_para
         assert r["memory"]["params"] == 2 * psi // world
         for v in r["volumes"]:
             assert 3 * 2 * psi <= v <= 1.05 * 3 * 2 * psi, (v, 6 * psi)
+
+
+def _fp32_stage3_state() -> tuple[int, int]:
+    import zerospeed
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 64)).pow(2).mean())
+        engine.step()
+    return engine.memory_breakdown()["model_states"], sum(s.numel for s in engine.zero3.shards)
+
+
+def test_fp32_stage3_holds_16_psi_over_n() -> None:
+    """fp32: the parameter shard is the master slot (no second copy): 4 + 8 (Adam) + 4 (grad) bytes / N."""
+    for world in (2, 4):
+        for measured, psi in run_distributed(_fp32_stage3_state, world):
+            assert 16 * psi / world <= measured <= 1.05 * 16 * psi / world, (measured, psi, world)

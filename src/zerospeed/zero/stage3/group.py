@@ -43,6 +43,20 @@ class Stage3Group(ShardedGroup):
                          device=self.shards[0].device if self.shards else None)
         for i, s in enumerate(self.shards):
             s.on_modified.append(lambda i=i: self._refresh_master(i))
+        self._alias_fp32_shards()
+
+    def _alias_fp32_shards(self) -> None:
+        """fp32 compute: a cut parameter's local shard becomes its master slot (one tensor, not two).
+
+        Stage 3 then holds 16 bytes per parameter / N in fp32 (shard-master 4 + Adam 8 + gradient 4),
+        as DeepSpeed does; the write-back after the step has nothing left to copy for these shards.
+        """
+        if self.master is None:
+            return
+        for i, s in enumerate(self.shards):
+            if s.local is not None and s.home is None and s.local.dtype == torch.float32 \
+                    and s.local.device == self.master.device:
+                s.local = self.master[slice(*self.slot_range(i))]
 
     def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
         return [s.numel for s in _shards(params)]
@@ -82,8 +96,11 @@ class Stage3Group(ShardedGroup):
             return
         whole = [i for i, s in enumerate(self.shards) if s.local is None]
         for i, s in enumerate(self.shards):
+            slot = self.master[slice(*self.slot_range(i))]
+            if s.local is not None and s.local.data_ptr() == slot.data_ptr():
+                continue  # aliased fp32 shard: the optimizer already updated it in place
             if s.local is not None:  # cut (one partition too under offload): local copy or write to its home
-                s.write_local(self.master[slice(*self.slot_range(i))])
+                s.write_local(slot)
         if whole and self.num_partitions == 1:
             for i in whole:
                 self.params[i].copy_(self.slot_view(self.master, i))

@@ -119,8 +119,11 @@ class Stage3Runtime:
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
-        """Bytes of parameters this rank keeps between uses (shards, and whole persistent parameters)."""
-        return sum(s.local_bytes() for s in self.shards)
+        """Bytes of parameters this rank keeps between uses (shards, and whole persistent parameters).
+
+        An fp32 shard that is a view of its optimizer master slot costs nothing extra (counted as master).
+        """
+        return sum(0 if s.local is not None and s.local._base is not None else s.local_bytes() for s in self.shards)
 
     def remove_hooks(self) -> None:
         for h in self.handles:
