@@ -125,6 +125,90 @@ def _sync_module(module: nn.Module, group: comm.Group | None) -> None:
         comm.broadcast(t.data, src=src, group=group)
 
 
+def _join(dist_init_required: bool | None, distributed_port: int | None, cfg_timeout: float | None) -> None:
+    """Join the process group as DeepSpeed does: create it unless the caller said it exists."""
+    if comm.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError("initialize(dist_init_required=False) but no process group exists: call "
+                           "zerospeed.init_distributed() first, or leave dist_init_required unset")
+    if distributed_port is not None:
+        import os
+
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    comm.init_distributed(timeout=cfg_timeout)
+
+
+def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, device: torch.device,
+                 dp_group: comm.Group | None, dp_rank: int) -> Any:
+    """Cast and place the module and give every rank rank 0's values; under stage 3 also cut it."""
+    offload_param = cfg.zero_optimization.offload_param
+    if offload_param.enabled and cfg.zero_stage != 3:
+        raise ConfigError("zero_optimization.offload_param", f"parameter offload needs ZeRO stage 3 (parameters "
+                          f"partitioned), got stage {cfg.zero_stage}; set zero_optimization.stage to 3 or remove "
+                          "offload_param")
+    if cfg.zero_stage != 3:
+        model.to(device=device, dtype=compute)
+        _sync_module(model, dp_group)
+        return None
+    from ..zero.stage3 import setup_stage3  # parameters partitioned too: cut them, install module hooks
+
+    home = _param_home(cfg, model, compute, dp_rank) if offload_param.enabled else None
+    return setup_stage3(model, cfg.zero_optimization, compute, device, dp_group, home)
+
+
+def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
+                  dp_size: int, dp_rank: int) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+    """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
+    bucket = cfg.zero_optimization.reduce_bucket_size
+    partitions = 1 if cfg.zero_stage == 0 else dp_size
+    groups: list[ShardedGroup | None] = []
+    options: list[dict[str, Any]] = []
+    for g in raw_groups:
+        trainable = [p for p in g["params"] if p.requires_grad]
+        options.append({k: v for k, v in g.items() if k != "params"})
+        if not trainable:
+            groups.append(None)
+        elif stage3 is not None:
+            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket))
+        else:
+            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute))
+    live = [g for g in groups if g is not None]
+    offload = cfg.zero_optimization.offload_optimizer
+    if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
+        if cfg.zero_stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer", "offload needs ZeRO stage 1, 2 or 3")
+        from ..offload import move_master_to_host
+
+        for g in live:
+            move_master_to_host(g, offload.pin_memory)
+    return groups, options
+
+
+def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
+                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int) -> ZeroOptimizer:
+    if not live:
+        raise ValueError("the model has no trainable parameters (every requires_grad is False)")
+    _check_zero_optimizer(cfg, base)
+    zcfg = cfg.zero_optimization
+    overlap = True if cfg.zero_stage == 0 or zcfg.overlap_comm is None else zcfg.overlap_comm
+    settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
+                              reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
+                              prescale_gradients=cfg.prescale_gradients,
+                              gradient_predivide_factor=cfg.gradient_predivide_factor)
+    reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
+    scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
+    zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
+                             zcfg.allgather_bucket_size)
+    zero_opt.allgather_partitions = zcfg.allgather_partitions
+    if zcfg.offload_optimizer.enabled:
+        from ..offload import OffloadStepper
+
+        zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
+                                          dp_rank)
+    return zero_opt
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
@@ -139,74 +223,25 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise TypeError(f"initialize() got unexpected arguments: {sorted(kwargs)}")
     if optimizer is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
-    comm.init_distributed()
+    raw_config = _config_from(args, config, config_params)
+    early = load_config(raw_config)  # validated before any process group exists; batch sizes checked below
+    _join(dist_init_required, distributed_port, early.comms_timeout_s)
     dp_group = comm.world_group()
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
-    cfg = load_config(_config_from(args, config, config_params), dp_size)
+    cfg = load_config(early, dp_size)
     if cfg.comms_timeout_s is not None:
         comm.set_timeout(cfg.comms_timeout_s, dp_group)
     batch = cfg.batch(dp_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
-    stage3 = None
-    if cfg.zero_optimization.offload_param.enabled and cfg.zero_stage != 3:
-        raise ConfigError("zero_optimization.offload_param", f"parameter offload needs ZeRO stage 3 (parameters "
-                          f"partitioned), got stage {cfg.zero_stage}; set zero_optimization.stage to 3 or remove "
-                          "offload_param")
-    if cfg.zero_stage == 3:  # parameters partitioned too: cast, sync and cut them, install module hooks
-        from ..zero.stage3 import setup_stage3
-
-        home = _param_home(cfg, model, policy.compute, dp_rank) if cfg.zero_optimization.offload_param.enabled else None
-        stage3 = setup_stage3(model, cfg.zero_optimization, policy.compute, device, dp_group, home)
-    else:
-        model.to(device=device, dtype=policy.compute)
-        _sync_module(model, dp_group)
-
+    stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank)
     raw_groups = _param_groups(model, model_parameters, optimizer)
     _check_ownership(model, raw_groups)
-    zcfg = cfg.zero_optimization
-    partitions = 1 if cfg.zero_stage == 0 else dp_size
-    groups: list[ShardedGroup | None] = []
-    options: list[dict[str, Any]] = []
-    for g in raw_groups:
-        trainable = [p for p in g["params"] if p.requires_grad]
-        options.append({k: v for k, v in g.items() if k != "params"})
-        if not trainable:
-            groups.append(None)
-        elif stage3 is not None:
-            groups.append(stage3.make_group(trainable, options[-1], dp_rank, zcfg.reduce_bucket_size))
-        else:
-            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, zcfg.reduce_bucket_size,
-                                       policy.compute))
+    groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank)
     live = [g for g in groups if g is not None]
-    offload = zcfg.offload_optimizer
-    if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
-        if cfg.zero_stage == 0:
-            raise ConfigError("zero_optimization.offload_optimizer", "offload needs ZeRO stage 1, 2 or 3")
-        from ..offload import move_master_to_host
-
-        for g in live:
-            move_master_to_host(g, offload.pin_memory)
     base = _build_base_optimizer(cfg, optimizer, groups, options)
-    zero_opt: ZeroOptimizer | None = None
-    if base is not None:
-        if not live:
-            raise ValueError("the model has no trainable parameters (every requires_grad is False)")
-        _check_zero_optimizer(cfg, base)
-        overlap = True if cfg.zero_stage == 0 or zcfg.overlap_comm is None else zcfg.overlap_comm
-        settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
-                                  reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
-                                  prescale_gradients=cfg.prescale_gradients,
-                                  gradient_predivide_factor=cfg.gradient_predivide_factor)
-        reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
-        scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
-        zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
-                                 zcfg.allgather_bucket_size)
-        zero_opt.allgather_partitions = zcfg.allgather_partitions
-        if offload.enabled:
-            from ..offload import OffloadStepper
-
-            zero_opt.stepper = OffloadStepper(live, base, offload, cfg.aio, zcfg.sub_group_size, dp_group, dp_rank)
+    zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
+                                                               dp_rank)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops)
