@@ -235,3 +235,18 @@ def test_bad_arguments() -> None:
         get_model_profile(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="recompute_fwd_factor"):
         FlopsProfiler(nn.Linear(2, 2), recompute_fwd_factor=-1)
+
+
+def test_get_model_profile_restores_training_mode() -> None:
+    import torch
+    from torch import nn
+
+    from zerospeed.profiling.flops_profiler import get_model_profile
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    model.train()
+    get_model_profile(model, input_shape=(2, 4), print_profile=False)
+    assert model.training and model[1].training
+    model.eval()
+    get_model_profile(model, args=[torch.zeros(2, 4)], print_profile=False)
+    assert not model.training

@@ -173,15 +173,15 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
             groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket))
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute))
-    live = [g for g in groups if g is not None]
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         if cfg.zero_stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer", "offload needs ZeRO stage 1, 2 or 3")
         from ..offload import move_master_to_host
 
-        for g in live:
-            move_master_to_host(g, offload.pin_memory)
+        for group in groups:
+            if group is not None:
+                move_master_to_host(group, offload.pin_memory)
     return groups, options
 
 

@@ -238,14 +238,18 @@ def get_model_profile(
         raise ValueError(f"mode must be 'forward' or 'generate', got {mode!r}")
     run = model.generate if mode == "generate" else model  # type: ignore[operator]
 
+    was_training = model.training
     model.eval()
     prof = FlopsProfiler(model)
-    with torch.no_grad():
-        for _ in range(warm_up):
+    try:
+        with torch.no_grad():
+            for _ in range(warm_up):
+                run(*call_args, **kwargs)
+            prof.start_profile(ignore_list=ignore_modules)
             run(*call_args, **kwargs)
-        prof.start_profile(ignore_list=ignore_modules)
-        run(*call_args, **kwargs)
-    prof.stop_profile()
+        prof.stop_profile()
+    finally:
+        model.train(was_training)  # profiling must not leave a training model in eval mode
     flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
     if print_profile:
         prof.print_model_profile(warm_up, module_depth, top_modules, detailed, output_file)

@@ -78,21 +78,21 @@ class CutParameterWrites(TorchFunctionMode):
             return func(*args, **kwargs)
         shards = list({id(s): s for _, s in found}.values())
         original: dict[int | str, Any] = {**dict(enumerate(args)), **kwargs}
-        args = list(args)
+        call_args = list(args)
         with GatheredParameters([s.param for s in shards]):
             for where, s in found:  # point the call at the full value
                 if isinstance(where, int):
-                    args[where] = s.param if args[where] is s.param else s.param.data
+                    call_args[where] = s.param if call_args[where] is s.param else s.param.data
                 else:
                     kwargs[where] = s.param if kwargs[where] is s.param else s.param.data
-            result = func(*args, **kwargs)
+            result = func(*call_args, **kwargs)
             writes = getattr(func, "__name__", "").endswith("_") or prop == "data" or \
                 getattr(func, "__name__", "") in ("__setitem__", "__set__")
             if writes:
                 for s in shards:
                     s.refresh_local()
             full = {_storage_key(s.param) for s in shards}
-            passed = {**dict(enumerate(args)), **kwargs}
+            passed = {**dict(enumerate(call_args)), **kwargs}
             returned = next((k for k, v in passed.items() if v is result), None) if isinstance(result, torch.Tensor) else None
             if isinstance(result, torch.Tensor) and returned is None and _storage_key(result) in full:
                 raise RuntimeError(
