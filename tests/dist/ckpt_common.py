@@ -11,9 +11,7 @@ from zerospeed.testing import run_distributed
 
 from .parity import make_model, micro_batch, param_groups
 
-# Warm the parent before the harness forks: the first torch optimizer imports torch._dynamo (~5 s per rank).
-torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-import zerospeed.runtime.checkpoint  # noqa: E402,F401
+import zerospeed.runtime.checkpoint  # noqa: E402,F401  (imported before the harness forks)
 
 MB = 2
 GLOBAL_MICRO = 4  # micro-batches per step over all ranks: gas = GLOBAL_MICRO // world keeps the global batch fixed
