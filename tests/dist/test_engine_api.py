@@ -106,3 +106,89 @@ def test_bad_input_is_a_clear_error(case: str, pattern: str) -> None:
 def test_unknown_initialize_argument() -> None:
     with pytest.raises(TypeError, match="unexpected"):
         zerospeed.initialize(model=nn.Linear(1, 1), config={"train_batch_size": 1}, bogus=1)
+
+
+def _no_sync_run(stage: int) -> list[float]:
+    from .parity import make_model, micro_batch, param_groups
+
+    from zerospeed import comm
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    model = make_model()
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}})
+    for step in range(3):
+        with engine.no_sync():
+            x, y = micro_batch(step, 0, rank, world, 2, 2)
+            engine.backward(engine(x, y))
+        x, y = micro_batch(step, 1, rank, world, 2, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+    return [v.detach().clone() for v in model.state_dict().values()]
+
+
+def _no_sync_reference(world: int) -> list:
+    from .parity import global_batch, make_model, param_groups
+
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.0)
+    for step in range(3):
+        x, y = global_batch(step, 2 * 2 * world)
+        half = 2 * world  # micro 0 of every rank, then micro 1 (parity.micro_batch's layout)
+        loss = model(x[:half], y[:half]) + model(x[half:], y[half:])  # each micro-batch counts whole: GAS 1
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.5)
+        opt.step()
+    return list(model.state_dict().values())
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_defers_the_reduction(stage: int) -> None:
+    ref = _no_sync_reference(2)
+    for state in run_distributed(_no_sync_run, 2, stage):
+        for got, want in zip(state, ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _no_sync_misuse() -> list[str]:
+    model = nn.Linear(2, 2)
+    out = []
+    for stage in (0, 2):
+        engine, *_ = zerospeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                               "optimizer": {"type": "Adam"},
+                                                               "zero_optimization": {"stage": stage}})
+        try:
+            with engine.no_sync():
+                engine.backward(engine(torch.ones(1, 2)).sum())
+                engine.step()
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_no_sync_misuse_is_a_clear_error() -> None:
+    for msgs in run_distributed(_no_sync_misuse, 2):
+        assert "inside no_sync() would apply gradients that were never reduced" in msgs[0]
+        assert "incompatible with ZeRO stage 2" in msgs[1]
+
+
+def _explicit_boundary() -> tuple[int, int]:
+    model = nn.Linear(2, 1)
+    engine, *_ = zerospeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "gradient_accumulation_steps": 4,
+                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for boundary in (False, True, False, True):
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(engine(torch.ones(1, 2)).sum())
+        engine.step()
+    return engine.global_steps, engine.micro_steps
+
+
+def test_explicit_accumulation_boundary() -> None:
+    for steps, micro in run_distributed(_explicit_boundary, 2):
+        assert (steps, micro) == (2, 4)

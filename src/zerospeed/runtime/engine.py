@@ -6,6 +6,8 @@ on which stage, precision or feature is on was decided in ``build.py`` and hande
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,6 +40,8 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._step_applied = False
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
         self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
         self.last_step_comm_volume = 0
         self.last_checkpoint_stats: Any = None
@@ -65,7 +69,38 @@ class Engine(nn.Module):
         return self.config.gradient_clipping
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """True on the micro-step that ends an accumulation (or as set by ``set_gradient_accumulation_boundary``)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let the caller decide where accumulation ends (DeepSpeed's hook for frameworks that count
+        micro-steps themselves); ``None`` returns to counting ``gradient_accumulation_steps``."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communicating (stages 0 and 1).
+
+        The next backward outside the block, on an accumulation boundary, reduces everything accumulated.
+        Stages 2 and 3 keep no full-size gradient, so they cannot defer the reduction (as in DeepSpeed).
+        """
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: gradients "
+                               "are partitioned as they are produced. Use gradient_accumulation_steps instead.")
+        if self._inside_no_sync:
+            raise RuntimeError("no_sync() cannot be nested")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated so far (the optimizer step does this by itself)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
 
     # --- forward / backward / step ----------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -88,7 +123,7 @@ class Engine(nn.Module):
             scaled = scaled * scale
         self.observer.backward_start(float(loss.detach()))
         reducer = self.optimizer.reducer
-        reducer.begin_micro_step(self.is_gradient_accumulation_boundary())
+        reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         scaled.backward(retain_graph=retain_graph)
         reducer.end_micro_step()
         self.observer.backward_end()
@@ -99,6 +134,9 @@ class Engine(nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: set 'optimizer' in the config or pass one")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._inside_no_sync:
+            raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
+                               "were never reduced: leave the no_sync() block for the last backward before step()")
         self.observer.step_start()
         if boundary:
             applied = self.optimizer.step()
