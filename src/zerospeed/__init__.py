@@ -14,7 +14,7 @@ _LAZY = {
     "initialize": ("zerospeed.runtime", "initialize"),
     "Engine": ("zerospeed.runtime", "Engine"),
     "DeepSpeedEngine": ("zerospeed.runtime", "Engine"),
-    "init_distributed": ("zerospeed.comm", "init_distributed"),
+    "init_distributed": ("zerospeed.runtime.distributed", "init_distributed"),
     "ConfigError": ("zerospeed.config", "ConfigError"),
     "NotSupportedYetError": ("zerospeed.config", "NotSupportedYetError"),
     "zero": ("zerospeed.zero", None),
