@@ -5,7 +5,10 @@ on the accelerator (here: in memory, no offload), on the host (``cpu``) and in s
 Reported per setting: median seconds per optimizer step (wall and CPU), for nvme how long the step waited
 on reads and on writes (the pipeline hides the rest), bytes of state on disk, and peak RSS of the rank.
 
-    python benchmarks/bench_offload_step.py [--params 100_000_000] [--dir /work] [--sub_group 10_000_000]
+    python benchmarks/bench_offload_step.py [--params 100_000_000] [--dir /work] [--sub_group 10_000_000] [--bf16]
+
+In fp32 on one rank the fp32 master *is* the model; ``--bf16`` gives the rank a separate fp32 master
+partition (4 bytes per parameter), which ``nvme`` keeps in its swap files rather than in memory.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from torch import nn
 from zerospeed.testing import run_distributed
 
 
-def _run(offload: dict[str, Any], width: int, layers: int, sub_group: int, steps: int) -> dict[str, Any]:
+def _run(offload: dict[str, Any], width: int, layers: int, sub_group: int, steps: int,
+         bf16: bool = False) -> dict[str, Any]:
     import zerospeed
 
     torch.set_num_threads(2)
@@ -33,9 +37,9 @@ def _run(offload: dict[str, Any], width: int, layers: int, sub_group: int, steps
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 1, "sub_group_size": sub_group, "offload_optimizer": offload},
-           "aio": {"block_size": 4 << 20, "intra_op_parallelism": 2}}
+           "aio": {"block_size": 4 << 20, "intra_op_parallelism": 2}, "bf16": {"enabled": bf16}}
     engine, opt, _, _ = zerospeed.initialize(model=model, config=cfg)
-    x = torch.randn(1, width)
+    x = torch.randn(1, width, dtype=torch.bfloat16 if bf16 else torch.float32)
     walls, cpus, stats = [], [], []
     for _ in range(steps + 1):
         loss = engine(x).square().mean()
@@ -69,12 +73,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", default="/work")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", choices=["none", "cpu", "nvme"], help="run one setting only")
+    ap.add_argument("--bf16", action="store_true", help="bf16 compute (a separate fp32 master partition)")
     args = ap.parse_args()
     width = int((args.params / args.layers) ** 0.5)
     with tempfile.TemporaryDirectory(dir=args.dir) as nvme:
         rows = []
         for off in ({"device": "none"}, {"device": "cpu"}, {"device": "nvme", "nvme_path": nvme}):
-            rows.append(run_distributed(_run, 1, off, width, args.layers, args.sub_group, args.steps, timeout=1800)[0])
+            if args.only and off["device"] != args.only:
+                continue
+            rows.append(run_distributed(_run, 1, off, width, args.layers, args.sub_group, args.steps, args.bf16,
+                                        timeout=1800)[0])
     for r in rows:
         if args.json:
             print(json.dumps(r))

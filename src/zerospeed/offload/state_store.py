@@ -4,7 +4,8 @@ Both stores keep the torch optimizer's ``state`` addressable per master paramete
 (``step``, ``exp_avg``, ``exp_avg_sq`` / ``sum``), so checkpoints save and load offloaded state like any
 other. ``HostStore`` installs views of flat per-group buffers in ``optimizer.state`` and re-adopts whatever
 a checkpoint load put there. ``SwappedState`` *is* ``optimizer.state`` under nvme: reading a parameter's
-entry reads its elements from the swap files, assigning one writes them.
+entry reads its elements from the swap files, assigning one writes them. A group's files may hold one more
+region after the optimizer's keys, its fp32 master (``master_home.py``); ``layout_keys`` names them all.
 """
 
 from __future__ import annotations
@@ -80,27 +81,35 @@ class SwappedState(MutableMapping[nn.Parameter, dict[str, Any]]):
     """``optimizer.state`` under nvme offload: per-parameter entries read from / written to swap files."""
 
     def __init__(self, groups: list[ShardedGroup], subgroups: list[list[SubGroup]], kernel: FlatKernel,
-                 swapper: AsyncSwapper, steps: list[torch.Tensor], param_groups: list[dict[str, Any]]) -> None:
+                 swapper: AsyncSwapper, steps: list[torch.Tensor], param_groups: list[dict[str, Any]],
+                 layout_keys: list[tuple[str, ...]] | None = None) -> None:
         self.groups, self.subgroups, self.kernel, self.swapper = groups, subgroups, kernel, swapper
         self.steps, self.param_groups = steps, param_groups
+        self.layout_keys = layout_keys or [kernel.state_keys for _ in groups]
         self.where = {mp: (gi, i) for gi, g in enumerate(groups) for i, mp in enumerate(g.master_params)}
 
     # --- files ---------------------------------------------------------------------------------------
+    def layout(self, sg: SubGroup) -> tuple[int, dict[str, int]]:
+        return state_layout(sg, self.layout_keys[sg.gi])
+
     def fresh(self, sg: SubGroup, buf: torch.Tensor) -> None:
-        """Fill a sub-group buffer with the initial state (before its first step)."""
-        buf[: state_layout(sg, self.kernel.state_keys)[0]].view(torch.float32).fill_(0.0)
+        """Fill a sub-group buffer with the initial state (before its first step; a master region gets 0)."""
+        buf[: self.layout(sg)[0]].view(torch.float32).fill_(0.0)
         for k, views in state_views(buf, sg, self.kernel.state_keys).items():
             value = self.kernel.initial(k, self.param_groups[sg.gi])
             for v in views:
                 v.fill_(value)
 
-    def ensure(self, sg: SubGroup) -> None:
-        """Create the sub-group's file holding the initial state, if it was never written."""
+    def ensure(self, sg: SubGroup, master: torch.Tensor | None = None) -> None:
+        """Create the sub-group's file holding the initial state (and ``master``, the values of its master
+        region, when given), if it was never written."""
         if sg.name in self.swapper.sizes:
             return
-        nbytes, _ = state_layout(sg, self.kernel.state_keys)
+        nbytes, offsets = self.layout(sg)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.fresh(sg, buf)
+        if master is not None:
+            buf[offsets["master"]:offsets["master"] + sg.numel * 4].view(torch.float32).copy_(master)
         self.swapper.write(sg.name, buf).wait()
 
     def _spans(self, gi: int, i: int) -> Iterator[tuple[SubGroup, int, int, int]]:
@@ -124,7 +133,7 @@ class SwappedState(MutableMapping[nn.Parameter, dict[str, Any]]):
             out.fill_(self.kernel.initial(k, self.param_groups[gi]))
             for sg, off, a, b in self._spans(gi, i):
                 if sg.name in self.swapper.sizes:
-                    _, offsets = state_layout(sg, self.kernel.state_keys)
+                    _, offsets = self.layout(sg)
                     self.swapper.read_range(sg.name, offsets[k] + off, out[a:b])
             st[k] = out.view(mp.shape)
         return st
@@ -140,7 +149,7 @@ class SwappedState(MutableMapping[nn.Parameter, dict[str, Any]]):
                     torch.full((mp.numel(),), self.kernel.initial(k, self.param_groups[gi])))
             for sg, off, a, b in self._spans(gi, i):
                 self.ensure(sg)
-                _, offsets = state_layout(sg, self.kernel.state_keys)
+                _, offsets = self.layout(sg)
                 self.swapper.write_range(sg.name, offsets[k] + off, flat[a:b])
 
     def __delitem__(self, mp: nn.Parameter) -> None:

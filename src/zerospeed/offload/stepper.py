@@ -4,7 +4,10 @@
 CPU kernel (optimizers without one, e.g. Lamb or SGD, run their own ``step()`` on the host tensors).
 ``nvme``: the state of each sub-group lives in a swap file and is streamed through ``buffer_count``
 aligned host buffers: while sub-group ``j`` is updated, ``j+1 .. j+buffer_count-2`` are being read and
-``j-1`` written. The fp32 master stays in host memory (DeepSpeed also swaps it; zerospeed does not yet).
+``j-1`` written. The fp32 master travels with it: each sub-group's file holds its master range too
+(``master_home.py``), the update runs on the swap buffer, and the group's ``master`` tensor stays parked
+(no storage) between and during steps; the write-back after the step reads the updated master back range
+by range (one all-gather run at a time). A group whose master *is* the model (one rank, fp32) keeps it.
 
 Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). On CUDA they are copied to host
 sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
@@ -26,6 +29,7 @@ from ..config import ConfigError
 from ..config.offload import AioConfig, OffloadOptimizerConfig
 from ..zero import ShardedGroup
 from .cpu_adam import kernel_for
+from .master_home import MASTER, SwappedMaster
 from .preflight import check_nvme_path
 from .state_store import HostStore, SwappedState, state_layout, state_views
 from .subgroups import SubGroup, plan_subgroups
@@ -101,15 +105,22 @@ class OffloadStepper:
         if self.kernel is None:
             raise ConfigError(KEY, f"device 'nvme' streams the state of Adam, AdamW and Adagrad; "
                                    f"{type(self.optimizer).__name__} has no flat kernel: use device 'cpu'")
-        keys = self.kernel.state_keys
+        # A group with its own fp32 master swaps it too (one more region per file); an aliased one cannot.
+        self.keys = [self.kernel.state_keys + (() if g.alias else (MASTER,)) for g in self.groups]
         jobs = [sg for sgs in self.subgroups for sg in sgs]
-        need = sum(state_layout(sg, keys)[0] for sg in jobs)
+        need = sum(state_layout(sg, self.keys[sg.gi])[0] for sg in jobs)
         root = check_nvme_path(self.cfg.nvme_path, need, f"{KEY}.nvme_path")
         self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism, prefix=f"zerospeed_rank{rank}_")
-        biggest = max((state_layout(sg, keys)[0] for sg in jobs), default=4096)
+        biggest = max((state_layout(sg, self.keys[sg.gi])[0] for sg in jobs), default=4096)
         self.buffers = [aligned_empty(biggest, pin=self.cfg.pin_memory) for _ in range(self.cfg.buffer_count)]
         self.swapped = SwappedState(self.groups, self.subgroups, self.kernel, self.swapper, self.steps,
-                                    self.optimizer.param_groups)
+                                    self.optimizer.param_groups, self.keys)
+        for gi, g in enumerate(self.groups):
+            if g.alias or g.master_home is not None:
+                continue
+            for sg in self.subgroups[gi]:  # the files start with the initial state and the current master
+                self.swapped.ensure(sg, g.master_range(sg.lo, sg.hi).detach().cpu())
+            g.park_master(SwappedMaster(self.subgroups[gi], self.keys[gi], self.swapper))
         self._install_mapping()
 
     def _install_mapping(self) -> None:
@@ -169,7 +180,7 @@ class OffloadStepper:
         self._install_mapping()
         self._begin()
         stager = _GradStager(grads, self.cfg.pin_memory)
-        keys, sw = self.kernel.state_keys, self.swapper
+        sw = self.swapper
         jobs = [sg for sgs in self.subgroups for sg in sgs]
         free = list(range(len(self.buffers)))
         reads: dict[int, tuple[int, Handle | None]] = {}
@@ -191,7 +202,7 @@ class OffloadStepper:
 
         def start_read(j: int) -> None:
             sg, b = jobs[j], acquire()
-            view = self.buffers[b][: state_layout(sg, keys)[0]]
+            view = self.buffers[b][: state_layout(sg, self.keys[sg.gi])[0]]
             if sg.name in sw.sizes:
                 reads[j] = (b, sw.read(sg.name, view))
             else:
@@ -211,8 +222,10 @@ class OffloadStepper:
                 if h is not None:
                     h.wait()
                 t1 = time.perf_counter()
-                view = self.buffers[b][: state_layout(sg, keys)[0]]
-                self.kernel.step(sg.masters, stager.take(j, sg), state_views(view, sg, keys), self.steps[sg.gi],
+                view = self.buffers[b][: state_layout(sg, self.keys[sg.gi])[0]]
+                states = state_views(view, sg, self.keys[sg.gi])
+                masters = states.pop(MASTER, sg.masters)  # the buffer's master region, or the model (aliased)
+                self.kernel.step(masters, stager.take(j, sg), states, self.steps[sg.gi],
                                  self.optimizer.param_groups[sg.gi])
                 t_read, t_compute = t_read + t1 - t0, t_compute + time.perf_counter() - t1
                 writes.append((b, sw.write(sg.name, view)))
@@ -246,5 +259,9 @@ class OffloadStepper:
         return 0 if self.swapper is None else self.swapper.disk_bytes()
 
     def close(self) -> None:
+        """Remove the swap files; a parked master is first read back into memory (the model stays usable)."""
         if self.swapper is not None:
+            if not self.broken:
+                for g in self.groups:
+                    g.unpark_master()
             self.swapper.close()

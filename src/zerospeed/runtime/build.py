@@ -181,7 +181,8 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
 
         for group in groups:
             if group is not None:
-                move_master_to_host(group, offload.pin_memory)
+                # nvme parks the master on disk (its host copy is freed): pinning it would buy nothing
+                move_master_to_host(group, offload.pin_memory and offload.device != "nvme")
     return groups, options
 
 

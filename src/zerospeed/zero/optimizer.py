@@ -136,7 +136,7 @@ class ZeroOptimizer:
             for run in grp.gather_runs(self.allgather_bucket_numel):
                 first = grp.plan.buckets[run.start]
                 last = grp.plan.buckets[run.stop - 1]
-                send = grp.master[first.partition_offset: last.partition_offset + last.shard_numel]
+                send = grp.master_range(first.partition_offset, last.partition_offset + last.shard_numel)
                 send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
                 out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
                 if self.allgather_partitions:

@@ -4,17 +4,30 @@ With ``N`` partitions the rank holds the fp32 master of its shards only (a flat 
 the plan's partition); the optimizer sees one ``nn.Parameter`` view per parameter shard, so state
 stays addressable per parameter. With one partition and fp32 compute the master *is* the model
 parameter (no copy), as in plain data parallelism.
+
+The master may also be *parked* (NVMe offload): its values then live in a ``MasterHome`` (swap files),
+the storage of ``master`` (and so of every ``master_params`` view) is released, and readers and writers
+go through :meth:`ShardedGroup.master_range` / :meth:`ShardedGroup.write_master_range`, which reach the
+home range by range instead of a resident tensor.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .layout import gather_from
 from .partition import PartitionPlan, plan_partitions
+
+
+class MasterHome(Protocol):
+    """Where a parked master's values live (``offload/master_home.py``): ranges of the flat partition."""
+
+    def read(self, lo: int, hi: int) -> torch.Tensor: ...
+
+    def write(self, lo: int, src: torch.Tensor) -> None: ...
 
 
 class ShardedGroup:
@@ -35,6 +48,7 @@ class ShardedGroup:
         self.alias = num_partitions == 1 and compute_dtype == torch.float32 and self._may_alias(params)
         self.device = params[0].device if device is None else device
         self.master: torch.Tensor | None = None
+        self.master_home: MasterHome | None = None  # set when the master is parked (values not resident)
         self.master_params: list[nn.Parameter]
         if self.alias:
             self.master_params = list(params)
@@ -68,6 +82,45 @@ class ShardedGroup:
             return flat[start:start + self.plan.slots[i].numel].view(self._full_shape(i))
         return flat[start:end]
 
+    # --- the master, resident or parked ---------------------------------------------------------
+    def master_range(self, lo: int, hi: int) -> torch.Tensor:
+        """Master elements ``[lo, hi)`` of the flat partition: a view when resident, else read from the home."""
+        assert self.master is not None
+        if self.master_home is None:
+            return self.master[lo:hi]
+        return self.master_home.read(lo, hi)
+
+    @torch.no_grad()
+    def write_master_range(self, lo: int, src: torch.Tensor) -> None:
+        """Overwrite master elements ``[lo, lo + src.numel())`` (in place, or in the home when parked)."""
+        assert self.master is not None
+        if self.master_home is None:
+            self.master[lo:lo + src.numel()].copy_(src.reshape(-1))
+        else:
+            self.master_home.write(lo, src.detach().to("cpu", torch.float32).reshape(-1).contiguous())
+
+    def park_master(self, home: MasterHome) -> None:
+        """The master's values now live in ``home``: release its storage (``master_params`` keep their
+        metadata and identity, so the optimizer and its state still address them)."""
+        assert self.master is not None
+        self._unalias_master()
+        self.master_home = home
+        self.master.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def unpark_master(self) -> None:
+        """Bring a parked master back into memory (its home is about to go away)."""
+        home = self.master_home
+        if home is None or self.master is None:
+            return
+        values = home.read(0, self.master.numel())
+        self.master.untyped_storage().resize_(self.master.numel() * 4)
+        self.master_home = None
+        self.master.copy_(values)
+
+    def _unalias_master(self) -> None:
+        """Give anything that shares the master's storage its own (stage 3's fp32 shards do)."""
+
     # --- master <-> model ------------------------------------------------------------------------
     @torch.no_grad()
     def load_master_from_params(self) -> None:
@@ -78,10 +131,10 @@ class ShardedGroup:
             slot = self.plan.slots[i]
             lo, hi = slot.owned_range(self.rank)
             start, _ = self.slot_range(i)
-            view = self.master[start:start + slot.shard]
-            view.zero_()
+            view = torch.zeros(slot.shard, dtype=torch.float32, device=self.master.device)
             if hi > lo:
                 view[: hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+            self.write_master_range(start, view)
 
     def attach_grads(self, part_grad: torch.Tensor | None) -> None:
         """Point every master parameter's ``.grad`` at its slice of the fp32 gradient partition."""
@@ -94,7 +147,8 @@ class ShardedGroup:
         if self.master is None:
             return
         for i, p in enumerate(self.params):
-            p.copy_(self.slot_view(self.master, i))
+            start, _ = self.slot_range(i)
+            p.copy_(self.master_range(start, start + p.numel()).view(p.shape))
 
     @torch.no_grad()
     def unpack_gathered(self, out: torch.Tensor, buckets: range) -> None:
@@ -124,4 +178,5 @@ class ShardedGroup:
         return runs
 
     def master_bytes(self) -> int:
-        return 0 if self.master is None else self.master.numel() * 4
+        """Bytes of fp32 master resident in memory (0 while parked)."""
+        return 0 if self.master is None else self.master.untyped_storage().nbytes()

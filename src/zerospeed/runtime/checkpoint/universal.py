@@ -67,7 +67,7 @@ class OwnedParam:
             return self.param.data.view(-1)[self.lo:self.hi]
         assert self.group.master is not None
         start, _ = self.group.slot_range(self.index)
-        return self.group.master[start:start + (self.hi - self.lo)]
+        return self.group.master_range(start, start + (self.hi - self.lo))
 
     def state_local(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1)[: self.hi - self.lo]
@@ -196,9 +196,9 @@ def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: Check
             part = full[op.lo:op.hi]
         assert op.group.master is not None
         start, _ = op.group.slot_range(op.index)
-        view = op.group.master[start:start + op.master_param.numel()]
-        view.zero_()
+        view = torch.zeros(op.master_param.numel(), dtype=torch.float32)
         view[: op.hi - op.lo].copy_(part)
+        op.group.write_master_range(start, view)
     for grp in sharded:
         grp.copy_master_to_params()
 

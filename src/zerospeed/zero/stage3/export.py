@@ -46,7 +46,7 @@ def _master_values(optimizer: Any, group: comm.Group | None, keep: bool) -> dict
             continue
         n = grp.num_partitions
         for bucket in grp.plan.buckets:
-            send = grp.master[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
+            send = grp.master_range(bucket.partition_offset, bucket.partition_offset + bucket.shard_numel)
             buf = torch.empty(n * bucket.shard_numel, dtype=torch.float32, device=send.device)
             comm.all_gather(buf, send, group=group)
             buf2d = buf.view(n, bucket.shard_numel)

@@ -67,6 +67,14 @@ class Stage3Group(ShardedGroup):
     def _may_alias(self, params: list[nn.Parameter]) -> bool:
         return all(s.home is None for s in _shards(params))  # an offloaded parameter is not addressable
 
+    def _unalias_master(self) -> None:
+        """The master is about to be parked: fp32 shards that were its slots get storage of their own."""
+        assert self.master is not None
+        base = self.master.untyped_storage().data_ptr()
+        for s in self.shards:
+            if s.local is not None and s.local.untyped_storage().data_ptr() == base:
+                s.local = s.local.clone()
+
     @torch.no_grad()
     def _refresh_master(self, i: int) -> None:
         """Parameter i's value changed (GatheredParameters with a modifier): reload its master slot."""
@@ -74,15 +82,15 @@ class Stage3Group(ShardedGroup):
             return
         s = self.shards[i]
         start, end = self.slot_range(i)
-        view = self.master[start:end]
         if s.local is not None:
             with s.loaded() as local:
-                view.copy_(local)
+                self.write_master_range(start, local)
             return
         lo, hi = self.plan.slots[i].owned_range(self.rank)
-        view.zero_()
+        view = torch.zeros(end - start, dtype=torch.float32, device=self.master.device)
         if hi > lo:
             view[: hi - lo].copy_(s.param.detach().reshape(-1)[lo:hi])
+        self.write_master_range(start, view)
 
     @torch.no_grad()
     def load_master_from_params(self) -> None:
@@ -96,20 +104,21 @@ class Stage3Group(ShardedGroup):
             return
         whole = [i for i, s in enumerate(self.shards) if s.local is None]
         for i, s in enumerate(self.shards):
-            slot = self.master[slice(*self.slot_range(i))]
+            slot = self.master_range(*self.slot_range(i))
             if s.local is not None and s.local.data_ptr() == slot.data_ptr():
                 continue  # aliased fp32 shard: the optimizer already updated it in place
             if s.local is not None:  # cut (one partition too under offload): local copy or write to its home
                 s.write_local(slot)
         if whole and self.num_partitions == 1:
             for i in whole:
-                self.params[i].copy_(self.slot_view(self.master, i))
+                start, _ = self.slot_range(i)
+                self.params[i].copy_(self.master_range(start, start + self.params[i].numel()).view(self.params[i].shape))
         elif whole:
             self._gather_whole(whole)
 
     def _gather_whole(self, idx: list[int]) -> None:
         dtype = self.shards[idx[0]].dtype
-        send = torch.cat([self.slot_view(self.master, i) for i in idx]).to(dtype)
+        send = torch.cat([self.master_range(*self.slot_range(i)) for i in idx]).to(dtype)
         out = torch.empty(send.numel() * self.num_partitions, dtype=dtype, device=send.device)
         comm.all_gather(out, send, group=self.dp_group)
         out2d = out.view(self.num_partitions, send.numel())
