@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, root: str) -> dict[str, Any]:
            "peak_rss_gib": rss_gib(), "disk_gib": disk / GiB, "du_gib": du / GiB, "steps": rows,
            "memory": {k: v / GiB for k, v in engine.memory_breakdown().items()}}
     home.close()
-    stepper.close()
+    stepper.close(restore=False)  # the fp32 master (8 GB here) would not fit back next to the gradients
     return out
 
 

@@ -258,10 +258,12 @@ class OffloadStepper:
     def disk_bytes(self) -> int:
         return 0 if self.swapper is None else self.swapper.disk_bytes()
 
-    def close(self) -> None:
-        """Remove the swap files; a parked master is first read back into memory (the model stays usable)."""
+    def close(self, restore: bool = True) -> None:
+        """Remove the swap files. With ``restore`` a parked master is first read back into memory (the model
+        stays trainable); a run that is finishing passes ``restore=False`` (a master larger than RAM would
+        not fit back)."""
         if self.swapper is not None:
-            if not self.broken:
+            if restore and not self.broken:
                 for g in self.groups:
                     g.unpark_master()
             self.swapper.close()
