@@ -90,6 +90,10 @@ def run(args: argparse.Namespace, root: str) -> dict[str, Any]:
     engine, opt, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     setup_s, setup_rss = time.perf_counter() - t0, rss_gib()
     home, stepper = engine.zero3.param_home, opt.stepper
+    from zerospeed.profiling.memory import MemoryTracker
+
+    tracker = MemoryTracker()
+    tracker.reset_peak()  # the training peak, separately from initialize()'s
     gen = torch.Generator().manual_seed(0)
     rows = []
     for step in range(args.steps):
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace, root: str) -> dict[str, Any]:
     du = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     out = {"params": sum(s.numel for s in engine.zero3.shards), "state_gib": 16 * count(cfg) / GiB,
            "build_s": built_s, "setup_s": setup_s, "rss_after_build_gib": built_rss, "rss_after_setup_gib": setup_rss,
-           "peak_rss_gib": rss_gib(), "disk_gib": disk / GiB, "du_gib": du / GiB, "steps": rows,
+           "peak_rss_gib": rss_gib(), "train_peak_rss_gib": tracker.peak_bytes() / GiB, "disk_gib": disk / GiB, "du_gib": du / GiB, "steps": rows,
            "memory": {k: v / GiB for k, v in engine.memory_breakdown().items()}}
     home.close()
     stepper.close(restore=False)  # the fp32 master (8 GB here) would not fit back next to the gradients
@@ -152,9 +156,11 @@ def main() -> None:
     wall = sorted(r["wall_s"] for r in steps)[len(steps) // 2]
     cpu = sorted(r["cpu_s"] for r in steps)[len(steps) // 2]
     losses = ", ".join(f"{r['loss']:.3f}" for r in out["steps"])
-    print("| parameters | state | peak RSS | disk | s/step wall | s/step CPU | read/step | written/step | losses |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    print(f"| {out['params'] / 1e9:.2f}B | {out['state_gib']:.1f} GiB | {out['peak_rss_gib']:.1f} GiB | "
+    print("| parameters | state | peak RSS (setup) | peak RSS (training) | disk | s/step wall | s/step CPU | read/step "
+          "| written/step | losses |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print(f"| {out['params'] / 1e9:.2f}B | {out['state_gib']:.1f} GiB | {out['rss_after_setup_gib']:.1f} GiB | "
+          f"{out['train_peak_rss_gib']:.1f} GiB | "
           f"{out['du_gib']:.1f} GiB | {wall:.0f} | {cpu:.0f} | {steps[-1]['read_gib']:.1f} GiB | "
           f"{steps[-1]['written_gib']:.1f} GiB | {losses} |")
     print(json.dumps({k: v for k, v in out.items() if k != "steps"}))
