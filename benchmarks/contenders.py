@@ -151,6 +151,17 @@ def make_fsdp2(model: nn.Module, spec: BenchSpec, reshard_after_forward: bool = 
     return TorchTrainer(model, spec, model, no_sync)
 
 
+def engine_step(engine: Any, micro_batches: list[Batch]) -> float:
+    """One optimizer step through a DeepSpeed-style engine (zerospeed's or DeepSpeed's); mean loss."""
+    total = 0.0
+    for x, y in micro_batches:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    return total / len(micro_batches)
+
+
 class ZeroSpeedTrainer:
     """zerospeed's engine, configured by a ds_config dict equivalent to the torch baselines."""
 
@@ -171,13 +182,7 @@ class ZeroSpeedTrainer:
         )
 
     def step(self, micro_batches: list[Batch]) -> float:
-        total = 0.0
-        for x, y in micro_batches:
-            _, loss = self.engine(x, y)
-            self.engine.backward(loss)
-            self.engine.step()
-            total += loss.item()
-        return total / len(micro_batches)
+        return engine_step(self.engine, micro_batches)
 
     def state_bytes(self) -> dict[str, int]:
         if hasattr(self.engine, "memory_breakdown"):
@@ -213,13 +218,7 @@ class DeepSpeedTrainer:
                                                            config=config)
 
     def step(self, micro_batches: list[Batch]) -> float:
-        total = 0.0
-        for x, y in micro_batches:
-            _, loss = self.engine(x, y)
-            self.engine.backward(loss)
-            self.engine.step()
-            total += loss.item()
-        return total / len(micro_batches)
+        return engine_step(self.engine, micro_batches)
 
     def state_bytes(self) -> dict[str, int]:
         """Local parameters (stage 3: partitions and persistent ones), fp32 master partitions, optimizer state.

@@ -121,7 +121,7 @@ class Engine(nn.Module):
         scale = self.optimizer.loss_scaler.loss_scale
         if scale != 1.0:
             scaled = scaled * scale
-        self.observer.backward_start(float(loss.detach()))
+        self.observer.backward_start(loss)
         reducer = self.optimizer.reducer
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         scaled.backward(retain_graph=retain_graph)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .. import comm
 from ..config import ZeroSpeedConfig
 from ..profiling.flops_profiler import FlopsProfiler
@@ -33,7 +35,7 @@ class StepObserver:
         self.monitor = build_monitors(config.tensorboard, config.csv_monitor, config.wandb, rank=rank)
         self.flops_profiler = (FlopsProfiler(engine.module, config.flops_profiler, ds_engine=engine)
                                if config.flops_profiler.enabled and rank == 0 else None)
-        self.loss_sum = 0.0
+        self.loss_sum: torch.Tensor | float = 0.0
         self.step_started = time.perf_counter()
         self.last_step_seconds = 0.0
         self.history: list[dict[str, float]] = []
@@ -52,8 +54,9 @@ class StepObserver:
         if self.flops_profiler is not None:
             self.flops_profiler.on_forward_end()
 
-    def backward_start(self, loss: float) -> None:
-        self.loss_sum += loss / self.engine.gradient_accumulation_steps()
+    def backward_start(self, loss: torch.Tensor) -> None:
+        # Kept on the device: read back once per optimizer step, not once per micro-step.
+        self.loss_sum = self.loss_sum + loss.detach().float() / self.engine.gradient_accumulation_steps()
         if self.breakdown:
             self.timers(BACKWARD).start()
 
@@ -77,7 +80,7 @@ class StepObserver:
         if self.flops_profiler is not None:
             self.flops_profiler.on_step_end(eng.global_steps)
         comm_total = sum(st.seconds for st in comm.COMMS_LOGGER.stats.values())
-        record = {"step": float(eng.global_steps), "loss": self.loss_sum,
+        record = {"step": float(eng.global_steps), "loss": float(self.loss_sum),
                   "samples_per_sec": eng.train_batch_size() / max(self.last_step_seconds, 1e-9),
                   "step_seconds": self.last_step_seconds, "comm_seconds": comm_total - self._comm_seconds}
         self._comm_seconds = comm_total

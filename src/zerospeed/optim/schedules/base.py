@@ -43,7 +43,7 @@ class LRSchedule:
         self._last_lr: list[float] = []
 
     def lrs_at(self, iteration: int) -> list[float]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define lrs_at(iteration), the schedule's formula")
 
     def get_lr(self) -> list[float]:
         """The lrs for the current ``last_batch_iteration``."""
