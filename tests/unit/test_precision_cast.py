@@ -31,3 +31,13 @@ def test_auto_cast_needs_fp16_and_defaults() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 1})
     assert cfg.fp16.auto_cast is False and cfg.fp16.raise_error_at_min_scale is True
     assert cfg.bf16.check_grad_overflow is True  # DeepSpeed >= 0.19.3
+
+
+def test_deepspeed_bf16_master_keys_are_named_not_unknown() -> None:
+    """DeepSpeed 0.19's bf16.bf16_master_weights_and_grads / bf16_optimizer_states: off is fine, on is refused."""
+    from zerospeed.config.errors import NotSupportedYetError
+
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, key: False}})
+        with pytest.raises(NotSupportedYetError, match=f"bf16.{key}"):
+            load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, key: True}})
