@@ -8,7 +8,13 @@ from .base import Section
 
 
 class Fp16Config(Section):
-    """fp16 compute with fp32 master weights. ``loss_scale: 0`` means dynamic loss scaling."""
+    """fp16 compute with fp32 master weights. ``loss_scale: 0`` means dynamic loss scaling.
+
+    ``auto_cast``: the engine's forward casts floating-point positional inputs (nested in lists, tuples and
+    dicts) to fp16, as DeepSpeed does. ``raise_error_at_min_scale`` (zerospeed's key for DeepSpeed's
+    ``DynamicLossScaler`` argument of that name, which DeepSpeed's config does not expose): an overflow with the
+    scale already at ``min_loss_scale`` raises instead of skipping every later step.
+    """
 
     enabled: bool = False
     auto_cast: bool = False
@@ -19,11 +25,16 @@ class Fp16Config(Section):
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0)
     fp16_master_weights_and_grads: bool = False
+    raise_error_at_min_scale: bool = True
 
 
 class Bf16Config(Section):
-    """bf16 compute with fp32 master weights and fp32 gradient accumulation."""
+    """bf16 compute with fp32 master weights and fp32 gradient accumulation.
+
+    ``check_grad_overflow`` (DeepSpeed >= 0.19.3 default: true): a step whose gradients hold inf/nan on any
+    rank is skipped on every rank (weights, optimizer state and schedule untouched; there is no loss scale).
+    """
 
     enabled: bool = False
     immediate_grad_update: bool = False
-    check_grad_overflow: bool = False
+    check_grad_overflow: bool = True

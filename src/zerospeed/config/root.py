@@ -123,6 +123,9 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
         cfg = ZeroSpeedConfig.parse_section(raw, "")
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
+    if cfg.fp16.auto_cast and not cfg.fp16.enabled:
+        raise ConfigError("fp16.auto_cast", "casts the forward's inputs to fp16, but fp16.enabled is false (the "
+                                            "model is not fp16): set fp16.enabled true or remove auto_cast")
     if dp_world_size is not None:
         cfg.batch(dp_world_size)
     return cfg

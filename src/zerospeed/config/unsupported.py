@@ -40,6 +40,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
     "bf16.immediate_grad_update": "bf16 immediate gradient update",
+    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
+    "bf16.bf16_optimizer_states": "bf16 optimizer states",
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).

@@ -2,9 +2,13 @@
 
 Dynamic: start at 2**initial_scale_power. An overflow (inf/nan in any rank's gradients) skips the
 step on all ranks; with hysteresis h, the first h-1 consecutive overflows only use up hysteresis and
-the h-th halves the scale (never below min_loss_scale). After ``loss_scale_window`` steps without
-overflow the scale doubles (and hysteresis is restored; with consecutive_hysteresis it is restored
-after every clean step). Static: a fixed scale, overflowing steps are still skipped.
+the h-th halves the scale (never below min_loss_scale). An overflow that would cut the scale while it
+already sits at min_loss_scale raises :class:`LossScaleAtMinimumError` (DeepSpeed's default,
+``raise_error_at_min_scale``), instead of skipping every later step in silence. The scale doubles after
+``loss_scale_window`` clean steps *following* the last overflow, i.e. on the step where
+``cur_iter - last_overflow_iter - 1`` is a positive multiple of the window (DeepSpeed >= 0.18); the
+hysteresis is then restored (with consecutive_hysteresis it is restored after every clean step).
+Static: a fixed scale, overflowing steps are still skipped.
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 
+class LossScaleAtMinimumError(RuntimeError):
+    """fp16 gradients still overflow with the loss scale at ``fp16.min_loss_scale``: training cannot go on."""
+
+
 class LossScaler:
     def __init__(self, scale: float, dynamic: bool, window: int = 1000, hysteresis: int = 2,
-                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, factor: float = 2.0) -> None:
+                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, factor: float = 2.0,
+                 raise_error_at_min_scale: bool = True) -> None:
         self.cur_scale = float(scale)
         self.dynamic = dynamic
         self.window = window
@@ -23,6 +32,9 @@ class LossScaler:
         self.consecutive_hysteresis = consecutive_hysteresis
         self.min_scale = float(min_scale)
         self.factor = factor
+        # DeepSpeed's DynamicLossScaler attribute: users turn the error off by setting it to False
+        # (``engine.optimizer.loss_scaler.raise_error_at_min_scale = False``) or with the fp16 key.
+        self.raise_error_at_min_scale = raise_error_at_min_scale
         self.cur_iter = 0
         self.last_overflow_iter = -1
 
@@ -33,7 +45,7 @@ class LossScaler:
             return cls(fp16.loss_scale, dynamic=False)
         return cls(2.0 ** fp16.initial_scale_power, dynamic=True, window=fp16.loss_scale_window,
                    hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-                   min_scale=fp16.min_loss_scale)
+                   min_scale=fp16.min_loss_scale, raise_error_at_min_scale=fp16.raise_error_at_min_scale)
 
     @property
     def loss_scale(self) -> float:
@@ -44,6 +56,14 @@ class LossScaler:
             return
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise LossScaleAtMinimumError(
+                        f"fp16 gradients overflowed (inf/nan) with the loss scale already at its minimum "
+                        f"(fp16.min_loss_scale = {self.min_scale:g}), after {self.cur_iter} steps: every later "
+                        "step would be skipped. The model diverged or its values exceed fp16's range: lower the "
+                        "learning rate, enable gradient_clipping, or use bf16. Set "
+                        "fp16.raise_error_at_min_scale: false (DeepSpeed: loss_scaler.raise_error_at_min_scale "
+                        "= False) to keep skipping steps instead.")
                 self.cur_scale = max(self.cur_scale / self.factor, self.min_scale)
             else:
                 self.cur_hysteresis -= 1
@@ -51,7 +71,8 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.factor

@@ -77,6 +77,8 @@ def _build_base_optimizer(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer | 
 def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> None:
     if cfg.zero_stage == 0 or isinstance(opt, _ELEMENTWISE):
         return
+    if hasattr(opt, "shard_norm_reducer"):  # Lamb: per-tensor norms are summed over the shards (exact)
+        return
     if not cfg.zero_allow_untested_optimizer:
         raise ConfigError(
             "zero_allow_untested_optimizer",
@@ -202,6 +204,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size)
     zero_opt.allgather_partitions = zcfg.allgather_partitions
+    zero_opt.check_grad_overflow = cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
     if zcfg.offload_optimizer.enabled:
         from ..offload import OffloadStepper
 

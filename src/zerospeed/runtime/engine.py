@@ -16,6 +16,7 @@ from torch import nn
 from .. import comm
 from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
+from ..precision.cast import cast_inputs_half
 from ..zero import ZeroOptimizer
 from .observer import StepObserver
 
@@ -105,6 +106,8 @@ class Engine(nn.Module):
     # --- forward / backward / step ----------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.observer.forward_start()
+        if self.config.fp16.auto_cast:
+            inputs = cast_inputs_half(inputs)
         out = self.module(*inputs, **kwargs)
         self.observer.forward_end()
         return out

@@ -39,9 +39,15 @@ class ZeroOptimizer:
         self.allgather_bucket_numel = allgather_bucket_numel
         self.overflow = False
         self.allgather_partitions = True  # false: rebuild parameters with one broadcast per rank instead
+        # Skip steps whose gradients hold inf/nan on any rank even without a loss scale (fp16 always, as in
+        # DeepSpeed; bf16 when bf16.check_grad_overflow): weights, optimizer state and schedule stay untouched.
+        self.check_grad_overflow = False
         self.global_grad_norm: float | None = None
         self.partitioned = any(g.num_partitions > 1 for g in groups)
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
+        if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
+            # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
+            optimizer.shard_norm_reducer = self._sum_over_shards
 
     # --- torch.optim.Optimizer-like surface -------------------------------------------------------
     @property
@@ -89,16 +95,23 @@ class ZeroOptimizer:
             comm.all_reduce(sq, group=self.dp_group)
         return math.sqrt(float(sq))
 
+    def _sum_over_shards(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a flat vector of per-parameter partial sums over the data-parallel shards (one all-reduce)."""
+        out = partial.to(comm.device_for_backend(self.dp_group))
+        comm.all_reduce(out, group=self.dp_group)
+        return out.to(partial.device)
+
     @torch.no_grad()
     def step(self) -> bool:
         """Apply one optimizer step; returns False when skipped for overflow."""
         grads = self._collect_grads()
         scale = self.loss_scaler.loss_scale
-        self.overflow = self._has_overflow(grads) if self.loss_scaler.dynamic or scale != 1.0 else False
+        check = self.check_grad_overflow or self.loss_scaler.dynamic or scale != 1.0
+        self.overflow = self._has_overflow(grads) if check else False
         if self.overflow:
-            self.loss_scaler.update(True)
             self.global_grad_norm = None
             self._release()
+            self.loss_scaler.update(True)  # may raise (fp16 at its minimum scale): gradients already released
             return False
         norm = self._global_norm(grads) / scale
         self.global_grad_norm = norm
