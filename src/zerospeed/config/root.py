@@ -130,7 +130,10 @@ def _parse(raw: dict[str, Any]) -> ZeroSpeedConfig:
         except UnknownKeyError as exc:
             if options.unknown_keys != "warn":
                 raise
-            _drop(raw, exc.loc)
+            try:
+                _drop(raw, exc.loc)
+            except (KeyError, TypeError):
+                raise exc from None  # a location we cannot address: keep the error
             _log.warning("config key '%s' is unknown to zerospeed and was dropped (zerospeed.unknown_keys: warn)%s",
                          exc.key, exc.hint)
 
