@@ -1,9 +1,10 @@
-"""Config keys honoured at initialize(): overlap_comm false, dump_state, hint logging, zero_force_ds_cpu_optimizer,
-log_trace_cache_warnings (issue 10)."""
+"""Config keys honoured at initialize(): overlap_comm false, dump_state, hint logging, vocabulary_size,
+zero_force_ds_cpu_optimizer, log_trace_cache_warnings (issue 10)."""
 
 import contextlib
 import io
 import logging
+import warnings
 
 import pytest
 import torch
@@ -83,18 +84,22 @@ def test_overlap_comm_false_is_honoured_at_stage_0() -> None:
 def _startup() -> dict:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "dump_state": True,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "dump_state": True, "vocabulary_size": 50257,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": 1, "contiguous_gradients": True, "memory_efficient_linear": False}}
     out = io.StringIO()
-    with _capture("zerospeed.config") as lines, contextlib.redirect_stdout(out):
+    with _capture("zerospeed.config") as lines, contextlib.redirect_stdout(out), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         engine, *_ = zerospeed.initialize(model=model, config=cfg)
-    return {"rank": engine.global_rank, "logged": lines, "printed": out.getvalue()}
+    return {"rank": engine.global_rank, "logged": lines, "printed": out.getvalue(),
+            "warned": [str(w.message) for w in caught if "vocabulary_size" in str(w.message)]}
 
 
 def test_dump_state_and_hints_are_reported_once_on_rank_0() -> None:
     r0, r1 = run_distributed(_startup, 2)
-    assert r1["logged"] == [] and r1["printed"] == ""
+    assert r1["logged"] == [] and r1["printed"] == "" and r1["warned"] == []
+    assert len(r0["warned"]) == 1 and "50257" in r0["warned"][0]
     assert len(r0["logged"]) == 3
     assert all("accepted as a hint" in line for line in r0["logged"])
     assert any("'zero_optimization.memory_efficient_linear'" in line for line in r0["logged"])

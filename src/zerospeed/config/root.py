@@ -57,6 +57,8 @@ class ZeroSpeedConfig(Section):
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False
+    vocabulary_size: int | None = Field(None, ge=1)
+    """DeepSpeed's hint: a start-up warning when it is not a multiple of 8 (tensor-core alignment)."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None

@@ -286,6 +286,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine.zero3 = stage3
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
+        if cfg.vocabulary_size and cfg.vocabulary_size % 8:
+            warnings.warn(f"vocabulary_size {cfg.vocabulary_size} is not a multiple of 8, which may lower tensor-core "
+                          "utilization (DeepSpeed's warning)")
         if cfg.dump_state:
             print(engine_state(engine), flush=True)
     if "activation_checkpointing" in cfg.model_fields_set:
