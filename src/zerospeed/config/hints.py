@@ -3,7 +3,8 @@
 Every other key of the schema is read by code with DeepSpeed's meaning (``tests/unit/test_config_schema.py``
 walks the schema to keep it so). A key is listed here only when every value it can take gives the same
 results in zerospeed; the reason says why. When a config sets one, rank 0 logs one line per key at
-start-up, so nobody believes a switch did something it did not.
+start-up (a warning when the value differs from DeepSpeed's default, else info), so nobody believes a
+switch did something it did not.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ _log = logging.getLogger("zerospeed.config")
 
 def present_hints(cfg: BaseModel) -> list[str]:
     """The ACCEPTED_HINTS keys that ``cfg`` (a parsed ZeroSpeedConfig) sets explicitly."""
-    found: list[str] = []
+    return [key for key, _ in _present(cfg)]
+
+
+def _present(cfg: BaseModel) -> list[tuple[str, bool]]:
+    """(key, changed): each hint key ``cfg`` sets, and whether its value differs from DeepSpeed's default."""
+    found: list[tuple[str, bool]] = []
     for key in ACCEPTED_HINTS:
         *parents, leaf = key.split(".")
         node: Any = cfg
@@ -57,15 +63,19 @@ def present_hints(cfg: BaseModel) -> list[str]:
             continue
         if isinstance(node, dict):
             if leaf in node:
-                found.append(key)
+                found.append((key, False))
         elif isinstance(node, BaseModel) and leaf in node.model_fields_set:
-            found.append(key)
+            found.append((key, getattr(node, leaf) != type(node).model_fields[leaf].default))
     return found
 
 
 def log_accepted_hints(cfg: BaseModel) -> list[str]:
-    """Log one line per hint key the config sets (call on rank 0, once at start-up); return those keys."""
-    keys = present_hints(cfg)
-    for key in keys:
-        _log.info("config key '%s' is accepted as a hint with no separate effect: %s", key, ACCEPTED_HINTS[key])
-    return keys
+    """Log one line per hint key the config sets (call on rank 0, once at start-up); return those keys.
+
+    A value changed from DeepSpeed's default is logged as a warning (someone expected an effect), a
+    restated default as info."""
+    found = _present(cfg)
+    for key, changed in found:
+        _log.log(logging.WARNING if changed else logging.INFO,
+                 "config key '%s' is accepted as a hint with no separate effect: %s", key, ACCEPTED_HINTS[key])
+    return [key for key, _ in found]
