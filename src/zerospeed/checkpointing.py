@@ -12,7 +12,8 @@ Options (the ``activation_checkpointing`` config section):
 * ``partition_activations``: split held inputs across the model-parallel group. zerospeed has no tensor
   parallelism yet, so at model-parallel size 1 this is a no-op and a larger group raises ``NotImplementedError``.
 * ``contiguous_memory_optimization`` (needs ``partition_activations`` and ``number_checkpoints``, as in
-  DeepSpeed): held inputs are stored as contiguous tensors.
+  DeepSpeed): held inputs are stored as contiguous tensors, for at most ``number_checkpoints`` regions
+  awaiting backward at once (DeepSpeed's buffer count; one more is an error naming the key).
 * ``synchronize_checkpoint_boundary``: device synchronize at the start and end of each forward and recompute.
 * ``profile``: time forwards and recomputes with the ``Timers`` given to :func:`configure`
   (``activation_checkpoint_forward`` / ``activation_checkpoint_recompute``).
@@ -398,6 +399,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    _check_capacity(_SETTINGS.config)
     frame = _Frame(function, args, kwargs)
     _LIVE_FRAMES.add(frame)
     with _boundary(FORWARD_TIMER), torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
@@ -405,6 +407,17 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 non_reentrant_checkpoint = checkpoint
+
+
+def _check_capacity(config: ActivationCheckpointingConfig) -> None:
+    """``contiguous_memory_optimization`` holds the inputs of at most ``number_checkpoints`` regions at once
+    (DeepSpeed sizes its contiguous buffers by it and fails beyond); say so instead of growing silently."""
+    limit = config.number_checkpoints
+    if config.contiguous_memory_optimization and limit is not None and len(_LIVE_FRAMES) >= limit:
+        raise ConfigError("activation_checkpointing.number_checkpoints",
+                          f"this forward checkpoints more than {limit} regions before their backward, but "
+                          "contiguous_memory_optimization holds at most number_checkpoints regions' inputs; set it "
+                          "to the number of checkpointed layers")
 
 
 def checkpointed_bytes() -> int:

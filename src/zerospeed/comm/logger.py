@@ -8,8 +8,12 @@ broadcast = message. So plain data parallelism moves 2 Psi per step, ZeRO-1/2 2 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
+
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -19,23 +23,39 @@ class OpStats:
     volume: int = 0
     seconds: float = 0.0
     sizes: dict[int, int] = field(default_factory=dict)
+    callers: dict[str, int] = field(default_factory=dict)  # with ``debug``: calls per calling function
+
+
+def caller_function() -> str:
+    """Name of the function that issued the collective: the first frame outside ``zerospeed/comm``."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _COMM_DIR:
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame.f_code.co_name if frame is not None else "?"
 
 
 class CommsLogger:
-    """Counts per collective kind; ``enabled`` switches off only the per-size detail and printing."""
+    """Counts per collective kind; ``enabled`` switches off only the per-size detail and printing.
+
+    ``debug`` (DeepSpeed's ``comms_logger.debug``) adds the calling function's name to each verbose line
+    and counts the calls per caller in the summary.
+    """
 
     def __init__(self) -> None:
         self.enabled = False
         self.verbose = False
         self.prof_all = True
         self.prof_ops: list[str] = []
+        self.debug = False
         self.stats: dict[str, OpStats] = {}
 
-    def configure(self, enabled: bool, verbose: bool = False, prof_all: bool = True, prof_ops: list[str] | None = None) -> None:
+    def configure(self, enabled: bool, verbose: bool = False, prof_all: bool = True, prof_ops: list[str] | None = None,
+                  debug: bool = False) -> None:
         self.enabled = enabled
         self.verbose = verbose
         self.prof_all = prof_all
         self.prof_ops = list(prof_ops or [])
+        self.debug = debug
 
     def record(self, op: str, nbytes: int, volume: int, seconds: float = 0.0) -> None:
         st = self.stats.setdefault(op, OpStats())
@@ -45,8 +65,12 @@ class CommsLogger:
         st.seconds += seconds
         if self.enabled and (self.prof_all or op in self.prof_ops):
             st.sizes[nbytes] = st.sizes.get(nbytes, 0) + 1
+            caller = caller_function() if self.debug else ""
+            if caller:
+                st.callers[caller] = st.callers.get(caller, 0) + 1
             if self.verbose:
-                print(f"[comm] {op} {nbytes} bytes {seconds * 1e3:.3f} ms", flush=True)
+                where = f" | [Caller Func: {caller}]" if caller else ""
+                print(f"[comm] {op}{where} {nbytes} bytes {seconds * 1e3:.3f} ms", flush=True)
 
     def add_time(self, op: str, seconds: float) -> None:
         self.stats.setdefault(op, OpStats()).seconds += seconds
@@ -55,7 +79,8 @@ class CommsLogger:
         self.stats.clear()
 
     def snapshot(self) -> dict[str, OpStats]:
-        return {k: OpStats(v.count, v.bytes, v.volume, v.seconds, dict(v.sizes)) for k, v in self.stats.items()}
+        return {k: OpStats(v.count, v.bytes, v.volume, v.seconds, dict(v.sizes), dict(v.callers))
+                for k, v in self.stats.items()}
 
     def total_volume(self) -> int:
         return sum(s.volume for s in self.stats.values())
@@ -73,6 +98,8 @@ class CommsLogger:
                 f"{op:<16}{st.count:>8}{st.bytes / 1e6:>12.3f}{st.volume / 1e6:>12.3f}{st.seconds:>10.4f}"
                 f"{algbw:>12.3f}{algbw * factor:>12.3f}"
             )
+            for caller, count in sorted(st.callers.items()):
+                lines.append(f"  [Caller Func: {caller}] {count} calls")
         return "\n".join(lines)
 
 

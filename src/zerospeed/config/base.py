@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, UnknownKeyError, did_you_mean
 
 S = TypeVar("S", bound="Section")
 
@@ -70,6 +70,6 @@ def translate_validation_error(exc: ValidationError, model: type[BaseModel], pat
     if err["type"] == "extra_forbidden":
         parent = _model_at(model, loc[:-1]) if len(loc) > 1 else model
         hint = did_you_mean(str(loc[-1]), known_keys(parent)) if parent else ""
-        return ConfigError(key, f"unknown key.{hint}")
+        return UnknownKeyError(key, tuple(str_loc), hint)
     value = err.get("input")
     return ConfigError(key, f"{err['msg']} (got {value!r})")

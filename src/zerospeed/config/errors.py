@@ -14,6 +14,15 @@ class ConfigError(ValueError):
         super().__init__(f"config key '{key}': {message}" if key else message)
 
 
+class UnknownKeyError(ConfigError):
+    """A key the schema does not have; ``loc`` is its path, ``hint`` the did-you-mean (or '')."""
+
+    def __init__(self, key: str, loc: tuple[str, ...], hint: str) -> None:
+        self.loc = loc
+        self.hint = hint
+        super().__init__(key, f"unknown key.{hint}")
+
+
 class NotSupportedYetError(ConfigError):
     """A key DeepSpeed has but zerospeed does not implement yet."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,7 +12,7 @@ from pydantic import Field, field_validator
 from .base import Section, known_keys
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
-from .errors import ConfigError
+from .errors import ConfigError, UnknownKeyError
 from .offload import AioConfig
 from .monitoring import (
     ActivationCheckpointingConfig,
@@ -26,7 +27,18 @@ from .precision import Bf16Config, Fp16Config
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
 from .zero import ZeroConfig
 
+_log = logging.getLogger("zerospeed.config")
+
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class ZerospeedOptions(Section):
+    """zerospeed only: how the config itself is read. DeepSpeed ignores unknown top-level keys, so a config
+    carrying this section still runs under DeepSpeed."""
+
+    unknown_keys: Literal["error", "warn"] = "error"
+    """``error``: an unknown key is a ConfigError with a did-you-mean. ``warn``: each unknown key is dropped
+    with one logged warning (for real configs carrying keys DeepSpeed ignores, e.g. ``cuda_visible_devices``)."""
 
 
 class ZeroSpeedConfig(Section):
@@ -45,6 +57,8 @@ class ZeroSpeedConfig(Section):
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False
+    vocabulary_size: int | None = Field(None, ge=1)
+    """DeepSpeed's hint: a start-up warning when it is not a multiple of 8 (tensor-core alignment)."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
@@ -55,7 +69,7 @@ class ZeroSpeedConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     zero_allow_untested_optimizer: bool = False
-    zero_force_ds_cpu_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
     dataloader_drop_last: bool = False
     seed: int | None = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -63,6 +77,7 @@ class ZeroSpeedConfig(Section):
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""
+    zerospeed: ZerospeedOptions = Field(default_factory=ZerospeedOptions)
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod
@@ -108,6 +123,32 @@ def _read(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _parse(raw: dict[str, Any]) -> ZeroSpeedConfig:
+    """Validate; with ``zerospeed.unknown_keys: warn`` drop each unknown key with one logged warning."""
+    options = ZerospeedOptions.parse_section(raw.get("zerospeed"), "zerospeed")
+    while True:
+        try:
+            return ZeroSpeedConfig.parse_section(raw, "")
+        except UnknownKeyError as exc:
+            if options.unknown_keys != "warn":
+                raise
+            try:
+                _drop(raw, exc.loc)
+            except (KeyError, TypeError):
+                raise exc from None  # a location we cannot address: keep the error
+            _log.warning("config key '%s' is unknown to zerospeed and was dropped (zerospeed.unknown_keys: warn)%s",
+                         exc.key, exc.hint)
+
+
+def _drop(raw: dict[str, Any], loc: tuple[str, ...]) -> None:
+    """Remove ``loc`` from ``raw`` (copying the dicts on the way, so the caller's config stays intact)."""
+    node = raw
+    for part in loc[:-1]:
+        node[part] = dict(node[part])
+        node = node[part]
+    del node[loc[-1]]
+
+
 def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
                 dp_world_size: int | None = None) -> ZeroSpeedConfig:
     """Validate a JSON path, dict or config object. With ``dp_world_size`` the batch triple is checked."""
@@ -120,7 +161,7 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
         if "bfloat16" in raw and "bf16" not in raw:
             raw["bf16"] = raw.pop("bfloat16")
         raw = check_not_supported(raw)
-        cfg = ZeroSpeedConfig.parse_section(raw, "")
+        cfg = _parse(raw)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:

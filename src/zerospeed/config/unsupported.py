@@ -1,12 +1,15 @@
 """DeepSpeed keys zerospeed does not implement yet. This table shrinks as features land.
 
 A listed key that is present and switched on raises ``NotSupportedYetError`` naming it; one that is
-present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``) is accepted,
-since honouring "off" is not ignoring it.
+present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``, an object whose
+values are all off) is accepted, since honouring "off" is not ignoring it. A few keys are "off" at a
+value of their own (``ACCEPTED_VALUES``: ``sequence_parallel_size: 1``, DeepSpeed's "no sequence
+parallelism"; ``gradient_allreduce_op: "mean"``, what zerospeed always does; ...).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from .errors import NotSupportedYetError
@@ -15,6 +18,9 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "pipeline": "pipeline parallelism",
     "tensor_parallel": "tensor parallelism (AutoTP)",
     "sequence_parallel_size": "sequence parallelism (Ulysses)",
+    "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
+    "expert_parallel": "expert parallelism (AutoEP)",
+    "use_data_before_expert_parallelism": "expert-parallel group ordering",
     "compression_training": "compression training",
     "sparse_attention": "sparse attention",
     "elasticity": "elastic training",
@@ -22,8 +28,13 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "data_efficiency": "data efficiency (curriculum / random-LTD)",
     "curriculum_learning": "curriculum learning",
     "amp": "apex AMP",
+    "torch_autocast": "torch autocast mixed precision (torch_autocast)",
+    "graph_harvesting": "graph harvesting (CUDA graphs)",
+    "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
+    "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",
     "quantize_training": "quantization-aware training",
     "nebula": "Nebula checkpointing",
+    "datastates_ckpt": "DataStates checkpointing",
     "data_types": "data_types (grad_accum_dtype)",
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
@@ -33,21 +44,51 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "compile": "the compile section (torch.compile of the engine)",
     "weight_quantization": "weight quantization",
     "comet": "the Comet monitor",
-    "zero_optimization.cpu_offload": "ZeRO-Offload (cpu_offload)",
+    "timers": "the timers section (throughput timer options)",
+    "log_level": "log_level (DeepSpeed's logger level)",
+    "checkpoint.parallel_write": "pipeline-stage parallel checkpoint writes (checkpoint.parallel_write)",
+    "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
+    "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
+    "zero_optimization.zenflow": "ZenFlow",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
+    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized non-trainable weights",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
     "zero_optimization.mics_shard_size": "MiCS sharding",
+    "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",
+    "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",
+    "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
+    "zero_optimization.override_module_apply": "zero.Init overriding nn.Module.apply",
+    "zero_optimization.enable_sanity_checks": "ZeRO internal sanity checks",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "the Muon momentum buffer option",
+    "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
+    "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
+    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
+    "bf16.bf16_optimizer_states": "bf16 optimizer states",
     "bf16.immediate_grad_update": "bf16 immediate gradient update",
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
-STAGE3_KEYS = ("stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params")
+STAGE3_KEYS = ("stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
+               "stage3_allgather_sequential")
 for _k in STAGE3_KEYS:
     NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
+
+# Keys whose "off" is a value of their own: only these values (and null) are accepted.
+ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
+    "sequence_parallel_size": (None, 1),
+    "seq_parallel_communication_data_type": (None, "fp32", "float32"),
+    "managed_gradient_accumulation": (None, True),
+    "gradient_allreduce_op": (None, "mean"),
+    "checkpoint.checkpoint_serialization": (None, True),
+    "zero_optimization.mics_shard_size": (None, -1),
+    "zero_optimization.zero_hpz_partition_size": (None, 1),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
+}
 
 
 def is_off(value: Any) -> bool:
@@ -58,16 +99,24 @@ def is_off(value: Any) -> bool:
             return True
         if str(value.get("device", "")).lower() == "none":
             return True
-        if not value:
-            return True
+        return all(is_off(v) or v == [] for v in value.values())
     return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, without ``True == 1``."""
+    return a is b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+def _accepted(path: str, value: Any) -> bool:
+    if path in ACCEPTED_VALUES:
+        return any(_same(value, v) for v in ACCEPTED_VALUES[path])
+    return is_off(value)
 
 
 def check_not_supported(raw: dict[str, Any]) -> dict[str, Any]:
     """Raise for the first not-yet-supported key that is switched on; return ``raw`` without the ones
     that are switched off (they have been honoured: the feature is off)."""
-    import copy
-
     cleaned = copy.deepcopy(raw)
     for path, feature in NOT_SUPPORTED_YET.items():
         node: Any = raw
@@ -78,7 +127,7 @@ def check_not_supported(raw: dict[str, Any]) -> dict[str, Any]:
             node = node[part]
         if node is _MISSING:
             continue
-        if is_off(node):
+        if _accepted(path, node):
             *parents, leaf = path.split(".")
             parent: Any = cleaned
             for part in parents:

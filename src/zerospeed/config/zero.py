@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -14,6 +15,12 @@ _AUTO_DEFAULTS = {
     "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
     "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
 }
+
+
+_log = logging.getLogger("zerospeed.config")
+
+# DeepSpeed's deprecated booleans and the sections they stand for (``true`` means ``{"device": "cpu"}``).
+_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
 
 class ZeroConfig(Section):
@@ -64,6 +71,34 @@ class ZeroConfig(Section):
             data = dict(data)
             value = data.pop(old)
             data.setdefault(new, value)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cpu_offload_aliases(cls, data: Any) -> Any:
+        """DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_param``: ``true`` is ``{"device": "cpu"}`` of
+        ``offload_optimizer`` / ``offload_param``; giving both names is an error, as in DeepSpeed.
+        ``cpu_offload_use_pin_memory`` has no effect in DeepSpeed either: a warning says so."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in _DEPRECATED_OFFLOAD.items():
+            if old not in data:
+                continue
+            value = data.pop(old)
+            if not isinstance(value, bool):
+                raise ValueError(f"{old} must be true or false, got {value!r}")
+            if new in data:
+                raise ValueError(f"cannot give the deprecated '{old}' and its replacement '{new}' together "
+                                 f"(DeepSpeed refuses this too); keep '{new}'")
+            _log.warning("config key 'zero_optimization.%s' is deprecated (as in DeepSpeed): read as %s", old,
+                         f"'{new}': {{\"device\": \"cpu\"}}" if value else f"no '{new}'")
+            if value:
+                data[new] = {"device": "cpu"}
+        if "cpu_offload_use_pin_memory" in data:
+            data.pop("cpu_offload_use_pin_memory")
+            _log.warning("config key 'zero_optimization.cpu_offload_use_pin_memory' is deprecated and has no effect "
+                         "(as in DeepSpeed): set offload_optimizer.pin_memory / offload_param.pin_memory instead")
         return data
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",

@@ -13,20 +13,36 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.errors import NotSupportedYetError
+from ..config.hints import log_accepted_hints
 from ..precision import LossScaler, NoScaler, make_policy
 from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from .dataloader import build_dataloader
 from .engine import Engine
+from .state_dump import engine_state
 
 _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
                 torch.optim.Adamax)
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> Any:
+    """DeepSpeed's rules: ``config`` (or ``config_params``) or ``args.deepspeed_config``, never both."""
     if config is None and config_params is not None:
         config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "zerospeed_config", None)
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "zerospeed_config", None)
+        if getattr(args, "deepscale_config", None) is not None:  # DeepSpeed's deprecated name
+            if from_args is not None:
+                raise ConfigError("", "Not sure how to proceed, we were given both a deepscale_config and "
+                                      "deepspeed_config (as in DeepSpeed): keep args.deepspeed_config")
+            warnings.warn("args.deepscale_config is deprecated, please use args.deepspeed_config")
+            from_args = args.deepscale_config
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("", "Not sure how to proceed, we were given deepspeed configs in the deepspeed "
+                                  "arguments and deepspeed.initialize() function call (as in DeepSpeed): pass "
+                                  "args.deepspeed_config or config=, not both")
+        config = from_args
     if config is None:
         raise ConfigError("", "no config: pass config=<path or dict>, or args with .deepspeed_config")
     return config
@@ -62,6 +78,7 @@ def _build_base_optimizer(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer | 
     if client is not None:
         if cfg.optimizer is not None:
             raise ConfigError("optimizer", "both a client optimizer and an 'optimizer' config section were given; keep one")
+        _check_client_offload(cfg, client)
         # Keep the client's object (schedulers built on it keep working): point its groups at the masters.
         for group, new in zip(client.param_groups, masters):
             group["params"] = new["params"]
@@ -72,6 +89,21 @@ def _build_base_optimizer(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer | 
     from ..optim import build_optimizer
 
     return build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), masters)
+
+
+def _check_client_offload(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer) -> None:
+    """DeepSpeed's ``zero_force_ds_cpu_optimizer`` (default true): under ZeRO-Offload a client optimizer must
+    be one the fast CPU step runs (here: one with a flat CPU kernel, Adam/AdamW/Adagrad), or the user says
+    false to run its own ``step()`` on the host."""
+    if not (cfg.zero_optimization.offload_optimizer.enabled and cfg.zero_force_ds_cpu_optimizer):
+        return
+    from ..offload.cpu_adam import kernel_for
+
+    if kernel_for(client) is None:
+        raise ConfigError("zero_force_ds_cpu_optimizer", f"ZeRO-Offload with a client optimizer "
+                          f"({type(client).__name__}) that has no fast CPU kernel runs its own step() on the host, "
+                          "usually slowly. Use Adam, AdamW or Adagrad, set the optimizer in the config, or set "
+                          "\"zero_force_ds_cpu_optimizer\": false to run it anyway (as in DeepSpeed).")
 
 
 def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> None:
@@ -194,7 +226,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     _check_zero_optimizer(cfg, base)
     zcfg = cfg.zero_optimization
-    overlap = True if cfg.zero_stage == 0 or zcfg.overlap_comm is None else zcfg.overlap_comm
+    overlap = True if zcfg.overlap_comm is None else zcfg.overlap_comm  # an explicit false is honoured
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
@@ -248,13 +280,20 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                                                dp_rank)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
-                                cfg.comms_logger.prof_ops)
+                                cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, dp_rank, dp_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
     engine = Engine(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
+    if comm.get_rank() == 0:
+        log_accepted_hints(cfg)
+        if cfg.vocabulary_size and cfg.vocabulary_size % 8:
+            warnings.warn(f"vocabulary_size {cfg.vocabulary_size} is not a multiple of 8, which may lower tensor-core "
+                          "utilization (DeepSpeed's warning)")
+        if cfg.dump_state:
+            print(engine_state(engine), flush=True)
     if "activation_checkpointing" in cfg.model_fields_set:
         from .. import checkpointing
 

@@ -37,6 +37,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     comm.init_distributed(dist_backend, timeout=timeout, init_method=init_method)
     if config is not None:
         section = load_config(config).comms_logger
-        comm.COMMS_LOGGER.configure(section.enabled, section.verbose, section.prof_all, section.prof_ops)
+        comm.COMMS_LOGGER.configure(section.enabled, section.verbose, section.prof_all, section.prof_ops,
+                                    section.debug)
     if verbose and comm.get_rank() == 0 and comm.get_world_size() > 1:
         print(f"[zerospeed] joined: backend {comm.backend_name()}, world size {comm.get_world_size()}", flush=True)

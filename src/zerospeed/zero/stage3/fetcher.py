@@ -18,9 +18,12 @@ disk works while the current module computes and the next gathers find their sha
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from .param_store import GatherOp, ParamShard, ShardHome, ShardState, ensure_gathered, start_gather
+
+_log = logging.getLogger("zerospeed.zero")
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -45,6 +48,8 @@ class Unit:
 
 
 class Fetcher:
+    log_trace_warnings = False  # zero_optimization.log_trace_cache_warnings: log when a pass leaves the trace
+
     def __init__(self, units: Sequence[Unit], shards: Sequence[ParamShard], prefetch_numel: int,
                  max_live_numel: int, home: ShardHome | None = None) -> None:
         self.units = list(units)
@@ -135,6 +140,9 @@ class Fetcher:
             return
         if pos >= len(trace) or trace[pos] != unit.index:
             self.cursor[reason] = None  # left the recorded order: no more prefetch in this pass
+            if self.log_trace_warnings:
+                _log.warning("ZeRO-3 trace cache: the %s pass left the recorded module order at '%s' (position "
+                             "%d); prefetch stops for the rest of this pass", reason, unit.name, pos)
             return
         self.cursor[reason] = pos + 1
         if self.home is not None:

@@ -99,6 +99,7 @@ class Stage3Runtime:
         self.units = units
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
                                param_home)
+        self.fetcher.log_trace_warnings = zcfg.log_trace_cache_warnings
         self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
         self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
 

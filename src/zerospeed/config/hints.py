@@ -1,0 +1,81 @@
+"""DeepSpeed keys accepted as hints: pure performance switches whose effect zerospeed's design always has.
+
+Every other key of the schema is read by code with DeepSpeed's meaning (``tests/unit/test_config_schema.py``
+walks the schema to keep it so). A key is listed here only when every value it can take gives the same
+results in zerospeed; the reason says why. When a config sets one, rank 0 logs one line per key at
+start-up (a warning when the value differs from DeepSpeed's default, else info), so nobody believes a
+switch did something it did not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel
+
+ACCEPTED_HINTS: dict[str, str] = {
+    "zero_optimization.contiguous_gradients": (
+        "gradients are always copied into flat, contiguous bucket buffers as autograd produces them (the "
+        "parameter's .grad is freed at once), which is what true asks for; the values are the same either way"),
+    "zero_optimization.round_robin_gradients": (
+        "a DeepSpeed stage 1-2 offload speed-up that spreads gradient copies to the host over ranks; here each "
+        "rank already receives only its own partition from the reduce-scatter and copies only that; the values "
+        "are the same either way"),
+    "zero_optimization.use_multi_rank_bucket_allreduce": (
+        "with reduce_scatter: false zerospeed always reduces a bucket of all ranks' partitions with one "
+        "all-reduce (what true asks for) instead of one reduce per owner; a sum is the same either way"),
+    "zero_optimization.elastic_checkpoint": (
+        "zerospeed checkpoints are always stored per parameter and load at any data-parallel size and stage "
+        "(what DeepSpeed's elastic format was for); the saved and restored states are the same either way"),
+    "zero_optimization.memory_efficient_linear": (
+        "under stage 3 a gathered weight's storage is freed after its module's forward even when autograd "
+        "saved a view of it (e.g. W.t() in F.linear) and refilled for backward, for every op, not only "
+        "linear: the memory effect of true; the computation is the same either way"),
+    "optimizer.params.torch_adam": (
+        "zerospeed's Adam and AdamW are always torch.optim's implementation (what true selects in DeepSpeed's "
+        "FusedAdam); the update is the same either way"),
+    "optimizer.params.set_grad_none": (
+        "DeepSpeed's FusedAdam option to set .grad to None in zero_grad(); zerospeed's parameters never keep a "
+        ".grad (gradients move into the reducer's buffers, which are zeroed after each step), so the update is "
+        "the same either way"),
+}
+
+_log = logging.getLogger("zerospeed.config")
+
+
+def present_hints(cfg: BaseModel) -> list[str]:
+    """The ACCEPTED_HINTS keys that ``cfg`` (a parsed ZeroSpeedConfig) sets explicitly."""
+    return [key for key, _ in _present(cfg)]
+
+
+def _present(cfg: BaseModel) -> list[tuple[str, bool]]:
+    """(key, changed): each hint key ``cfg`` sets, and whether its value differs from DeepSpeed's default."""
+    found: list[tuple[str, bool]] = []
+    for key in ACCEPTED_HINTS:
+        *parents, leaf = key.split(".")
+        node: Any = cfg
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+            if node is None:
+                break
+        if node is None:
+            continue
+        if isinstance(node, dict):
+            if leaf in node:
+                found.append((key, False))
+        elif isinstance(node, BaseModel) and leaf in node.model_fields_set:
+            found.append((key, getattr(node, leaf) != type(node).model_fields[leaf].default))
+    return found
+
+
+def log_accepted_hints(cfg: BaseModel) -> list[str]:
+    """Log one line per hint key the config sets (call on rank 0, once at start-up); return those keys.
+
+    A value changed from DeepSpeed's default is logged as a warning (someone expected an effect), a
+    restated default as info."""
+    found = _present(cfg)
+    for key, changed in found:
+        _log.log(logging.WARNING if changed else logging.INFO,
+                 "config key '%s' is accepted as a hint with no separate effect: %s", key, ACCEPTED_HINTS[key])
+    return [key for key, _ in found]
