@@ -68,8 +68,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
     "bf16.immediate_grad_update": "bf16 immediate gradient update",
-    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
-    "bf16.bf16_optimizer_states": "bf16 optimizer states",
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
