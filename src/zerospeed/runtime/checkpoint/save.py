@@ -175,21 +175,24 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
     A failure on any rank is published into the staging directory, so every rank's save fails within a
     poll interval (``wait_for_checkpoint`` / the next save re-raise it) and nothing is committed.
     """
+    def fail(exc: Exception) -> CheckpointError:
+        error = f"{type(exc).__name__}: {exc}"
+        layout.publish_failure(staging, rank, error)
+        if rank == 0:
+            layout.write_outcome(staging, f"rank 0: {error}")
+        return CheckpointError(f"checkpoint in {staging} was not committed: the write failed on rank {rank}: {error}")
+
     try:
         snap = snapshot(engine, rank, world, client_state or {}, copy=True)
     except Exception as exc:
-        layout.publish_failure(staging, rank, f"{type(exc).__name__}: {exc}")
-        raise
+        raise fail(exc) from exc
     stats = SaveStats(os.path.join(save_dir, tag), stall_s=0.0)
 
     def job() -> int:
         try:
             nbytes = write_snapshot(snap, staging)
         except Exception as exc:
-            layout.publish_failure(staging, rank, f"{type(exc).__name__}: {exc}")
-            if rank == 0:
-                layout.write_outcome(staging, f"rank 0: {type(exc).__name__}: {exc}")
-            raise
+            raise fail(exc) from exc
         if rank != 0:
             layout.wait_outcome(staging, timeout)
             return nbytes
