@@ -26,14 +26,14 @@ from .layout import MANIFEST
 TAG_VALIDATION_MODES = ("Ignore", "Warn", "Fail")
 
 
-def raise_if_any(error: str, group: Any, what: str) -> None:
+def raise_if_any(error: str, group: Any, what: str, after: str = "") -> None:
     """Collective: raise on every rank if any rank passed a non-empty ``error`` (naming the first)."""
     errors = comm.all_gather_object(error, group=group)
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         rank, first = failed[0]
         more = f" (and on rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise CheckpointError(f"{what} failed on rank {rank}: {first}{more}")
+        raise CheckpointError(f"{what} failed on rank {rank}: {first}{more}{after}")
 
 
 def agree_on_tag_and_dir(tag: str, save_dir: str, mode: str, group: Any) -> tuple[str, list[str]]:

@@ -174,7 +174,8 @@ def wait_markers(staging: str, world: int, timeout_s: float, poll_s: float = 0.0
             break
         failure = first_failure(staging)
         if failure is not None:
-            raise CheckpointError(f"checkpoint in {staging} was not committed: the write failed on {failure}")
+            raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
+                                  f"the write failed on {failure}")
         if time.monotonic() > deadline:
             raise CheckpointError(f"checkpoint in {staging}: rank(s) {missing} did not finish writing within "
                                   f"{timeout_s:.0f} s; the checkpoint was not committed")
@@ -195,13 +196,15 @@ def wait_outcome(staging: str, timeout_s: float, poll_s: float = 0.02) -> None:
     while not os.path.exists(path):
         failure = first_failure(staging)
         if failure is not None:
-            raise CheckpointError(f"checkpoint in {staging} was not committed: the write failed on {failure}")
+            raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
+                                  f"the write failed on {failure}")
         if time.monotonic() > deadline:
             raise CheckpointError(f"checkpoint in {staging}: rank 0 did not commit it within {timeout_s:.0f} s")
         time.sleep(poll_s)
     outcome = read_json(path)
     if not outcome.get("ok"):
-        raise CheckpointError(f"checkpoint in {staging} was not committed: {outcome.get('error')}")
+        raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
+                              f"{outcome.get('error')}")
 
 
 def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]], save_latest: bool) -> str:

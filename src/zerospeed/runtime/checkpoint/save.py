@@ -108,7 +108,8 @@ def _check_accumulation(engine: Any) -> None:
         raise CheckpointError(
             f"save_checkpoint called in the middle of a gradient accumulation (micro-step {engine.micro_steps} with "
             f"gradient_accumulation_steps={gas}): the partially accumulated gradients are not stored in a "
-            "checkpoint. Save after the engine.step() that ends the accumulation (is_gradient_accumulation_boundary()).")
+            "checkpoint. Save after the engine.step() that ends the accumulation "
+            "(is_gradient_accumulation_boundary()).")
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
@@ -152,8 +153,13 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         nbytes = write_snapshot(snap, staging)
     except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
         error = f"{type(exc).__name__}: {exc}"
-    agree.raise_if_any(error, group, f"save_checkpoint({final!r}): writing; nothing was committed, "
-                       f"'{layout.LATEST}' is unchanged;")
+    try:
+        agree.raise_if_any(error, group, f"save_checkpoint({final!r})",
+                           f". Nothing was committed; '{layout.LATEST}' still names the previous checkpoint.")
+    except CheckpointError:
+        if rank == 0:  # every rank is done with the staging directory
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     commit_error = ""
     if rank == 0:
         try:
@@ -180,7 +186,8 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
         layout.publish_failure(staging, rank, error)
         if rank == 0:
             layout.write_outcome(staging, f"rank 0: {error}")
-        return CheckpointError(f"checkpoint in {staging} was not committed: the write failed on rank {rank}: {error}")
+        return CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): the write failed "
+                               f"on rank {rank}: {error}")
 
     try:
         snap = snapshot(engine, rank, world, client_state or {}, copy=True)
