@@ -37,7 +37,7 @@ def _trainer(path: str, store: str, conn: Any) -> None:
 
 
 def _load(path: str) -> int:
-    engine = build(1)
+    engine = build(1, {"checkpoint": {"load_universal": True}})  # saved at world 1, loaded at world 2
     engine.load_checkpoint(path)
     return engine.global_steps
 

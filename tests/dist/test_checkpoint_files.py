@@ -27,7 +27,7 @@ def _save(stage: int, path: str, extra: dict[str, Any] | None = None) -> dict[st
 
 
 def _load(stage: int, path: str) -> str:
-    engine = build(stage)
+    engine = build(stage, {"checkpoint": {"load_universal": True}})
     loaded, _ = engine.load_checkpoint(path)
     return str(loaded)
 

@@ -26,7 +26,7 @@ def _save_run(stage: int, path: str) -> tuple[list[float], dict[str, torch.Tenso
 
 
 def _load_run(stage: int, path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    engine = build(stage)
+    engine = build(stage, {"checkpoint": {"load_universal": True}})  # resharding needs it, as in DeepSpeed
     engine.load_checkpoint(path)
     loaded = full_state(engine, fp32=True)
     return train(engine, 5), loaded

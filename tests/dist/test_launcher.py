@@ -1,7 +1,7 @@
 """``zerospeed launch``: ranks get torchrun's env; a failing or signalled job stops every rank and says who failed.
 
 Launch tests start the real command line (``python -m zerospeed.launcher.cli``), which runs torchrun,
-which starts ranks running ``scripts/launch_rank_probe.py`` (stdlib only). Four launches in all, 3-15 s
+which starts ranks running ``scripts/launch_rank_probe.py`` (stdlib only). Five launches in all, 3-15 s
 each (marked slow: fresh interpreters import torch). The other tests start no process, or only the
 command line failing on bad input.
 """
@@ -129,6 +129,21 @@ def test_rank_os_exit_stops_all_and_keeps_its_exit_code(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_blame_goes_to_the_first_failure_not_to_its_echo_or_the_stopped(tmp_path: Path) -> None:
+    # Rank 1 dies without a report (os._exit(3)); rank 0 raises at once because of it; rank 2, stopped by
+    # torchrun, exits 143 from its SIGTERM handler. Rank 1 is to blame, and the exit code is its 3.
+    start = time.monotonic()
+    result = _cli("launch", "--nproc-per-node", "3", str(PROBE), str(tmp_path), "echo")
+    assert time.monotonic() - start < 2 * LAUNCH_TIMEOUT_S
+    assert result.returncode == 3, result.stderr
+    headline = result.stderr[result.stderr.rindex("zerospeed launch:"):].splitlines()[0]
+    assert headline.startswith("zerospeed launch: rank 1 failed (exit code 3"), headline
+    stopped = headline.split("stopped: ")[-1] if "stopped: " in headline else ""
+    assert "2" in stopped and "143" not in headline, headline
+    _assert_nothing_left(tmp_path, _rank_records(tmp_path))
+
+
+@pytest.mark.slow
 def test_sigterm_to_launcher_stops_ranks(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "zerospeed.launcher.cli", "launch", "--nproc-per-node", "2",
            str(PROBE), str(tmp_path), "sleep"]
@@ -247,3 +262,28 @@ def test_precise_report_times_order_failures() -> None:
     assert "rank 2 failed (killed by signal SIGKILL)" in failures.summarize(killed, [], 1)
     assert failures.exit_code_for(killed, 1) == 137
     assert "no rank reported a failure" in failures.summarize([], [], 1)
+
+
+def test_ranks_torchrun_closed_are_stopped_not_blamed(tmp_path: Path) -> None:
+    log = ("W1130 14:27:18.405000 10558 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process "
+           "4242 closing signal SIGTERM\n" + TORCHRUN_TABLE.replace("-15 (pid: 3867)  (SIGTERM)", "143 (pid: 4242)"))
+    assert failures.parse_closing_signals(log) == {4242}
+    for rank, pid in [(0, 4242), (1, 4243)]:
+        (tmp_path / f"rank_{rank}.pid").write_text(json.dumps({"rank": rank, "pid": pid}))
+    closed = failures.stopped_ranks(log, str(tmp_path))
+    assert closed == {0}
+    # Rank 0's SIGTERM handler raised SystemExit(143) and wrote a report; it is still only "stopped".
+    reports = {0: failures.RankFailure(0, 143, time=10.9, error="SystemExit(143)")}
+    failing, stopped = failures.merge_failures(reports, failures.parse_torchrun_failures(log), closed)
+    assert [f.rank for f in failing] == [1] and stopped == [0]
+    assert failures.exit_code_for(failing, 1) == 3
+    # Both ended before torchrun stopped anyone (its error line, no closing line): the death without a
+    # report comes before the Python error that came after it, whatever torchrun called the root cause.
+    both = "E1130 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 4242) of binary: python\n"
+    assert failures.stopped_ranks(both, str(tmp_path)) == set()
+    agent = {0: failures.RankFailure(0, 1, root_cause=True), 1: failures.RankFailure(1, -9)}
+    echo = {0: failures.RankFailure(0, 1, time=10.2, error="RuntimeError: connection closed by peer")}
+    failing, stopped = failures.merge_failures(echo, agent, set())
+    assert [f.rank for f in failing] == [1, 0] and stopped == []
+    assert failures.exit_code_for(failing, 1) == 137
+    assert failures.stopped_ranks("no torchrun log here", str(tmp_path)) is None

@@ -1,8 +1,10 @@
 """The ``checkpoint`` section (DeepSpeed names) plus zerospeed's ``async_save``.
 
-Checkpoints are always "universal" (stored per parameter, loadable at any world size and stage), so
-``load_universal`` is accepted and changes nothing. ``use_node_local_storage`` (each node writing to its
-own disk) is not supported yet: every rank must see the same directory.
+Checkpoints are always stored "universally" (per parameter); ``load_universal`` allows loading the optimizer
+state into another partitioning (world size or stage), refused without it as DeepSpeed refuses a
+non-universal checkpoint. ``tag_validation``: what differing tags across ranks do (runtime/checkpoint/agree.py).
+``use_node_local_storage`` (each node writing to its own disk) is not supported yet: every rank must see the
+same directory.
 """
 
 from __future__ import annotations

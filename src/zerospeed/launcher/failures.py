@@ -9,8 +9,14 @@ Two sources, merged per rank:
   Python noticing (``os._exit``, a signal) and those the agent stopped with SIGTERM after the first
   failure, and which rank torchrun saw fail first ("Root Cause").
 
-A rank that ended by SIGTERM, wrote no report and is not the root cause was *stopped* by the agent
-because another rank failed: it is listed as stopped, not as failing.
+Who was *stopped* rather than failing: torchrun logs ``Sending process <pid> closing signal SIGTERM`` for
+every rank still running when it saw the first failure; with the pids the ranks recorded
+(``rank_<RANK>.pid``) those ranks are listed as stopped, whatever they did on the way out (a SIGTERM handler
+exiting 143 or raising), and never blamed. The ranks left all ended within one monitor interval of the
+first failure: one that died without a report (a crash, a signal, ``os._exit``) is named before those whose
+Python error came after it (often only its echo: "connection closed by peer"), then by report time.
+Without that log line (torch logging silenced) a rank that ended by SIGTERM, wrote no report and is not
+torchrun's root cause counts as stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ _TABLE_ROW = re.compile(
     r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE
 )
 _ROOT_CAUSE = "Root Cause"
+_CLOSING = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z]+)")
+_AGENT_FAILED = re.compile(r"\bfailed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")  # torchrun's error log
 TAIL_LINES = 8
 
 
@@ -75,6 +83,25 @@ def parse_torchrun_failures(text: str) -> dict[int, RankFailure]:
     return failures
 
 
+def parse_closing_signals(text: str) -> set[int]:
+    """The pids torchrun sent a closing signal to (it stops every rank still running after a failure)."""
+    return {int(m.group(1)) for m in _CLOSING.finditer(text)}
+
+
+def read_rank_pids(launch_dir: str) -> dict[int, int]:
+    """``{rank: pid}`` from the ``rank_<RANK>.pid`` records (the latest start of each rank)."""
+    pids: dict[int, int] = {}
+    for name in sorted(os.listdir(launch_dir)):
+        if name.startswith("rank_") and name.endswith(".pid"):
+            try:
+                with open(os.path.join(launch_dir, name), encoding="utf-8") as f:
+                    info = json.load(f)
+                pids[int(info["rank"])] = int(info["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return pids
+
+
 def read_rank_reports(launch_dir: str) -> dict[int, RankFailure]:
     """Read every ``rank_<RANK>.err`` in ``launch_dir``; unreadable files are skipped."""
     failures: dict[int, RankFailure] = {}
@@ -98,9 +125,12 @@ def read_rank_reports(launch_dir: str) -> dict[int, RankFailure]:
 
 
 def merge_failures(
-    reports: dict[int, RankFailure], agent: dict[int, RankFailure]
+    reports: dict[int, RankFailure], agent: dict[int, RankFailure], closed: set[int] | None = None
 ) -> tuple[list[RankFailure], list[int]]:
-    """Return (failing ranks, first failure first; ranks stopped by the agent)."""
+    """Return (failing ranks, first failure first; ranks stopped by the agent).
+
+    ``closed``: the ranks torchrun sent a closing signal to (``None``: unknown, its log line was not seen).
+    """
     merged: dict[int, RankFailure] = {}
     for rank in sorted(set(reports) | set(agent)):
         report, seen = reports.get(rank), agent.get(rank)
@@ -110,6 +140,12 @@ def merge_failures(
             if seen.exitcode is not None:
                 failure.exitcode = seen.exitcode
         merged[rank] = failure
+    if closed is not None:
+        stopped = sorted(closed)
+        failing = [f for r, f in merged.items() if r not in closed]
+        # All of these ended before torchrun began stopping ranks: a death without a report first.
+        failing.sort(key=lambda f: (f.time is not None, f.time or 0.0, not f.root_cause, f.rank))
+        return failing, stopped
     stopped = sorted(
         r for r, f in merged.items()
         if f.exitcode == -signal.SIGTERM and r not in reports and not f.root_cause
@@ -119,6 +155,15 @@ def merge_failures(
     # without a report (os._exit, a signal), which is then the likely cause of the others' errors.
     failing.sort(key=lambda f: (not (f.root_cause and f.time is None), f.time or float("inf"), f.rank))
     return failing, stopped
+
+
+def stopped_ranks(stderr_tail: str, launch_dir: str) -> set[int] | None:
+    """The ranks torchrun stopped, from its log and the ranks' pid records (empty: it stopped none, every
+    rank had ended); ``None`` when its log is not there to tell (torch logging silenced)."""
+    pids = parse_closing_signals(stderr_tail)
+    if not pids and not _AGENT_FAILED.search(stderr_tail):
+        return None
+    return {rank for rank, pid in read_rank_pids(launch_dir).items() if pid in pids}
 
 
 def summarize(failing: list[RankFailure], stopped: list[int], agent_exitcode: int) -> str:

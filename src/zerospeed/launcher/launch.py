@@ -211,7 +211,8 @@ def launch(plan: LaunchPlan) -> int:
         if result.exitcode == 0:
             return 0
         agent = failures.parse_torchrun_failures(result.stderr_tail)
-        failing, stopped = failures.merge_failures(failures.read_rank_reports(launch_dir), agent)
+        closed = failures.stopped_ranks(result.stderr_tail, launch_dir)
+        failing, stopped = failures.merge_failures(failures.read_rank_reports(launch_dir), agent, closed)
         print(failures.summarize(failing, stopped, result.exitcode), file=sys.stderr, flush=True)
         return failures.exit_code_for(failing, result.exitcode)
     finally:

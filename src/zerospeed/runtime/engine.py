@@ -43,6 +43,7 @@ class Engine(nn.Module):
         self._step_applied = False
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
+        self._accumulating = False  # gradients accumulated since the last boundary step (checkpoints refuse them)
         self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
         self.last_step_comm_volume = 0
         self.last_checkpoint_stats: Any = None
@@ -102,6 +103,7 @@ class Engine(nn.Module):
         """Drop the gradients accumulated so far (the optimizer step does this by itself)."""
         if self.optimizer is not None:
             self.optimizer.zero_grad()
+        self._accumulating = False
 
     # --- forward / backward / step ----------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -129,6 +131,7 @@ class Engine(nn.Module):
         reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         scaled.backward(retain_graph=retain_graph)
         reducer.end_micro_step()
+        self._accumulating = True
         self.observer.backward_end()
         return loss
 
@@ -143,6 +146,7 @@ class Engine(nn.Module):
         self.observer.step_start()
         if boundary:
             applied = self.optimizer.step()
+            self._accumulating = False
             self._step_applied = applied
             if applied:
                 if self.lr_scheduler is not None:

@@ -6,16 +6,38 @@ Each rank writes OUT_DIR/rank_<RANK>.json (its env and argv, pid) at start. Then
   raise  rank 1 raises ValueError; the other ranks sleep (to be stopped by the launcher)
   exit3  rank 1 calls os._exit(3); the other ranks sleep
   sleep  every rank sleeps (to be stopped by a signal to the launcher)
+  echo   rank 1 calls os._exit(3); rank 0 raises as soon as rank 1 is dead (like a collective's "connection
+         closed by peer"); the other ranks exit 143 from a SIGTERM handler when torchrun stops them
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
 
 def fail_on_purpose(rank: int) -> None:
     raise ValueError(f"rank {rank} fails on purpose")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def echo_of_rank_1(out_dir: str) -> None:
+    path = os.path.join(out_dir, "rank_1.json")
+    while not os.path.exists(path):
+        time.sleep(0.001)
+    with open(path) as f:
+        pid = json.load(f)["pid"]
+    while not _dead(pid):
+        time.sleep(0.001)
+    raise RuntimeError("connection closed by peer (rank 1 is gone)")
 
 
 def main() -> None:
@@ -32,6 +54,13 @@ def main() -> None:
     if rank == 1 and mode == "raise":
         time.sleep(0.3)
         fail_on_purpose(rank)
+    if mode == "echo":
+        if rank == 0:
+            echo_of_rank_1(out_dir)
+        elif rank == 1:
+            time.sleep(0.5)
+            os._exit(3)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if rank == 1 and mode == "exit3":
         time.sleep(0.3)
         os._exit(3)

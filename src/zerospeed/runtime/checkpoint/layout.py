@@ -17,10 +17,15 @@ Commit protocol: every rank writes into ``save_dir/.tmp-<tag>-<nonce>/``, fsyncs
 directory to ``<tag>`` (an older ``<tag>`` is first renamed aside to ``.old-<tag>-<nonce>``) and finally
 replaces ``latest``. A process killed at any moment leaves at worst a ``.tmp-``/``.old-`` directory that
 the next save removes; ``latest`` always names a directory whose manifest verifies.
+
+An async save runs this protocol on the file system only (the writer threads issue no collectives): a rank
+whose write fails publishes ``failed_rank_XXXXX.json`` instead of its marker; rank 0 then commits nothing and
+writes the outcome (``.tmp-<tag>-<nonce>.outcome``, ok or the first error) that every other rank waits for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -52,6 +57,14 @@ def rng_file(rank: int) -> str:
 
 def marker_file(rank: int) -> str:
     return f"done_rank_{rank:05d}.json"
+
+
+def failure_file(rank: int) -> str:
+    return f"failed_rank_{rank:05d}.json"
+
+
+def outcome_file(staging: str) -> str:
+    return staging.rstrip(os.sep) + ".outcome"
 
 
 def check_tag(tag: str) -> str:
@@ -107,8 +120,11 @@ def begin(save_dir: str, tag: str) -> str:
     os.makedirs(save_dir, exist_ok=True)
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
-        if name.startswith(".tmp-"):
+        if name.startswith(".tmp-") and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".tmp-"):  # the outcome file of an async save (read by every rank before this save)
+            with contextlib.suppress(OSError):
+                os.remove(path)
         elif name.startswith(".old-"):
             original = name[len(".old-"):].rsplit("-", 1)[0]
             if os.path.isfile(os.path.join(save_dir, original, MANIFEST)):
@@ -124,19 +140,71 @@ def publish_marker(staging: str, rank: int, files: dict[str, dict[str, Any]], in
     write_json(os.path.join(staging, marker_file(rank)), {"rank": rank, "files": files, "index": index})
 
 
-def wait_markers(staging: str, world: int, timeout_s: float) -> list[dict[str, Any]]:
-    """Rank 0 of an async save: wait (polling the file system, no collectives) for every rank's marker."""
+def publish_failure(staging: str, rank: int, error: str) -> None:
+    """A rank's write failed: say so in the staging directory (best effort), for rank 0 and the others."""
+    with contextlib.suppress(OSError):
+        write_json(os.path.join(staging, failure_file(rank)), {"rank": rank, "error": error})
+
+
+def first_failure(staging: str) -> str | None:
+    """The error of the lowest rank that published a failure into ``staging``, if any."""
+    try:
+        names = sorted(n for n in os.listdir(staging) if n.startswith("failed_rank_") and n.endswith(".json"))
+    except OSError:
+        return None
+    for name in names:
+        try:
+            info = read_json(os.path.join(staging, name))
+            return f"rank {info['rank']}: {info['error']}"
+        except (CheckpointError, KeyError, TypeError):
+            return f"{name[:-5].replace('_', ' ')}: (unreadable failure record)"
+    return None
+
+
+def wait_markers(staging: str, world: int, timeout_s: float, poll_s: float = 0.02) -> list[dict[str, Any]]:
+    """Rank 0 of an async save: wait (polling the file system, no collectives) for every rank's marker.
+
+    Raises as soon as a rank published a failure, or when ``timeout_s`` passes.
+    """
     deadline = time.monotonic() + timeout_s
     missing = list(range(world))
     while missing:
         missing = [r for r in missing if not os.path.exists(os.path.join(staging, marker_file(r)))]
         if not missing:
             break
+        failure = first_failure(staging)
+        if failure is not None:
+            raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
+                                  f"the write failed on {failure}")
         if time.monotonic() > deadline:
             raise CheckpointError(f"checkpoint in {staging}: rank(s) {missing} did not finish writing within "
                                   f"{timeout_s:.0f} s; the checkpoint was not committed")
-        time.sleep(0.01)
+        time.sleep(poll_s)
     return [read_json(os.path.join(staging, marker_file(r))) for r in range(world)]
+
+
+def write_outcome(staging: str, error: str | None) -> None:
+    """Rank 0 of an async save: the save's outcome, which every other rank's writer waits for."""
+    with contextlib.suppress(OSError):
+        write_json(outcome_file(staging), {"ok": error is None, "error": error})
+
+
+def wait_outcome(staging: str, timeout_s: float, poll_s: float = 0.02) -> None:
+    """Ranks other than 0 of an async save: return once rank 0 committed; raise if any rank failed."""
+    deadline = time.monotonic() + timeout_s
+    path = outcome_file(staging)
+    while not os.path.exists(path):
+        failure = first_failure(staging)
+        if failure is not None:
+            raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
+                                  f"the write failed on {failure}")
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint in {staging}: rank 0 did not commit it within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    outcome = read_json(path)
+    if not outcome.get("ok"):
+        raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
+                              f"{outcome.get('error')}")
 
 
 def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]], save_latest: bool) -> str:

@@ -16,6 +16,7 @@ import torch
 from ... import comm
 from ...precision import NoScaler
 from . import layout, module_state
+from .agree import check_same_checkpoint
 from .errors import CheckpointError
 from .save import CLIENT_FILE, writer_of
 from .state import from_json, restore_param_group_options, set_rng_state
@@ -38,13 +39,40 @@ def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
         raise CheckpointError(errors[0])
 
 
+def _partitioning(stage: int, world: int) -> str:
+    """How the optimizer state is laid out: replicated (stage 0), or flat partitions over ``world`` ranks."""
+    if stage == 0 or world == 1:
+        return "unpartitioned (ZeRO stage 0, or a single data-parallel rank)"
+    return f"partitioned by ZeRO stage {'3' if stage == 3 else '1/2'} over {world} data-parallel ranks"
+
+
+def check_partitioning(engine: Any, meta: dict[str, Any], ckpt: str) -> None:
+    """``checkpoint.load_universal: false`` (DeepSpeed's default): the optimizer state must go back into the
+    partitioning it was saved from, as DeepSpeed requires of a non-universal checkpoint. ``true`` lets it
+    reshard to any world size and stage (every zerospeed checkpoint is stored universally)."""
+    if engine.config.checkpoint.load_universal or engine.optimizer is None or meta.get("optimizer") is None:
+        return
+    world = comm.get_world_size(engine.dp_group)
+    saved = _partitioning(int(meta["zero_stage"]), int(meta["world_size"]))
+    here = _partitioning(engine.zero_optimization_stage(), world)
+    if saved != here:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds optimizer state saved {saved}; this engine runs {here}. Loading it here "
+            "reshards the optimizer state: set \"checkpoint\": {\"load_universal\": true} to allow that (zerospeed "
+            "checkpoints reshard to any world size and stage), or load_checkpoint(..., load_optimizer_states=False)")
+
+
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
     writer_of(engine).wait()
     group = engine.dp_group
     rank = comm.get_rank(group)
-    ckpt = layout.resolve(os.fspath(load_dir), None if tag is None else str(tag))
+    try:
+        ckpt, error = layout.resolve(os.fspath(load_dir), None if tag is None else str(tag)), ""
+    except CheckpointError as exc:
+        ckpt, error = None, str(exc)
+    check_same_checkpoint(os.fspath(load_dir), ckpt, error, group)
     if ckpt is None:
         warnings.warn(f"no checkpoint to load: {os.path.join(load_dir, layout.LATEST)} does not exist "
                       "(pass tag= to pick one)", stacklevel=3)
@@ -55,13 +83,15 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     index = layout.read_json(os.path.join(ckpt, layout.INDEX))
     if meta.get("format") != layout.FORMAT:
         raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata")
+    if load_optimizer_states and not load_module_only:
+        check_partitioning(engine, meta, ckpt)
     module_state.check_names(engine.module, meta["tensors"], load_module_strict)
     names = names_by_id(engine.module)
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
     grouped = {names[id(p)] for g in groups for p in g.params}
     reader = CheckpointReader(ckpt, index)
     try:
-        load_params(groups, names, reader)
+        load_params(groups, names, reader, from_fp32=engine.config.zero_optimization.load_from_fp32_weights)
         module_state.load_rest(engine.module, grouped, meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE), reader)
         if not load_module_only:
             _load_training_state(engine, meta, reader, names, load_optimizer_states, load_lr_scheduler_states)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ from typing import Any
 import torch
 
 from ... import comm
+from . import agree
 from .async_save import BackgroundWriter, SaveStats
+from .errors import CheckpointError
 from .state import param_group_options, rng_state, to_json
 from .tensor_file import write_tensors
 from . import layout, module_state
@@ -97,42 +100,117 @@ def write_snapshot(snap: RankSnapshot, staging: str) -> int:
     return sum(f["bytes"] for f in files.values())
 
 
+def _check_accumulation(engine: Any) -> None:
+    """Refuse to save gradients half-accumulated: they are not part of a checkpoint, and dropping them
+    silently would make the resumed run differ from the uninterrupted one."""
+    if getattr(engine, "_accumulating", False):
+        gas = engine.gradient_accumulation_steps()
+        raise CheckpointError(
+            f"save_checkpoint called in the middle of a gradient accumulation (micro-step {engine.micro_steps} with "
+            f"gradient_accumulation_steps={gas}): the partially accumulated gradients are not stored in a "
+            "checkpoint. Save after the engine.step() that ends the accumulation "
+            "(is_gradient_accumulation_boundary()).")
+
+
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                     save_latest: bool = True, async_save: bool = False, commit_timeout_s: float | None = None) -> SaveStats:
-    """Collective over the engine's data-parallel group; see ``layout`` for the commit protocol."""
+    """Collective over the engine's data-parallel group; see ``layout`` for the commit protocol and
+    ``agree`` for what the ranks must agree on. A failure on any rank fails the save on every rank."""
     writer = writer_of(engine)
     writer.wait()
+    _check_accumulation(engine)
     t0 = time.perf_counter()
     group = engine.dp_group
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
-    tags = comm.all_gather_object(tag, group=group)
-    if len(set(tags)) != 1:
-        raise ValueError(f"save_checkpoint: ranks passed different tags {tags}; every rank must pass the same tag")
     save_dir = os.fspath(save_dir)
-    staging = comm.broadcast_object(layout.begin(save_dir, tag) if rank == 0 else None, src=0, group=group)
+    tag, dirs = agree.agree_on_tag_and_dir(tag, save_dir, engine.config.checkpoint.tag_validation, group)
+    begun: str | Exception = ""
+    if rank == 0:
+        try:
+            begun = os.path.basename(layout.begin(save_dir, tag))
+        except OSError as exc:
+            begun = exc
+    name = comm.broadcast_object(begun if isinstance(begun, str) else "", src=0, group=group)
+    if not name:
+        raise CheckpointError(f"save_checkpoint: rank 0 could not create the checkpoint in {dirs[0]}: {begun}"
+                              if rank == 0 else f"save_checkpoint: rank 0 could not create the checkpoint in {dirs[0]}")
+    try:
+        agree.check_staging_visible(save_dir, name, dirs, group)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        raise
+    staging = os.path.join(save_dir, name)
     timeout = commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S
     final = os.path.join(save_dir, tag)
     if async_save:
-        snap = snapshot(engine, rank, world, client_state or {}, copy=True)
-        stats = SaveStats(final, stall_s=0.0)
-
-        def job() -> int:
-            nbytes = write_snapshot(snap, staging)
-            if rank == 0:
-                layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest)
-            return nbytes
-
-        writer.submit(job, stats)
-        stats.stall_s = time.perf_counter() - t0
-        return stats
-    snap = snapshot(engine, rank, world, client_state or {}, copy=False)
-    t1 = time.perf_counter()
-    nbytes = write_snapshot(snap, staging)
-    comm.barrier(group)
+        return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0)
+    error, nbytes, t1 = "", 0, time.perf_counter()
+    try:
+        snap = snapshot(engine, rank, world, client_state or {}, copy=False)
+        t1 = time.perf_counter()
+        nbytes = write_snapshot(snap, staging)
+    except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        agree.raise_if_any(error, group, f"save_checkpoint({final!r})",
+                           f". Nothing was committed; '{layout.LATEST}' still names the previous checkpoint.")
+    except CheckpointError:
+        if rank == 0:  # every rank is done with the staging directory
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    commit_error = ""
     if rank == 0:
-        layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest)
-    comm.barrier(group)
+        try:
+            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest)
+        except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank below
+            commit_error = f"{type(exc).__name__}: {exc}"
+    commit_error = comm.broadcast_object(commit_error, src=0, group=group)
+    if commit_error:
+        raise CheckpointError(f"save_checkpoint({final!r}): rank 0 could not commit the checkpoint: {commit_error}")
     stats = SaveStats(final, stall_s=time.perf_counter() - t0, write_s=time.perf_counter() - t1, bytes=nbytes, done=True)
     writer.last = stats
+    return stats
+
+
+def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, client_state: dict[str, Any] | None,
+                save_dir: str, tag: str, staging: str, save_latest: bool, timeout: float, t0: float) -> SaveStats:
+    """Snapshot now; write, then (rank 0) commit or (others) wait for the outcome, in the writer thread.
+
+    A failure on any rank is published into the staging directory, so every rank's save fails within a
+    poll interval (``wait_for_checkpoint`` / the next save re-raise it) and nothing is committed.
+    """
+    def fail(exc: Exception) -> CheckpointError:
+        error = f"{type(exc).__name__}: {exc}"
+        layout.publish_failure(staging, rank, error)
+        if rank == 0:
+            layout.write_outcome(staging, f"rank 0: {error}")
+        return CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): the write failed "
+                               f"on rank {rank}: {error}")
+
+    try:
+        snap = snapshot(engine, rank, world, client_state or {}, copy=True)
+    except Exception as exc:
+        raise fail(exc) from exc
+    stats = SaveStats(os.path.join(save_dir, tag), stall_s=0.0)
+
+    def job() -> int:
+        try:
+            nbytes = write_snapshot(snap, staging)
+        except Exception as exc:
+            raise fail(exc) from exc
+        if rank != 0:
+            layout.wait_outcome(staging, timeout)
+            return nbytes
+        try:
+            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest)
+        except Exception as exc:
+            layout.write_outcome(staging, f"{type(exc).__name__}: {exc}")
+            raise
+        layout.write_outcome(staging, None)
+        return nbytes
+
+    writer.submit(job, stats)
+    stats.stall_s = time.perf_counter() - t0
     return stats

@@ -179,17 +179,27 @@ class CheckpointReader:
 
 
 @torch.no_grad()
-def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: CheckpointReader) -> None:
-    """Model parameters (cast) and this rank's fp32 master shards, from the full fp32 master of each parameter."""
+def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: CheckpointReader,
+                from_fp32: bool = True) -> None:
+    """Model parameters (cast) and this rank's fp32 master shards, from the full fp32 master of each parameter.
+
+    ``from_fp32=False`` (``zero_optimization.load_from_fp32_weights: false``) re-creates the master from the
+    16-bit model weights instead, as DeepSpeed does: the saved master rounded to the parameter's dtype.
+    """
     sharded: list[ShardedGroup] = []
     for op in owned_params(groups, names):
         params_sharded = getattr(op.group, "params_sharded", False) and not op.group.alias
+        lp_dtype = None if from_fp32 or op.param.dtype == torch.float32 else op.param.dtype
         if params_sharded:  # stage 3: read only the owned range; the group writes its local shards below
             part = reader.read_range(f"master/{op.name}", op.lo, op.hi)
+            if lp_dtype is not None:
+                part = part.to(lp_dtype).float()
             if not sharded or sharded[-1] is not op.group:
                 sharded.append(op.group)
         else:
             full = reader.read_range(f"master/{op.name}", 0, op.numel)
+            if lp_dtype is not None:
+                full = full.to(lp_dtype).float()
             op.param.data.copy_(full.view(op.shape))
             if op.group.alias:
                 continue
