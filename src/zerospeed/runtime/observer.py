@@ -33,7 +33,7 @@ class StepObserver:
         self.timers = Timers()
         self.breakdown = config.wall_clock_breakdown
         self.monitor = build_monitors(config.tensorboard, config.csv_monitor, config.wandb, rank=rank)
-        self.flops_profiler = (FlopsProfiler(engine.module, config.flops_profiler, ds_engine=engine)
+        self.flops_profiler = (FlopsProfiler(engine.module, engine, config=config.flops_profiler)
                                if config.flops_profiler.enabled and rank == 0 else None)
         self.loss_sum: torch.Tensor | float = 0.0
         self.step_started = time.perf_counter()
