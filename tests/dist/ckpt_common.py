@@ -1,13 +1,10 @@
-"""Shared helpers of the checkpoint tests: build the parity engine, train a few steps, probe stage 3."""
+"""Shared helpers of the checkpoint tests: build the parity engine, train a few steps, read the full state."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-
-from zerospeed.testing import run_distributed
 
 from .parity import make_model, micro_batch, param_groups
 
@@ -66,17 +63,3 @@ def full_state(engine: Any, fp32: bool = False) -> dict[str, torch.Tensor]:
 
     sd = full_state_dict(engine.module, engine.optimizer, fp32=fp32, rank0_only=False)
     return {k: v.detach().clone() for k, v in sd.items()}
-
-
-@functools.lru_cache(maxsize=1)
-def stage3_available() -> bool:
-    def probe() -> bool:
-        from zerospeed.config.errors import NotSupportedYetError
-
-        try:
-            build(3)
-        except NotSupportedYetError:
-            return False
-        return True
-
-    return bool(run_distributed(probe, 1, timeout=60)[0])

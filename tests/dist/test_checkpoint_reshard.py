@@ -14,7 +14,7 @@ import torch
 
 from zerospeed.testing import run_distributed
 
-from .ckpt_common import build, full_state, stage3_available, train
+from .ckpt_common import build, full_state, train
 
 
 def _save_run(stage: int, path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -35,13 +35,7 @@ def _load_run(stage: int, path: str) -> tuple[list[float], dict[str, torch.Tenso
 CASES = [(2, 2, 1, 0), (2, 2, 4, 1), (4, 2, 2, 1), (2, 3, 1, 0), (2, 2, 4, 3), (4, 3, 2, 1)]
 
 
-def _case(c: tuple[int, int, int, int]) -> Any:
-    if 3 in (c[1], c[3]):
-        return pytest.param(*c, marks=pytest.mark.skipif("not stage3_available()", reason="ZeRO stage 3 not landed"))
-    return c
-
-
-@pytest.mark.parametrize(("save_world", "save_stage", "load_world", "load_stage"), [_case(c) for c in CASES])
+@pytest.mark.parametrize(("save_world", "save_stage", "load_world", "load_stage"), CASES)
 def test_reshard(save_world: int, save_stage: int, load_world: int, load_stage: int, tmp_path: Any) -> None:
     (ref, saved), *_ = run_distributed(_save_run, save_world, save_stage, str(tmp_path), timeout=120)
     results = run_distributed(_load_run, load_world, load_stage, str(tmp_path), timeout=120)

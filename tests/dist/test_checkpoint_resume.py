@@ -9,7 +9,7 @@ import torch
 
 from zerospeed.testing import run_distributed
 
-from .ckpt_common import build, full_state, stage3_available, train
+from .ckpt_common import build, full_state, train
 
 PRECISIONS: dict[str, dict[str, Any]] = {
     "fp32": {},
@@ -36,18 +36,9 @@ def _second_half(stage: int, extra: dict[str, Any], path: str) -> tuple[list[flo
     return rest, scaler, client, full_state(engine)
 
 
-def _stage_param(stage: int) -> Any:
-    if stage == 3:
-        return pytest.param(3, marks=pytest.mark.skipif("not stage3_available()",
-                                                         reason="ZeRO stage 3 not landed (NotSupportedYetError)"))
-    return stage
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("stage", [_stage_param(s) for s in (0, 1, 2, 3)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_is_bitwise(stage: int, precision: str, tmp_path: Any) -> None:
-    if precision != "fp32" and stage == 0:
-        pytest.skip("half precision covered at stages 1-2 (stage 0 shares their code path at world 2)")
     extra = PRECISIONS[precision]
     world = 2
     first = run_distributed(_first_half, world, stage, extra, str(tmp_path), timeout=120)

@@ -1,4 +1,10 @@
-"""Memory reports: DeepSpeed's ``see_memory_usage`` and a resettable per-rank peak tracker.
+"""Memory reports: DeepSpeed's ``see_memory_usage``, a resettable per-rank peak tracker, and step measurements.
+
+Two kinds of figures, never to be confused: ``engine.memory_breakdown()`` is *accounting* (the bytes of
+persistent model state the library holds: params, grads, masters, optimizer state), while
+:func:`measure_memory` is a *measurement* of what the process really used over a block (allocator peak on
+CUDA, resident-set peak on the host), transient buffers included (activations, gathered parameters,
+communication buckets, temporaries).
 
 On CUDA the numbers come from the caching allocator (allocated / reserved / their peaks). On the host they
 come from the process resident set: current RSS via psutil, and the peak ("high-water mark", VmHWM) from
@@ -13,6 +19,9 @@ import os
 import re
 import resource
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -104,6 +113,75 @@ class MemoryTracker:
 
     def report(self) -> dict[str, int]:
         return {"current_bytes": self.current_bytes(), "peak_bytes": self.peak_bytes()}
+
+
+@dataclass
+class MemoryMeasurement:
+    """Measured memory of one block: where the numbers come from, usage at its start, and its peak."""
+
+    source: str  # "cuda allocator (max_memory_allocated)" or "process RSS (peak resident set)"
+    start_bytes: int
+    peak_bytes: int = 0
+
+    @property
+    def growth_bytes(self) -> int:
+        """Peak above the start: what the block needed on top of what was already resident."""
+        return max(0, self.peak_bytes - self.start_bytes)
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {"source": self.source, "start_bytes": self.start_bytes, "peak_bytes": self.peak_bytes,
+                "growth_bytes": self.growth_bytes}
+
+
+class PeakMeter:
+    """Start/stop form of :func:`measure_memory`, for a block that spans hooks (the engine's step).
+
+    ``start()`` while running is a no-op, so the first micro-step of an accumulation opens the measurement
+    and the optimizer step closes it; ``last`` keeps the latest finished measurement.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device
+        self.last: MemoryMeasurement | None = None
+        self._tracker: MemoryTracker | None = None
+        self._current: MemoryMeasurement | None = None
+
+    @property
+    def current(self) -> MemoryMeasurement | None:
+        """The measurement in progress (its ``peak_bytes`` is set by :meth:`stop`)."""
+        return self._current
+
+    def start(self) -> None:
+        if self._current is not None:
+            return
+        self._tracker = MemoryTracker(self.device)  # resets the peak counter
+        source = "cuda allocator (max_memory_allocated)" if self._tracker.on_cuda else "process RSS (peak resident set)"
+        self._current = MemoryMeasurement(source, self._tracker.current_bytes())
+
+    def stop(self) -> MemoryMeasurement | None:
+        if self._current is None or self._tracker is None:
+            return None
+        self._current.peak_bytes = self._tracker.peak_bytes()
+        self.last, self._current, self._tracker = self._current, None, None
+        return self.last
+
+
+@contextmanager
+def measure_memory(device: torch.device | str | None = None) -> Iterator[MemoryMeasurement]:
+    """Measure the peak memory of the ``with`` block (transient buffers included).
+
+    CUDA: the caching allocator's peak allocated bytes (its peak counter is reset at the start). Host: the
+    kernel's peak RSS of this process (reset at the start through ``/proc/self/clear_refs``). Both resets
+    are process-wide: a peak read elsewhere afterwards covers only the time since this block began.
+    ``peak_bytes`` is filled in when the block ends.
+    """
+    meter = PeakMeter(device)
+    meter.start()
+    assert meter.current is not None
+    try:
+        yield meter.current
+    finally:
+        meter.stop()
 
 
 def memory_usage_string(message: str) -> str:

@@ -188,7 +188,10 @@ class Engine(nn.Module):
         return self.loss_scale
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes of model state held by this rank, by kind (persistent buffers only)."""
+        """Accounting, not measurement: bytes of persistent model state held by this rank, by kind.
+
+        Transient memory (activations, gathered ZeRO-3 parameters, communication buckets, temporaries) is not
+        in it; :meth:`measured_memory` gives the measured peak of the last step."""
         params = (self.zero3.param_bytes() if self.zero3 is not None
                   else sum(p.numel() * p.element_size() for p in self.module.parameters()))
         buffers = sum(b.numel() * b.element_size() for b in self.module.buffers())
@@ -199,6 +202,12 @@ class Engine(nn.Module):
         out["model_states"] = params + grads + master + state
         out["total"] = out["model_states"] + buffers
         return out
+
+    def measured_memory(self) -> dict[str, Any] | None:
+        """Measured peak of the last optimizer step, transient buffers included (CUDA allocator peak, or peak
+        process RSS on CPU), with the usage at the step's start; None unless ``memory_breakdown`` is on."""
+        meter = self.observer.memory_meter
+        return None if meter is None or meter.last is None else meter.last.as_dict()
 
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown

@@ -15,7 +15,7 @@ import torch
 from .. import comm
 from ..config import ZeroSpeedConfig
 from ..profiling.flops_profiler import FlopsProfiler
-from ..profiling.memory import peak_rss_bytes
+from ..profiling.memory import PeakMeter, peak_rss_bytes
 from ..profiling.monitor import build_monitors
 from ..profiling.timers import Timers
 
@@ -33,16 +33,20 @@ class StepObserver:
         self.timers = Timers()
         self.breakdown = config.wall_clock_breakdown
         self.monitor = build_monitors(config.tensorboard, config.csv_monitor, config.wandb, rank=rank)
-        self.flops_profiler = (FlopsProfiler(engine.module, config.flops_profiler, ds_engine=engine)
+        self.flops_profiler = (FlopsProfiler(engine.module, engine, config=config.flops_profiler)
                                if config.flops_profiler.enabled and rank == 0 else None)
         self.loss_sum: torch.Tensor | float = 0.0
         self.step_started = time.perf_counter()
         self.last_step_seconds = 0.0
         self.history: list[dict[str, float]] = []
         self._comm_seconds = 0.0
+        # memory_breakdown: measure each step's real peak (transient buffers included) beside the accounting
+        self.memory_meter = PeakMeter(engine.device) if config.memory_breakdown else None
 
     # --- hooks ------------------------------------------------------------------------------------
     def forward_start(self) -> None:
+        if self.memory_meter is not None:
+            self.memory_meter.start()  # no-op after the first micro-step of the step
         if self.flops_profiler is not None:
             self.flops_profiler.on_forward_start(self.engine.global_steps + 1)
         if self.breakdown:
@@ -73,6 +77,8 @@ class StepObserver:
             self.timers(STEP).stop()
         if not boundary:
             return
+        if self.memory_meter is not None:
+            self.memory_meter.stop()
         eng = self.engine
         now = time.perf_counter()
         self.last_step_seconds = now - self.step_started
@@ -125,7 +131,12 @@ class StepObserver:
             print("[zerospeed] " + self.timers.log(names, normalizer=float(self.config.steps_per_print))
                   + f" | comm (last step): {record['comm_seconds'] * 1e3:.2f}", flush=True)
         if self.config.memory_breakdown:
-            print(f"[zerospeed] rank {self.rank} model-state bytes: {eng.memory_breakdown()}", flush=True)
+            print(f"[zerospeed] rank {self.rank} model-state bytes (accounted): {eng.memory_breakdown()}", flush=True)
+            measured = eng.measured_memory()
+            if measured is not None:
+                print(f"[zerospeed] rank {self.rank} step peak (measured: {measured['source']}): "
+                      f"{measured['peak_bytes'] / 2**20:.1f} MiB, +{measured['growth_bytes'] / 2**20:.1f} MiB "
+                      "over the step's start", flush=True)
         if self.config.comms_logger.enabled:
             print(comm.COMMS_LOGGER.summary(eng.dp_world_size), flush=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .counter import FlopCounter, ModuleStats
 from .peaks import PEAK_FLOPS, mfu, peak_flops
 from .profiler import FlopsProfiler, get_model_profile
-from .rules import attention_counts, count_op
+from .rules import attention_counts, count_call
 from .units import (
     duration_to_string,
     flops_to_string,
@@ -20,7 +20,7 @@ __all__ = [
     "FlopsProfiler",
     "ModuleStats",
     "attention_counts",
-    "count_op",
+    "count_call",
     "duration_to_string",
     "flops_to_string",
     "get_model_profile",

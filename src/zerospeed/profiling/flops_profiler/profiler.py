@@ -56,39 +56,52 @@ def _engine_info(engine: Any) -> RunInfo:
 class FlopsProfiler:
     """Measures params, MACs, FLOPs and latency of each module of ``model`` during profiled forwards.
 
+    The arguments are DeepSpeed's, positional as there: ``FlopsProfiler(model, ds_engine,
+    recompute_fwd_factor)``. Counts follow DeepSpeed's conventions exactly (see :mod:`.rules`).
+
     Args:
         model: the module to profile (its forward is counted, children included).
-        config: the ``flops_profiler`` config section (profile step, depth, output file, recompute factor).
         ds_engine: optional engine-like object giving world sizes, micro-batch size and ``timers`` (with
             ``wall_clock_breakdown()``), for whole-step throughput in the report.
-        recompute_fwd_factor: overrides ``config.recompute_fwd_factor``: the share of the forward that
-            activation checkpointing recomputes in backward (a step is ``3 + factor`` forward FLOPs).
+        recompute_fwd_factor: the share of the forward that activation checkpointing recomputes in backward
+            (a training step is ``3 + factor`` forward FLOPs).
+        config: the ``flops_profiler`` config section (profile step, depth, output file) for the engine hooks;
+            keyword only. When given and ``recompute_fwd_factor`` is left at 0, the section's factor is used.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        config: FlopsProfilerConfig | None = None,
-        *,
         ds_engine: Any = None,
-        recompute_fwd_factor: float | None = None,
+        recompute_fwd_factor: float = 0.0,
+        *,
+        config: FlopsProfilerConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"FlopsProfiler needs a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(ds_engine, FlopsProfilerConfig):
+            raise ValueError("FlopsProfiler(model, ds_engine, recompute_fwd_factor): pass the config section "
+                             "as config=...")
         self.model = model
         self.config = config or FlopsProfilerConfig()
         self.ds_engine = ds_engine
-        factor = self.config.recompute_fwd_factor if recompute_fwd_factor is None else recompute_fwd_factor
+        factor = recompute_fwd_factor or self.config.recompute_fwd_factor
         if factor < 0:
             raise ValueError(f"recompute_fwd_factor must be >= 0, got {factor}")
         self.recompute_fwd_factor = float(factor)
         self.started = False
         self._counter: FlopCounter | None = None
-        self.flops = self.macs = self.params = 0
+        self.flops: float = 0
+        self.macs: float = 0
+        self.params = 0
 
     # --- DeepSpeed API --------------------------------------------------------------------------------
     def start_profile(self, ignore_list: Sequence[type] | None = None) -> None:
-        """Reset the numbers and start counting every forward of the model."""
+        """Reset the numbers and start counting every forward of the model.
+
+        Modules whose type is in ``ignore_list`` get no figures of their own; as in DeepSpeed, the
+        functions they call still count for their parent (totals do not change).
+        """
         if self._counter is not None:
             self._counter.detach()
         self._counter = FlopCounter(self.model, tuple(ignore_list or ()))
@@ -113,17 +126,18 @@ class FlopsProfiler:
     def _stats(self, module: nn.Module) -> ModuleStats:
         if self._counter is None:
             return ModuleStats()
-        return self._counter.stats.get(module, ModuleStats())
+        return self._counter.stats(module)
 
-    def get_total_flops(self, as_string: bool = False) -> int | str:
+    def get_total_flops(self, as_string: bool = False) -> float | str:
         flops = self._stats(self.model).flops
         return number_to_string(flops) if as_string else flops
 
-    def get_total_macs(self, as_string: bool = False) -> int | str:
+    def get_total_macs(self, as_string: bool = False) -> float | str:
         macs = self._stats(self.model).macs
         return macs_to_string(macs) if as_string else macs
 
     def get_total_params(self, as_string: bool = False) -> int | str:
+        """Parameters of the model, each counted once (under ZeRO-3 the full sizes, not the placeholders)."""
         params = module_params(self.model)
         return params_to_string(params) if as_string else params
 
@@ -167,9 +181,9 @@ class FlopsProfiler:
         """Print the profile to stdout, or write it to ``output_file`` (its folder is created)."""
         if not self.started:
             return
-        self.flops = int(self.get_total_flops())
-        self.macs = int(self.get_total_macs())
-        self.params = int(self.get_total_params())
+        self.flops = self._stats(self.model).flops
+        self.macs = self._stats(self.model).macs
+        self.params = module_params(self.model)
         text = self.profile_string(profile_step, module_depth, top_modules, detailed)
         if output_file:
             folder = os.path.dirname(os.path.abspath(output_file))

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
+from ...zero.stage3.param_store import shard_of
 from .counter import ModuleStats
 from .peaks import mfu, peak_flops
 from .units import (
@@ -42,8 +44,15 @@ class RunInfo:
     device_name: str = "cpu"
 
 
+def full_numel(param: torch.Tensor) -> int:
+    """A parameter's full size: under ZeRO-3 its data is a placeholder and the shard state knows the size."""
+    shard = shard_of(param)
+    return shard.numel if shard is not None else param.numel()
+
+
 def module_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    """Parameters of ``module`` and its children, each counted once, at full size (as DeepSpeed counts)."""
+    return sum(full_numel(p) for p in module.parameters())
 
 
 def _pct(part: float, whole: float) -> float:

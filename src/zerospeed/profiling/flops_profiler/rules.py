@@ -1,189 +1,246 @@
-"""Counting rules: how many MACs and FLOPs one operator performs, from its tensor shapes.
+"""Counting rules: DeepSpeed's flops-profiler conventions, one rule per torch function it counts.
 
-Conventions (the same as DeepSpeed's flops profiler, so numbers compare):
+DeepSpeed counts the calls of a fixed set of functions (it monkey-patches them); everything else is 0.
+We count the same calls through a ``TorchFunctionMode`` (see :mod:`.counter`), with the same formulas, so
+the numbers equal DeepSpeed's (checked against DeepSpeed 0.19.8 in ``tests/unit/test_flops_deepspeed_parity.py``):
 
-* matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``dot``; so ``nn.Linear`` and ``matmul``):
-  MACs = product of the output elements and the contracted size; FLOPs = 2 * MACs. A bias fused into
-  ``addmm``/``baddbmm`` is *not* counted (DeepSpeed: linear FLOPs = 2 * MACs).
-* convolution (and transposed): MACs = output (input, when transposed) elements * (in/groups channels) *
-  kernel size; FLOPs = 2 * MACs + one add per output element when there is a bias (as DeepSpeed).
-* attention (``F.scaled_dot_product_attention`` and its fused kernels): the two products
-  ``Q @ K^T`` and ``P @ V``: MACs = B * H * L * S * (E + Ev), FLOPs = 2 * MACs; softmax, scaling and
-  masking inside the kernel are not counted, and a causal mask does not halve the count.
-* embedding lookups and dropout: 0.
-* activations and softmax: 1 FLOP per output element; layer/group norm: 5 per element with an affine weight
-  (4 without); batch norm: 5/4 when training, 2/1 in eval; elementwise arithmetic (add, sub, mul, div, pow,
-  sqrt, rsqrt, exp): 1 per output element; reductions (sum, mean): 1 per input element. None have MACs.
-
-Operators with no rule here fall back to ``torch.utils.flop_counter``'s registry (MACs = FLOPs / 2), and
-are otherwise counted as 0.
+* ``F.linear``: MACs = input elements * out features, FLOPs = 2 * MACs (the bias is *not* counted);
+  ``torch.addmm`` / ``Tensor.addmm`` / ``torch.baddbmm``: 2 * MACs + the elements of the added tensor;
+  ``torch.matmul`` / ``Tensor.matmul`` / ``@`` / ``mm`` / ``bmm``: MACs = input elements * other's last dim;
+* convolutions: MACs = output positions * kernel size * in channels * filters per group; FLOPs = 2 * MACs
+  plus one add per output element with a bias (transposed: MACs over the positions of the *input*);
+* ``F.scaled_dot_product_attention``: ``Q @ K^T`` and ``P @ V`` (softmax, scale, mask not counted);
+* ``F.relu``, ``F.prelu``, ``F.elu``, ``F.leaky_relu``, ``F.relu6``, ``F.silu``, ``F.gelu``, ``F.softmax``
+  and every pooling: 1 FLOP per *input* element. Not counted (0): ``torch.tanh``/``nn.Tanh``, sigmoid,
+  hardswish, ``nn.ReLU6`` (it runs ``F.hardtanh``), ``Tensor.softmax``, dropout, embeddings;
+* norms: layer/group/instance norm 5 FLOPs per element with an affine weight, 4 without; batch norm the
+  same in training, 2 (affine) or 1 in eval;
+* ``F.interpolate``: the output size's elements when ``size`` is given (no batch or channels), else
+  input elements * scale_factor ** spatial dims;
+* ``torch.mul``/``Tensor.mul``/``torch.add``/``Tensor.add``: elements of the broadcast result. Operator
+  syntax (``a * b``, ``a + b``) is not counted: DeepSpeed never sees it;
+* ``torch.einsum``: numpy's optimal contraction cost (``np.einsum_path``), no MACs;
+* RNN modules (``nn.RNN/GRU/LSTM`` and their cells) are priced per module by :func:`rnn_module_flops`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils import flop_counter
-
-aten = torch.ops.aten
+import torch.nn.functional as F
+from torch import nn
 
 Counts = tuple[int, int]  # (flops, macs)
-Rule = Callable[[Sequence[Any], dict[str, Any], Any], Counts]
+Rule = Callable[..., Counts]
 
 
-def _numel(x: Any) -> int:
-    return x.numel() if isinstance(x, torch.Tensor) else 0
+def _numel(shape: Any) -> int:
+    return math.prod(shape)
 
 
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, tuple | list):
-        for item in x:
-            if isinstance(item, torch.Tensor):
-                return item
-    return None
+def _per_input(input: torch.Tensor, *args: Any, **kwargs: Any) -> Counts:
+    return input.numel(), 0
 
 
-def _product(m: int, k: int, n: int, batch: int = 1) -> Counts:
-    macs = batch * m * k * n
+def _zero(*args: Any, **kwargs: Any) -> Counts:
+    return 0, 0
+
+
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Any = None) -> Counts:
+    macs = input.numel() * weight.shape[0]
     return 2 * macs, macs
 
 
-def _mm(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    a, b = args[0], args[1]
-    return _product(a.shape[0], a.shape[1], b.shape[1])
+def _spatial(value: Any, length: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, tuple | list) else (value,) * length
 
 
-def _addmm(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return _mm(args[1:], kwargs, out)
+def _conv(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, stride: Any = 1, padding: Any = 0,
+          dilation: Any = 1, groups: int = 1) -> Counts:
+    kernel, dims = list(weight.shape[2:]), list(input.shape[2:])
+    strides, dilations = _spatial(stride, len(dims)), _spatial(dilation, len(dims))
+    if padding == "valid":
+        paddings: tuple[int, ...] = (0,) * len(dims)
+    elif padding == "same":
+        paddings = tuple(d * (k - 1) // 2 for d, k in zip(dilations, kernel))
+    else:
+        paddings = _spatial(padding, len(dims))
+    out = [(n + 2 * p - (d * (k - 1) + 1)) // s + 1 for n, p, d, k, s in zip(dims, paddings, dilations, kernel, strides)]
+    positions = input.shape[0] * _numel(out)
+    macs = _numel(kernel) * input.shape[1] * (weight.shape[0] // groups) * positions
+    bias_flops = weight.shape[0] * positions if bias is not None else 0
+    return 2 * macs + bias_flops, macs
 
 
-def _bmm(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    a, b = args[0], args[1]
-    return _product(a.shape[1], a.shape[2], b.shape[2], batch=a.shape[0])
+def _conv_transpose(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, stride: Any = 1,
+                    padding: Any = 0, output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Counts:
+    kernel, dims = list(weight.shape[2:]), list(input.shape[2:])
+    paddings, strides = _spatial(padding, len(dims)), _spatial(stride, len(dims))
+    dilations, extra = _spatial(dilation, len(dims)), _spatial(output_padding, len(dims))
+    out = [(n - 1) * s - 2 * p + d * (k - 1) + e + 1
+           for n, s, p, d, k, e in zip(dims, strides, paddings, dilations, kernel, extra)]
+    macs = _numel(kernel) * input.shape[1] * weight.shape[1] * input.shape[0] * _numel(dims)
+    bias_flops = weight.shape[1] * groups * input.shape[0] * _numel(out) if bias is not None else 0
+    return 2 * macs + bias_flops, macs
 
 
-def _baddbmm(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return _bmm(args[1:], kwargs, out)
+def _affine_norm(input: torch.Tensor, weight: Any) -> Counts:
+    return input.numel() * (5 if weight is not None else 4), 0
 
 
-def _mv(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return _product(args[0].shape[0], args[0].shape[1], 1)
+def _layer_norm(input: torch.Tensor, normalized_shape: Any, weight: Any = None, *args: Any, **kw: Any) -> Counts:
+    return _affine_norm(input, weight)
 
 
-def _dot(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return _product(1, args[0].shape[0], 1)
+def _group_norm(input: torch.Tensor, num_groups: int, weight: Any = None, *args: Any, **kw: Any) -> Counts:
+    return _affine_norm(input, weight)
 
 
-def _convolution(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    x, weight, bias = args[0], args[1], args[2]
-    transposed = bool(args[6]) if len(args) > 6 else False
-    # Every weight element meets every spatial position once: of the output normally, of the input when
-    # transposed (weight is (out, in/groups, *k), resp. (in, out/groups, *k), so groups are already folded in).
-    source = x if transposed else out
-    macs = source.shape[0] * math.prod(source.shape[2:]) * weight.numel()
-    flops = 2 * macs + (_numel(out) if bias is not None else 0)
-    return flops, macs
+def _instance_norm(input: torch.Tensor, running_mean: Any = None, running_var: Any = None, weight: Any = None,
+                   *args: Any, **kw: Any) -> Counts:
+    return _affine_norm(input, weight)
+
+
+def _batch_norm(input: torch.Tensor, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
+                training: bool = False, *args: Any, **kw: Any) -> Counts:
+    if training:
+        return _affine_norm(input, weight)
+    return input.numel() * (2 if weight is not None else 1), 0
+
+
+def _interpolate(input: torch.Tensor, size: Any = None, scale_factor: Any = None, *args: Any, **kw: Any) -> Counts:
+    if size is not None:
+        return (_numel(size) if isinstance(size, tuple | list) else int(size)), 0
+    if scale_factor is None:
+        raise ValueError("flops profiler: interpolate needs size or scale_factor")
+    if isinstance(scale_factor, tuple | list):
+        return int(input.numel() * _numel(scale_factor)), 0
+    return int(input.numel() * scale_factor ** (input.ndim - 2)), 0
+
+
+def _matmul(input: torch.Tensor, other: torch.Tensor, *args: Any, **kwargs: Any) -> Counts:
+    macs = input.numel() * other.shape[-1]
+    return 2 * macs, macs
+
+
+def _addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> Counts:
+    macs = mat1.numel() * mat2.shape[-1]
+    return 2 * macs + input.numel(), macs
+
+
+def _elementwise(input: Any, other: Any, *args: Any, **kwargs: Any) -> Counts:
+    if not isinstance(input, torch.Tensor):
+        return (other.numel() if isinstance(other, torch.Tensor) else 1), 0
+    if not isinstance(other, torch.Tensor):
+        return input.numel(), 0
+    return _numel(torch.broadcast_shapes(input.shape, other.shape)), 0
+
+
+def _einsum(equation: str, *operands: Any) -> Counts:
+    if len(operands) == 1 and isinstance(operands[0], tuple | list):
+        operands = tuple(operands[0])
+    equation = equation.replace(" ", "")
+    letters = OrderedDict((c, 0) for c in equation if c.isalpha()).keys()
+    equation = equation.translate({ord(c): 97 + i for i, c in enumerate(letters)})
+    views = [np.broadcast_to(np.zeros(1), tuple(o.shape)) for o in operands]  # shapes only, no memory
+    report = np.einsum_path(equation, *views, optimize="optimal")[1]
+    for line in report.split("\n"):
+        if "optimized flop" in line.lower():
+            return int(float(line.split(":")[-1])), 0
+    raise ValueError(f"flops profiler: cannot count einsum {equation!r}")
 
 
 def attention_counts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Counts:
     """Q @ K^T then P @ V: MACs = (batch * heads * L) * S * (E + Ev)."""
-    rows = math.prod(query.shape[:-1])
-    macs = rows * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+    macs = query.numel() * key.shape[-2] + _numel(query.shape[:-1]) * key.shape[-2] * value.shape[-1]
     return 2 * macs, macs
 
 
-def _attention(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return attention_counts(args[0], args[1], args[2])
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Counts:
+    return attention_counts(query, key, value)
 
 
-def _zero(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return 0, 0
+def _functions(*names: str, owner: Any = F) -> list[Any]:
+    return [getattr(owner, n) for n in names if hasattr(owner, n)]
 
 
-def _per_output(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    tensor = _first_tensor(out)
-    return (_numel(tensor), 0)
+# ``F.max_pool2d(..., return_indices=True)`` reaches the mode as ``F.max_pool2d_with_indices``: DeepSpeed
+# counts it (as the ``F.max_pool2d`` call it is). ``F.adaptive_max_pool2d`` calls it inside: not again.
+POOL_ALIASES = frozenset(
+    _functions(*(f"{kind}_pool{n}d_with_indices" for kind in ("max", "adaptive_max") for n in (1, 2, 3)))
+)
 
 
-def _per_input(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    return _numel(args[0]), 0
+def _build_rules() -> dict[Any, Rule]:
+    table: list[tuple[list[Any], Rule]] = [
+        (_functions("linear"), _linear),
+        (_functions("conv1d", "conv2d", "conv3d"), _conv),
+        (_functions("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), _conv_transpose),
+        (_functions("relu", "prelu", "elu", "leaky_relu", "relu6", "silu", "gelu", "softmax"), _per_input),
+        (_functions(*(f"{kind}_pool{n}d" for kind in ("avg", "max", "adaptive_avg", "adaptive_max")
+                      for n in (1, 2, 3))), _per_input),
+        (sorted(POOL_ALIASES, key=str), _per_input),
+        (_functions("batch_norm"), _batch_norm),
+        (_functions("layer_norm"), _layer_norm),
+        (_functions("group_norm"), _group_norm),
+        (_functions("instance_norm"), _instance_norm),
+        (_functions("upsample", "interpolate"), _interpolate),
+        (_functions("embedding"), _zero),
+        (_functions("scaled_dot_product_attention"), _attention),
+        (_functions("matmul", "mm", "bmm", owner=torch), _matmul),
+        (_functions("matmul", "mm", "bmm", owner=torch.Tensor), _matmul),
+        (_functions("addmm", "baddbmm", owner=torch) + _functions("addmm", owner=torch.Tensor), _addmm),
+        (_functions("mul", "add", owner=torch), _elementwise),
+        (_functions("mul", "add", owner=torch.Tensor), _elementwise),
+        (_functions("einsum", owner=torch), _einsum),
+    ]
+    return {fn: rule for fns, rule in table for fn in fns}
 
 
-def _norm(affine_index: int) -> Rule:
-    def rule(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-        affine = len(args) > affine_index and args[affine_index] is not None
-        return _numel(args[0]) * (5 if affine else 4), 0
-
-    return rule
+RULES: dict[Any, Rule] = _build_rules()
+# Tensor methods that Python's operators share: ``a * b`` reaches us as ``Tensor.mul`` too (see counter).
+OPERATOR_METHODS = frozenset(_functions("mul", "add", owner=torch.Tensor))
 
 
-def _batch_norm(training_index: int | None) -> Rule:
-    def rule(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-        affine = args[1] is not None
-        training = bool(args[training_index]) if training_index is not None else False
-        per_element = (5 if affine else 4) if training else (2 if affine else 1)
-        return _numel(args[0]) * per_element, 0
-
-    return rule
+def count_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Counts | None:
+    """(FLOPs, MACs) of one call of ``func`` by DeepSpeed's rules; None when DeepSpeed does not count it."""
+    rule = RULES.get(func)
+    return None if rule is None else rule(*args, **kwargs)
 
 
-def _packets(*names: str) -> list[Any]:
-    return [getattr(aten, n) for n in names if hasattr(aten, n)]
+# --- RNN modules: DeepSpeed prices them per module (their kernels are not functions it counts) ----------
+RNN_MODULES = (nn.RNN, nn.GRU, nn.LSTM, nn.RNNCell, nn.GRUCell, nn.LSTMCell)
 
 
-RULES: dict[Any, Rule] = {}
-for _packet, _rule in [
-    (_packets("mm"), _mm),
-    (_packets("addmm"), _addmm),
-    (_packets("bmm"), _bmm),
-    (_packets("baddbmm"), _baddbmm),
-    (_packets("mv", "addmv"), _mv),
-    (_packets("dot", "vdot"), _dot),
-    (_packets("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable"), _convolution),
-    (
-        _packets(
-            "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention",
-            "_scaled_dot_product_fused_attention_overrideable",
-            "_scaled_dot_product_attention_math",
-        ),
-        _attention,
-    ),
-    (_packets("embedding", "_embedding_bag", "embedding_bag", "native_dropout", "bernoulli", "bernoulli_"), _zero),
-    (
-        _packets(
-            "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "elu",
-            "elu_", "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "hardswish", "hardsigmoid", "mish",
-            "softplus", "_prelu_kernel", "_softmax", "_log_softmax", "_safe_softmax",
-            "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow", "sqrt", "rsqrt", "exp",
-        ),
-        _per_output,
-    ),
-    (_packets("sum", "mean"), _per_input),
-    (_packets("native_layer_norm"), _norm(2)),
-    (_packets("native_group_norm"), _norm(1)),
-    (_packets("native_batch_norm", "_native_batch_norm_legit"), _batch_norm(5)),
-    (_packets("_native_batch_norm_legit_no_training"), _batch_norm(None)),
-]:
-    for _p in _packet:
-        RULES[_p] = _rule
+def _rnn_step_flops(module: nn.Module, w_ih: torch.Tensor, w_hh: torch.Tensor) -> int:
+    gates, h = w_ih.shape[0], module.hidden_size
+    flops = 2 * w_ih.shape[0] * w_ih.shape[1] - gates + 2 * w_hh.shape[0] * w_hh.shape[1] - gates
+    if isinstance(module, nn.RNN | nn.RNNCell):
+        flops += h
+    elif isinstance(module, nn.GRU | nn.GRUCell):
+        flops += h + 3 * h + 3 * h
+    elif isinstance(module, nn.LSTM | nn.LSTMCell):
+        flops += 4 * h + 3 * h + 3 * h
+    return flops
 
 
-def count_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    """(FLOPs, MACs) of one aten operator call; (0, 0) for operators that do no arithmetic we count."""
-    packet = getattr(func, "overloadpacket", func)
-    rule = RULES.get(packet)
-    if rule is not None:
-        return rule(args, kwargs, out)
-    fallback = flop_counter.flop_registry.get(packet)
-    if fallback is not None:
-        flops = int(fallback(*args, **kwargs, out_val=out))
-        return flops, flops // 2
-    return 0, 0
+def rnn_module_flops(module: nn.Module, inputs: tuple[Any, ...]) -> int:
+    """DeepSpeed's estimate for one forward of an RNN module (or cell), from its weights and input shape."""
+    x = inputs[0]
+    if isinstance(module, nn.RNNCell | nn.GRUCell | nn.LSTMCell):
+        flops = _rnn_step_flops(module, module.weight_ih, module.weight_hh)
+        if module.bias:
+            flops += module.bias_ih.shape[0] + module.bias_hh.shape[0]
+        return flops * x.shape[0]
+    flops = 0
+    for i in range(module.num_layers):
+        flops += _rnn_step_flops(module, getattr(module, f"weight_ih_l{i}"), getattr(module, f"weight_hh_l{i}"))
+        if module.bias:
+            flops += getattr(module, f"bias_ih_l{i}").shape[0] + getattr(module, f"bias_hh_l{i}").shape[0]
+    flops *= x.shape[0] * x.shape[1]  # DeepSpeed reads (batch, seq) from the first two dims, as given
+    return flops * (2 if module.bidirectional else 1)
