@@ -58,6 +58,9 @@ def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
             set_accelerator(CpuAccelerator())
         comm.init_distributed(dist_backend=backend, store=comm.file_store(store_path, world), rank=rank,
                               world_size=world, timeout=timeout)
+        # Every rank finishes connecting before any can run (and exit): a rank that fails fast would
+        # otherwise close its sockets while a slow peer is still in Gloo's connectFullMesh.
+        comm.barrier()
         result = fn(*args, **kwargs)
         # Plain pickle: tensors travel by value (torch's shared-memory reducers would not outlive the rank).
         conn.send_bytes(pickle.dumps(("ok", result)))
