@@ -26,7 +26,7 @@ def _step(stage: int, extra: dict[str, Any]) -> dict[str, Any]:
         model.weight.fill_(W0)
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "fp16": {"enabled": True, "initial_scale_power": 0, "hysteresis": 1},
+        "fp16": {"enabled": True, "initial_scale_power": 0, "hysteresis": 1, "min_loss_scale": 0.5},
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_optimization": {"stage": stage},
         **extra,
