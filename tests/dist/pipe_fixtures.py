@@ -87,7 +87,7 @@ def reference_losses(data: torch.Tensor, lr: float, clip: float, dtype: torch.dt
                 x = m(x)
             loss = loss_fn(x.float(), data[s, j][:, 1:])
             (loss / count).backward()
-            total += float(loss)
+            total += float(loss.detach())
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
