@@ -182,17 +182,23 @@ def test_changing_shapes_need_dynamic_shape() -> None:
     assert out[0] == out[1]
 
 
-def _checkpointed(interval: int) -> list[float]:
-    model = gpt_pipe(2, activation_checkpoint_interval=interval)
-    engine, *_ = zerospeed.initialize(model=model, config=_cfg(2))
+def _checkpointed(interval: int, from_config: bool = False) -> tuple:
+    model = gpt_pipe(2, activation_checkpoint_interval=0 if from_config else interval)
+    extra = {"pipeline": {"activation_checkpoint_interval": interval}} if from_config else {}
+    engine, *_ = zerospeed.initialize(model=model, config=_cfg(2, **extra))
     it = rank_iter(batches(3, MICRO, 2), 0, 2)
-    return [float(engine.train_batch(it)) for _ in range(3)]
+    losses = []
+    for _ in range(3):
+        losses.append(float(engine.train_batch(it)))
+    return losses, engine.module.activation_checkpoint_interval
 
 
 def test_activation_checkpointing_every_layer_keeps_losses() -> None:
-    plain = run_distributed(_checkpointed, 2, 0)[0]
-    ckpt = run_distributed(_checkpointed, 2, 1)[0]
-    assert ckpt == pytest.approx(plain, rel=1e-6)
+    plain, _ = run_distributed(_checkpointed, 2, 0)[0]
+    ckpt, _ = run_distributed(_checkpointed, 2, 1)[0]
+    via_config, interval = run_distributed(_checkpointed, 2, 1, True)[0]
+    assert interval == 1
+    assert ckpt == pytest.approx(plain, rel=1e-6) and via_config == ckpt
     assert plain == pytest.approx(reference_losses(batches(3, MICRO, 2), 1e-2, 0.0), rel=1e-5)
 
 

@@ -12,7 +12,6 @@ from typing import Any
 from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "pipeline": "pipeline parallelism",
     "tensor_parallel": "tensor parallelism (AutoTP)",
     "sequence_parallel_size": "sequence parallelism (Ulysses)",
     "compression_training": "compression training",

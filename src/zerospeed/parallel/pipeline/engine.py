@@ -67,6 +67,8 @@ class PipelineEngine(Engine):
         self.num_stages = self.grid.get_pipe_parallel_world_size()
         self.stage_id = self.grid.get_stage_id()
         self.chunks = module.virtual_stages
+        if self.config.pipeline.activation_checkpoint_interval > 0:
+            module.set_checkpoint_interval(self.config.pipeline.activation_checkpoint_interval)
         self.micro_batch_size = self.train_micro_batch_size_per_gpu()
         self.micro_batches = self.gradient_accumulation_steps()
         self.is_pipe_parallel = self.num_stages > 1
