@@ -146,11 +146,28 @@ class PipelineEngine(Engine):
                                 self.grid.get_data_parallel_world_size(), collate_fn,
                                 self.config.dataloader_drop_last, seed=self.config.seed or 0)
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
-        raise NotImplementedError("save_checkpoint() of a pipeline engine is not supported yet by zerospeed")
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool | None = None) -> bool:
+        """Collective over every rank: per-parameter (layer-indexed) state, loadable at any pipeline degree."""
+        from .checkpoint import save_pipeline_checkpoint
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("load_checkpoint() of a pipeline engine is not supported yet by zerospeed")
+        if exclude_frozen_parameters or async_save or (async_save is None and self.config.checkpoint.async_save):
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters / async_save) of a pipeline engine "
+                                      "is not supported yet by zerospeed")
+        save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest, self.config.comms_timeout_s)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> Any:
+        """Collective over every rank: returns ``(path, client_state)`` or ``(None, None)``."""
+        from .checkpoint import load_pipeline_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("custom_load_fn not supported w. pipeline parallelism")
+        return load_pipeline_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                        load_lr_scheduler_states, load_module_only)
 
     # --- batches -----------------------------------------------------------------------------------
     def _train_schedule(self) -> PipeSchedule:
