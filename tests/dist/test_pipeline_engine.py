@@ -238,3 +238,54 @@ def test_dead_stage_is_named_by_its_neighbour() -> None:
     text = str(info.value)
     assert "rank 1: process exited" in text
     assert "rank 0: p2p" in text and "(peer rank 1)" in text and "the peer process exited" in text
+
+
+def _accounting() -> dict:
+    engine, *_ = zerospeed.initialize(model=gpt_pipe(2), config=_cfg(3))
+    it = rank_iter(batches(2, MICRO, 3), 0, 3)
+    engine.train_batch(it)
+    first = engine.last_step_stats
+    engine.train_batch(it)
+    st = engine.last_step_stats
+    return {"first_sent": first.p2p_bytes_sent, "sent": st.p2p_bytes_sent, "received": st.p2p_bytes_received,
+            "compute": st.compute_seconds, "total": st.total_seconds, "bubble": st.bubble_fraction,
+            "reduce": st.reduce_step_seconds}
+
+
+def test_per_step_accounting_counts_p2p_bytes_exactly() -> None:
+    r0, r1 = run_distributed(_accounting, 2)
+    act = MICRO * 8 * 16 * 4  # one micro-batch's activation (batch x seq x n_embd fp32) == its gradient
+    assert r0["sent"] == r0["received"] == r1["sent"] == r1["received"] == 3 * act
+    assert r0["first_sent"] > 3 * act  # the first batch also carried the shape handshake
+    for r in (r0, r1):
+        assert 0 < r["compute"] < r["total"] and 0 <= r["bubble"] < 1 and r["reduce"] > 0
+
+
+def _mpu() -> dict:
+    from zerospeed import comm
+    from zerospeed.config import NotSupportedYetError
+    from zerospeed.runtime.pipe.topology import (PipeDataParallelTopology, PipelineParallelGrid,
+                                                 PipeModelDataParallelTopology)
+
+    grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=1, num_dp=4))
+    engine, *_ = zerospeed.initialize(model=nn.Linear(2, 1), mpu=grid, config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    three_d = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
+    try:
+        zerospeed.initialize(model=nn.Linear(2, 1), mpu=three_d, config={"train_batch_size": 8})
+        refused = ""
+    except NotSupportedYetError as exc:
+        refused = str(exc)
+    return {"dp": engine.dp_world_size, "refused": refused,
+            "3d": (three_d.get_slice_parallel_rank(), three_d.get_slice_parallel_world_size(),
+                   three_d.get_pipe_parallel_rank(), three_d.get_model_parallel_world_size(),
+                   three_d.get_data_parallel_group_ranks(), comm.get_world_size(three_d.get_slice_parallel_group()))}
+
+
+def test_initialize_accepts_a_grid_as_mpu() -> None:
+    out = run_distributed(_mpu, 4)
+    assert all(r["dp"] == 4 for r in out)
+    assert all("model parallelism through mpu" in r["refused"] for r in out)
+    # rank r of pipe x data x model (2, 1, 2): model rank r % 2, stage r // 2
+    assert [r["3d"][:4] for r in out] == [(0, 2, 0, 4), (1, 2, 0, 4), (0, 2, 1, 4), (1, 2, 1, 4)]
+    assert out[3]["3d"][4] == [3] and out[0]["3d"][5] == 2

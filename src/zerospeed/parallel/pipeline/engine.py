@@ -36,13 +36,16 @@ class PipeStepStats:
     total_seconds: float = 0.0
     compute_seconds: float = 0.0  # forward + backward (incl. loss)
     recv_wait_seconds: float = 0.0  # blocked on a receive: pipeline bubble + transfer time
-    other_seconds: float = 0.0  # loading, sends, reductions, optimizer step
+    reduce_step_seconds: float = 0.0  # tied-gradient and data-parallel reductions, optimizer step
+    other_seconds: float = 0.0  # loading, posting sends, bookkeeping
     p2p_bytes_sent: int = 0
     p2p_bytes_received: int = 0
 
     @property
     def bubble_fraction(self) -> float:
-        return self.recv_wait_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
+        """Idle share of the pipelined part of the step: 1 - compute / (total - reductions and step)."""
+        piped = self.total_seconds - self.reduce_step_seconds
+        return max(0.0, 1.0 - self.compute_seconds / piped) if piped > 0 else 0.0
 
 
 class _Buffer:
@@ -62,6 +65,11 @@ class PipelineEngine(Engine):
 
     def __init__(self, module: PipelineModule, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
+        if module.mpu().get_slice_parallel_world_size() > 1:
+            from ...config.errors import NotSupportedYetError
+
+            raise NotSupportedYetError("tensor_parallel", "a pipeline topology with a 'model' (tensor-parallel) axis "
+                                       "larger than 1 is not supported yet by zerospeed")
         self.grid = module.mpu()
         self.mpu = self.grid
         self.num_stages = self.grid.get_pipe_parallel_world_size()
@@ -277,7 +285,8 @@ class PipelineEngine(Engine):
             self._buffers = []
         st = self._stats
         st.total_seconds = time.perf_counter() - t0
-        st.other_seconds = max(0.0, st.total_seconds - st.compute_seconds - st.recv_wait_seconds)
+        st.other_seconds = max(0.0, st.total_seconds - st.compute_seconds - st.recv_wait_seconds
+                               - st.reduce_step_seconds)
         st.p2p_bytes_sent = self.channels.bytes_sent - sent0
         st.p2p_bytes_received = self.channels.bytes_received - recv0
         self.last_step_stats = st
@@ -286,7 +295,12 @@ class PipelineEngine(Engine):
         handler = self._table.get(type(cmd))
         if handler is None:
             raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-        handler(cmd)
+        if isinstance(cmd, (ReduceTiedGrads, ReduceGrads, OptimizerStep)):
+            t0 = time.perf_counter()
+            handler(cmd)
+            self._stats.reduce_step_seconds += time.perf_counter() - t0
+        else:
+            handler(cmd)
 
     def _next_batch(self) -> Any:
         if self.data_iterator is None:
