@@ -289,3 +289,17 @@ def test_initialize_accepts_a_grid_as_mpu() -> None:
     # rank r of pipe x data x model (2, 1, 2): model rank r % 2, stage r // 2
     assert [r["3d"][:4] for r in out] == [(0, 2, 0, 4), (1, 2, 0, 4), (0, 2, 1, 4), (1, 2, 1, 4)]
     assert out[3]["3d"][4] == [3] and out[0]["3d"][5] == 2
+
+
+def _fp16() -> tuple:
+    cfg = _cfg(2, fp16={"enabled": True, "initial_scale_power": 8}, gradient_clipping=1.0)
+    engine, *_ = zerospeed.initialize(model=gpt_pipe(2), config=cfg)
+    it = rank_iter(batches(4, MICRO, 2), 0, 2)
+    return [float(engine.train_batch(it)) for _ in range(4)], engine.loss_scale, engine.skipped_steps
+
+
+def test_fp16_pipeline_tracks_fp32_reference() -> None:
+    (r0, scale0, skipped0), (r1, scale1, _) = run_distributed(_fp16, 2, timeout=120)
+    expected = reference_losses(batches(4, MICRO, 2), 1e-2, 1.0)
+    assert r0 == r1 and scale0 == scale1 and skipped0 == 0
+    assert r0 == pytest.approx(expected, rel=1e-2)  # fp16 weights/activations, fp32 master, loss scale 2**8
