@@ -5,8 +5,9 @@ Contenders (each in its own forked Gloo ranks, same layers, same data, same seed
   ``deepspeed`` is importable (run with its venv: ``/tmp/dsvenv/bin/python``; ``DS_ACCELERATOR=cpu``).
 Reported per contender: median wall seconds per ``train_batch`` (max over ranks), peak RSS per rank, the
 last loss (a sanity check), and for zerospeed the *measured* bubble fraction (1 - compute / pipelined time,
-mean over ranks, from the engine's own per-step accounting) next to the theoretical (p-1)/(m+p-1), and the
-p2p bytes per step. Layers: a GPT (tied embedding/head) split by ``type:Block`` so stages are balanced.
+mean over ranks, from the engine's own per-step accounting) next to the theoretical (p-1)/(m+p-1) and to
+the bubble 1F1B implies for the measured per-stage forward/backward times (``simulate``: stage imbalance
+included, machine noise excluded), and the p2p bytes per step. Layers: a GPT (tied embedding/head) split by ``type:Block`` so stages are balanced.
 
     python benchmarks/bench_pipeline.py [--micro-batches 8] [--steps 5] [--json]
 """
@@ -105,7 +106,7 @@ def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup:
                 yield w[:, :-1], w[:, 1:]
 
     source = it()
-    times, bubbles, p2p = [], [], []
+    times, bubbles, p2p, fwd, bwd = [], [], [], [], []
     loss = 0.0
     for s in range(warmup + steps):
         t0 = time.perf_counter()
@@ -116,7 +117,11 @@ def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup:
             if st is not None:
                 bubbles.append(st.bubble_fraction)
                 p2p.append(st.p2p_bytes_sent + st.p2p_bytes_received)
-    return {"times": times, "bubble": statistics.median(bubbles) if bubbles else None,
+                fwd.append(st.forward_seconds / gas)
+                bwd.append(st.backward_seconds / gas)
+    stage = engine.grid.get_pipe_parallel_rank()
+    return {"times": times, "bubble": statistics.median(bubbles) if bubbles else None, "stage": stage,
+            "fwd": statistics.median(fwd) if fwd else None, "bwd": statistics.median(bwd) if bwd else None,
             "p2p": statistics.median(p2p) if p2p else None, "rss": peak_rss_bytes(), "loss": loss}
 
 
@@ -124,9 +129,19 @@ def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, 
     ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, timeout=3600)
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
     bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
+    simulated = None
+    if bubbles:  # the bubble 1F1B implies for the measured per-stage forward/backward times (dp replica 0)
+        from zerospeed.parallel.pipeline.schedule import TrainSchedule
+        from zerospeed.parallel.pipeline.simulate import simulate
+
+        by_stage = {r["stage"]: r for r in ranks}
+        fwd = [by_stage[s]["fwd"] for s in range(pp)]
+        bwd = [by_stage[s]["bwd"] for s in range(pp)]
+        simulated = statistics.mean(simulate([TrainSchedule(gas, pp, s) for s in range(pp)], fwd, bwd).bubble)
     return {"contender": f"{framework} pp={pp} x dp={dp}", "pp": pp, "dp": dp, "micro_batches": gas,
             "s_per_step": statistics.median(per_step), "peak_rss_mib": max(r["rss"] for r in ranks) / MiB,
             "bubble_measured": statistics.mean(bubbles) if bubbles else None,
+            "bubble_per_rank": [round(b, 3) for b in bubbles], "bubble_simulated": simulated,
             "bubble_theory": (pp - 1) / (gas + pp - 1),
             "p2p_mib_per_step": (max(r["p2p"] for r in ranks) / MiB) if bubbles else None, "last_loss": ranks[0]["loss"]}
 
@@ -163,13 +178,15 @@ def main() -> int:
         return 0
     print(f"GPT {args.layers} blocks, n_embd {args.embd}, seq {args.seq}, micro-batch {args.micro_batch}, "
           f"m={args.micro_batches} micro-batches, fp32, ZeRO-1, 1 thread/rank")
-    print(f"{'contender':<26}{'s/step':>9}{'peak RSS MiB':>14}{'bubble meas.':>14}{'theory':>9}{'p2p MiB':>10}"
-          f"{'loss':>9}")
+    print(f"{'contender':<26}{'s/step':>9}{'peak RSS MiB':>14}{'bubble meas.':>14}{'simulated':>11}{'theory':>9}"
+          f"{'p2p MiB':>10}"
+          f"{'loss':>9}  bubble per rank")
     for r in rows:
         meas = f"{r['bubble_measured']:.3f}" if r["bubble_measured"] is not None else "-"
         p2p = f"{r['p2p_mib_per_step']:.2f}" if r["p2p_mib_per_step"] is not None else "-"
-        print(f"{r['contender']:<26}{r['s_per_step']:>9.3f}{r['peak_rss_mib']:>14.0f}{meas:>14}"
-              f"{r['bubble_theory']:>9.3f}{p2p:>10}{r['last_loss']:>9.4f}")
+        sim = f"{r['bubble_simulated']:.3f}" if r["bubble_simulated"] is not None else "-"
+        print(f"{r['contender']:<26}{r['s_per_step']:>9.3f}{r['peak_rss_mib']:>14.0f}{meas:>14}{sim:>11}"
+              f"{r['bubble_theory']:>9.3f}{p2p:>10}{r['last_loss']:>9.4f}  {r['bubble_per_rank'] or ''}")
     return 0
 
 

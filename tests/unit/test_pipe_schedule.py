@@ -161,3 +161,24 @@ def test_partitions_match_deepspeed() -> None:
     assert partition_balanced([100, 1, 1, 1, 1, 100], 2) == [0, 3, 6]
     assert partition_balanced([0, 1, 1, 1, 1, 0], 2) == [0, 3, 6]
     assert partition_balanced([5, 0, 0, 5, 5, 0, 0, 5], 4) == [0, 3, 4, 7, 8]
+
+
+@pytest.mark.parametrize("m,p", [(4, 2), (8, 2), (8, 4), (16, 4), (3, 3)])
+def test_simulated_bubble_equals_theory_for_equal_stages(m: int, p: int) -> None:
+    from zerospeed.parallel.pipeline.simulate import simulate
+
+    t = simulate([TrainSchedule(m, p, s) for s in range(p)], [1.0] * p, [2.0] * p)
+    assert t.makespan == pytest.approx(3.0 * (m + p - 1))
+    assert t.bubble == pytest.approx([(p - 1) / (m + p - 1)] * p)
+
+
+def test_interleaving_shrinks_the_simulated_bubble() -> None:
+    from zerospeed.parallel.pipeline.simulate import simulate
+
+    m, p, v = 8, 4, 2
+    plain = simulate([TrainSchedule(m, p, s) for s in range(p)], [1.0] * p, [2.0] * p)
+    inter = simulate([InterleavedSchedule(m, p, s, chunks=v) for s in range(p)], [1.0] * p, [2.0] * p, chunks=v)
+    assert max(inter.bubble) < max(plain.bubble)
+    # a slower last stage makes the others wait: the bubble follows the bottleneck
+    slow = simulate([TrainSchedule(m, p, s) for s in range(p)], [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 4.0])
+    assert slow.bubble[0] > plain.bubble[0] and slow.bubble[3] < plain.bubble[3]

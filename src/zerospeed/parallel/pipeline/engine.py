@@ -35,6 +35,8 @@ class PipeStepStats:
 
     total_seconds: float = 0.0
     compute_seconds: float = 0.0  # forward + backward (incl. loss)
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
     recv_wait_seconds: float = 0.0  # blocked on a receive: pipeline bubble + transfer time
     reduce_step_seconds: float = 0.0  # tied-gradient and data-parallel reductions, optimizer step
     other_seconds: float = 0.0  # loading, posting sends, bookkeeping
@@ -368,7 +370,9 @@ class PipelineEngine(Engine):
                 self._fwd_outputs.append([t.detach() for t in loss])
         else:
             buf.outputs = outputs
-        self._stats.compute_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self._stats.compute_seconds += spent
+        self._stats.forward_seconds += spent
 
     def _exec_backward_pass(self, cmd: PipeInstruction) -> None:
         chunk = getattr(cmd, "chunk", 0)
@@ -396,7 +400,9 @@ class PipelineEngine(Engine):
         reducer.end_micro_step()
         self.observer.backward_end()
         buf.outputs, buf.out_grads, buf.loss = None, None, None
-        self._stats.compute_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self._stats.compute_seconds += spent
+        self._stats.backward_seconds += spent
 
     def _exec_send_activations(self, cmd: PipeInstruction) -> None:
         buf = self._buffers[cmd.buffer_id]  # type: ignore[attr-defined]
