@@ -175,6 +175,24 @@ def _dynamic(dynamic: bool) -> Any:
     return [float(engine.train_batch(it)) for _ in range(2)]
 
 
+def _reset_between_batches() -> list[float]:
+    model = PipelineModule([LayerSpec(Trim), LayerSpec(Pool)], num_stages=2, loss_fn=_mse, seed_layers=True,
+                           partition_method="uniform")
+    engine, *_ = zerospeed.initialize(model=model, config=_cfg(1))
+    data = _tuple_data(2, [])
+    data = sorted(data, key=lambda b: int(b[0][0, 0].abs().item() * 3) % 3)  # shapes change only twice
+    out = []
+    for batch in data:
+        engine.reset_activation_shape()
+        out.append(float(engine.train_batch(iter([batch]))))
+    return out
+
+
+def test_reset_activation_shape_allows_a_new_shape_per_batch() -> None:
+    a, b = run_distributed(_reset_between_batches, 2)
+    assert a == b and len(a) == 4
+
+
 def test_changing_shapes_need_dynamic_shape() -> None:
     with pytest.raises(DistributedTestError, match="dynamic_shape=True"):
         run_distributed(_dynamic, 2, False, timeout=30)

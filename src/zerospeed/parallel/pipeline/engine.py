@@ -141,6 +141,12 @@ class PipelineEngine(Engine):
             self.training_dataloader = loader
             self.data_iterator = iter(loader)
 
+    def reset_activation_shape(self) -> None:
+        """Forget the agreed activation shapes; the next transfer on every channel shakes hands again.
+        Call it on every rank (between batches) when the shapes change, as in DeepSpeed."""
+        self.channels.sent_meta.clear()
+        self.channels.recv_meta.clear()
+
     def set_batch_fn(self, fn: Any) -> None:
         self.batch_fn = fn
 
