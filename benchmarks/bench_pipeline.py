@@ -157,6 +157,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--no-dp", action="store_true", help="skip the pp=2 x dp=2 runs (4 ranks)")
+    p.add_argument("--repeat", type=int, default=1, help="run the contenders this many times, alternating order")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -170,8 +171,15 @@ def main() -> int:
             frameworks.append("deepspeed")
         except Exception as exc:  # noqa: BLE001
             print(f"DeepSpeed: not importable here ({type(exc).__name__}); zerospeed only", file=sys.stderr)
-    rows = [run(fw, pp, dp, cfg, args.micro_batch, args.micro_batches, args.warmup, args.steps)
-            for pp, dp in shapes for fw in frameworks]
+    rows = []
+    for pp, dp in shapes:
+        rounds: dict[str, list[dict]] = {}
+        for i in range(args.repeat):  # alternate who goes first: load on a shared machine drifts
+            for fw in (frameworks if i % 2 == 0 else frameworks[::-1]):
+                rounds.setdefault(fw, []).append(run(fw, pp, dp, cfg, args.micro_batch, args.micro_batches,
+                                                     args.warmup, args.steps))
+        for fw in frameworks:  # the round with the median step time
+            rows.append(sorted(rounds[fw], key=lambda r: r["s_per_step"])[len(rounds[fw]) // 2])
     if args.json:
         for r in rows:
             print(json.dumps(r))
