@@ -322,3 +322,18 @@ def test_fp16_pipeline_tracks_fp32_reference() -> None:
     expected = reference_losses(batches(4, MICRO, 2), 1e-2, 1.0)
     assert r0 == r1 and scale0 == scale1 and skipped0 == 0
     assert r0 == pytest.approx(expected, rel=1e-2)  # fp16 weights/activations, fp32 master, loss scale 2**8
+
+
+def _mesh() -> tuple:
+    from zerospeed import comm
+    from zerospeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+
+    grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=2))
+    mesh = grid.device_mesh("cpu")
+    return mesh.mesh.tolist(), mesh.mesh_dim_names, comm.get_world_size(mesh.get_group("data")), grid.dp_group
+
+
+def test_grid_maps_onto_a_device_mesh() -> None:
+    out = run_distributed(_mesh, 4)
+    assert all(o[0] == [[0, 1], [2, 3]] and o[1] == ("pipe", "data") and o[2] == 2 for o in out)
+    assert [o[3] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]

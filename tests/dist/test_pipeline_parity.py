@@ -38,6 +38,7 @@ def _train(pp: int, gas: int, stage: int = 0, virtual: int = 1) -> dict:
     (4, 4, 4, 0, 1),   # pp=4
     (4, 2, 2, 1, 1),   # pp=2 x dp=2, ZeRO-1
     (2, 2, 4, 0, 2),   # interleaved 1F1B, 2 virtual stages per rank
+    (4, 2, 2, 1, 2),   # interleaved x dp=2, ZeRO-1
 ])
 def test_gpt_pipeline_matches_one_process(world: int, pp: int, gas: int, stage: int, virtual: int) -> None:
     results = run_distributed(_train, world, pp, gas, stage, virtual, timeout=120)

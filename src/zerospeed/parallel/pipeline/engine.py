@@ -201,6 +201,7 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self._total_loss = None
+        self._fwd_outputs = []
         self._compute_loss = True
         self._run(self._train_schedule())
         with torch.no_grad():
