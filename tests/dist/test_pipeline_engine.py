@@ -258,6 +258,16 @@ def test_dead_stage_is_named_by_its_neighbour() -> None:
     assert "rank 0: p2p" in text and "(peer rank 1)" in text and "the peer process exited" in text
 
 
+def test_dead_stage_is_named_by_every_stage() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_dies, 4, 1, 4, timeout=60)  # pp=4: rank 1 dies; rank 3 only sees rank 2 exit
+    text = str(info.value)
+    assert "rank 1: process exited" in text
+    for r in (0, 2, 3):
+        assert f"rank {r}: p2p" in text, text
+    assert text.count("rank 1 is the first dead rank") == 3
+
+
 def _accounting() -> dict:
     engine, *_ = zerospeed.initialize(model=gpt_pipe(2), config=_cfg(3))
     it = rank_iter(batches(2, MICRO, 3), 0, 3)

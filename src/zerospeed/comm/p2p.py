@@ -34,14 +34,39 @@ def _describe(ops: list[P2P]) -> str:
     return ", ".join(f"{o.kind} {'to' if o.kind == 'send' else 'from'} rank {o.peer}" for o in ops)
 
 
+_DEAD_KEY = "zerospeed/p2p_first_dead_rank"
+
+
+def _first_dead(peer: int) -> int | None:
+    """Record ``peer`` as dead in the job's store unless another rank recorded one first; return the first.
+
+    A stage two hops from a dead rank only sees its own neighbour exit; the store tells it which rank died
+    first. Best effort: None when the store cannot be reached quickly.
+    """
+    from datetime import timedelta
+
+    try:
+        store = dist.distributed_c10d._get_default_store()  # no public accessor in torch 2.13
+        store.set_timeout(timedelta(seconds=5))
+        first = store.compare_set(_DEAD_KEY, "", str(peer))
+        return int(first.decode() if isinstance(first, bytes) else first)
+    except Exception:  # noqa: BLE001 - only improves an error message
+        return None
+
+
 def _fail(ops: list[P2P], exc: BaseException) -> CollectiveError:
     text = str(exc)
     hint = ""
+    peers = sorted({o.peer for o in ops})
     if "timeout" in text.lower() or "timed out" in text.lower():
         hint = " -- the peer stage did not answer within the timeout (config 'comms_timeout_s'): it is hung or dead"
     elif "closed" in text.lower() or "reset" in text.lower() or "broken pipe" in text.lower():
-        hint = " -- the peer process exited (see that rank's own error)"
-    peers = sorted({o.peer for o in ops})
+        hint = " -- the peer process exited"
+        first = _first_dead(peers[0])
+        if first is not None and first not in peers:
+            hint += f" after rank {first} died (rank {first} is the first dead rank)"
+        elif first is not None:
+            hint += f" (rank {first} is the first dead rank)"
     return CollectiveError(f"rank {get_rank()}: p2p {_describe(ops)} failed (peer rank{'s' if len(peers) > 1 else ''} "
                            f"{', '.join(map(str, peers))}): {text}{hint}")
 
