@@ -27,9 +27,11 @@ def _train(pp: int, gas: int, stage: int = 0, virtual: int = 1) -> dict:
     dp = engine.grid.get_data_parallel_world_size()
     data = batches(STEPS, MICRO, gas * dp)
     it = rank_iter(data, engine.grid.get_data_parallel_rank(), gas)
+    eval_loss = float(engine.eval_batch(rank_iter(batches(1, MICRO, gas * dp), engine.grid.get_data_parallel_rank(),
+                                                  gas)))
     losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
     tied = engine.module.tied_modules["embed"].wte.weight.detach().clone() if "embed" in engine.module.tied_modules else None
-    return {"losses": losses, "stage": engine.stage_id, "tied": tied, "norm": engine.get_global_grad_norm(),
+    return {"losses": losses, "eval": eval_loss, "stage": engine.stage_id, "tied": tied, "norm": engine.get_global_grad_norm(),
             "stats": engine.last_step_stats}
 
 
@@ -46,6 +48,7 @@ def test_gpt_pipeline_matches_one_process(world: int, pp: int, gas: int, stage: 
     expected = reference_losses(batches(STEPS, MICRO, gas * dp), LR, CLIP)
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-5), f"stage {r['stage']}"
+        assert r["eval"] == pytest.approx(expected[0], rel=1e-5)  # eval_batch on step 0's data, before training
     # tied copies stay identical across the first and last stage after every step
     tied = [r["tied"] for r in results if r["tied"] is not None]
     assert len(tied) >= 2 and all(torch.equal(tied[0], t) for t in tied[1:])

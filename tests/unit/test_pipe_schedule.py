@@ -148,6 +148,13 @@ def test_interleaved_dry_run(m: int, p: int, v: int) -> None:
     assert {c.chunk for c in first_steps} == {0, 1}
 
 
+@pytest.mark.parametrize("m,p,v", [(2, 2, 2), (8, 4, 2)])
+def test_interleaved_forward_only_dry_run(m: int, p: int, v: int) -> None:
+    scheds = [InterleavedSchedule(m, p, s, chunks=v, forward_only=True) for s in range(p)]
+    out = _dry_run(scheds, chunks=v)
+    assert all(out["f"][(r, c)] == list(range(m)) and not out["b"][(r, c)] for r in range(p) for c in range(v))
+
+
 def test_interleaved_needs_divisible_micro_batches() -> None:
     with pytest.raises(ValueError, match="divisible"):
         InterleavedSchedule(3, 2, 0, chunks=2)

@@ -2,11 +2,12 @@
 
 Activations are a tensor or a tuple of tensors of any rank, shape and dtype (floating tensors that need a
 gradient, and non-differentiable ones such as masks). The receiver must allocate before it can post a
-receive, so each (peer, tag) channel starts with a handshake: the sender first sends the shapes, dtypes
-and requires-grad flags (a length, then an int64 description), then the data; later transfers send the
-data alone. With ``dynamic_shape=True`` every transfer is preceded by a one-element header that is 0 when
-the description is unchanged and its length when a new description follows, so shapes may change from
-micro-batch to micro-batch and the description is re-sent only when they do.
+receive, so each (peer, tag) channel starts with a handshake (one for training, one for evaluation, whose
+requires-grad flags differ): the sender first sends the shapes, dtypes and requires-grad flags (a length,
+then an int64 description), then the data; later transfers send the data alone. With
+``dynamic_shape=True`` every transfer is preceded by a one-element header that is 0 when the description
+is unchanged and its length when a new description follows, so shapes may change from micro-batch to
+micro-batch and the description is re-sent only when they do.
 
 Gradients need no description: the receiver allocates them like the outputs it sent. Sends are posted
 asynchronously (``batch_isend_irecv``) and completed at the end of the batch; receives complete at once.
@@ -67,8 +68,10 @@ class Channels:
         self.group = group
         self.device = device
         self.dynamic_shape = dynamic_shape
-        self.sent_meta: dict[tuple[int, int], list[int]] = {}
-        self.recv_meta: dict[tuple[int, int], list[int]] = {}
+        # keyed by (peer, tag, grad mode): training and evaluation agree on their own descriptions (the
+        # requires-grad flags differ), and both sides of a channel are always in the same mode
+        self.sent_meta: dict[tuple[int, int, bool], list[int]] = {}
+        self.recv_meta: dict[tuple[int, int, bool], list[int]] = {}
         self.in_flight: list[tuple[comm.P2PHandle, list[torch.Tensor]]] = []
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -86,7 +89,8 @@ class Channels:
         tensors = as_tuple(x)
         meta = describe(tensors)
         ops: list[comm.P2P] = []
-        known = self.sent_meta.get((peer, tag))
+        key = (peer, tag, torch.is_grad_enabled())
+        known = self.sent_meta.get(key)
         if self.dynamic_shape:
             changed = meta != known
             ops.append(comm.P2P("send", torch.tensor([len(meta) if changed else 0], dtype=torch.int64,
@@ -100,12 +104,13 @@ class Channels:
                 ops.append(comm.P2P("send", torch.tensor([len(meta)], dtype=torch.int64, device=self.device), peer, tag))
         if changed:
             ops.append(comm.P2P("send", torch.tensor(meta, dtype=torch.int64, device=self.device), peer, tag))
-            self.sent_meta[(peer, tag)] = meta
+            self.sent_meta[key] = meta
         ops += [comm.P2P("send", _wire(t), peer, tag) for t in tensors]
         self._post(ops)
 
     def recv_activations(self, peer: int, tag: int) -> tuple[torch.Tensor, ...]:
-        known = self.recv_meta.get((peer, tag))
+        key = (peer, tag, torch.is_grad_enabled())
+        known = self.recv_meta.get(key)
         length = 0
         if self.dynamic_shape or known is None:
             header = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -115,7 +120,7 @@ class Channels:
             meta_t = torch.zeros(length, dtype=torch.int64, device=self.device)
             self._recv([meta_t], peer, tag)
             known = meta_t.tolist()
-            self.recv_meta[(peer, tag)] = known
+            self.recv_meta[key] = known
         assert known is not None
         specs = parse(known)
         bufs = [torch.empty(shape, dtype=torch.uint8 if dt == torch.bool else dt, device=self.device)

@@ -212,8 +212,6 @@ class PipelineEngine(Engine):
                    reduce_output: str | None = "avg", bcast_loss: bool = True,
                    num_micro_batches: int | None = None) -> Any:
         """Forward ``num_micro_batches`` (default: the accumulation steps) micro-batches without gradients."""
-        if self.chunks > 1:
-            raise NotImplementedError("eval_batch() with virtual stages is not supported yet by zerospeed")
         self.eval_return_logits = return_logits
         self.module.eval()
         self._compute_loss = compute_loss
@@ -222,8 +220,11 @@ class PipelineEngine(Engine):
         micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
         self._fwd_outputs = []
         self.outputs = None
+        schedule: PipeSchedule = (InterleavedSchedule(micro_batches, self.num_stages, self.stage_id, self.chunks,
+                                                      forward_only=True) if self.chunks > 1
+                                  else InferenceSchedule(micro_batches, self.num_stages, self.stage_id))
         with torch.no_grad():
-            self._run(InferenceSchedule(micro_batches, self.num_stages, self.stage_id))
+            self._run(schedule)
         out: Any = None
         if self.is_last_stage():
             out = self._reduce_outputs(self._fwd_outputs, reduce_output, micro_batches)

@@ -19,8 +19,10 @@ from .schedule import (BackwardPass, ForwardPass, LoadMicroBatch, OptimizerStep,
 
 
 class InterleavedSchedule(PipeSchedule):
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 2) -> None:
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 2,
+                 forward_only: bool = False) -> None:
         super().__init__(micro_batches, stages, stage_id)
+        self.forward_only = forward_only
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         if stages < 2:
@@ -70,6 +72,10 @@ class InterleavedSchedule(PipeSchedule):
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         p, total = self.stages, self.micro_batches * self.chunks
+        if self.forward_only:  # evaluation: every forward in virtual order, no gradients
+            for k in range(total):
+                yield self._forward(k)
+            return
         if self.micro_batches == p:
             warmup = total
         else:
