@@ -14,40 +14,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ... import comm
 from ...runtime.engine import Engine
+from .accounting import PipeStepStats
 from .channel import Channels, as_tuple
 from .interleaved import InterleavedSchedule
+from .losses import broadcast_from_last, mean_loss_everywhere, reduce_outputs
 from .module import PipelineError, PipelineModule, get_attr_path
 from .schedule import (BackwardPass, ForwardPass, InferenceSchedule, LoadMicroBatch, OptimizerStep, PipeInstruction,
                        PipeSchedule, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
                        TrainSchedule)
-
-
-@dataclass
-class PipeStepStats:
-    """One ``train_batch``/``eval_batch`` on this rank: measured seconds and bytes."""
-
-    total_seconds: float = 0.0
-    compute_seconds: float = 0.0  # forward + backward (incl. loss)
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0
-    recv_wait_seconds: float = 0.0  # blocked on a receive: pipeline bubble + transfer time
-    reduce_step_seconds: float = 0.0  # tied-gradient and data-parallel reductions, optimizer step
-    other_seconds: float = 0.0  # loading, posting sends, bookkeeping
-    p2p_bytes_sent: int = 0
-    p2p_bytes_received: int = 0
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of the pipelined part of the step: 1 - compute / (total - reductions and step)."""
-        piped = self.total_seconds - self.reduce_step_seconds
-        return max(0.0, 1.0 - self.compute_seconds / piped) if piped > 0 else 0.0
 
 
 class _Buffer:
@@ -238,47 +218,15 @@ class PipelineEngine(Engine):
         return out
 
     def _reduce_outputs(self, outputs: list[Any], reduce: str | None, micro_batches: int) -> Any:
-        if reduce is None:
-            return outputs
-        if reduce.lower() != "avg":
-            raise NotImplementedError(f"reduction type {reduce} not supported.")
-        if torch.is_tensor(outputs[0]):
-            reduced: Any = sum(outputs) / micro_batches
-            if self.is_data_parallel:
-                reduced = reduced.clone()
-                comm.all_reduce(reduced, group=self.grid.get_data_parallel_group())
-                reduced /= self.grid.get_data_parallel_world_size()
-            return reduced
-        reduced = [sum(o[i] for o in outputs) / micro_batches for i in range(len(outputs[0]))]
-        if self.is_data_parallel:
-            for t in reduced:
-                comm.all_reduce(t, group=self.grid.get_data_parallel_group())
-                t /= self.grid.get_data_parallel_world_size()
-        return reduced
+        return reduce_outputs(outputs, reduce, micro_batches, self.grid)
 
     def _bcast_from_last(self, value: Any) -> torch.Tensor:
-        src = self.grid.stage_to_global(self.num_stages - 1)
-        dev = comm.device_for_backend(self.grid.get_pipe_parallel_group())
-        t = (value.detach().float().reshape(-1)[:1].clone().to(dev) if self.is_last_stage()
-             else torch.zeros(1, dtype=torch.float32, device=dev))
-        comm.broadcast(t, src=src, group=self.grid.get_pipe_parallel_group())
-        return t.reshape(()) if not self.is_last_stage() or value.dim() == 0 else t
+        return broadcast_from_last(value, self.grid)
 
     def _aggregate_loss(self) -> torch.Tensor:
         """Mean over micro-batches (last stage), averaged over data-parallel replicas, sent to every stage."""
-        dev = comm.device_for_backend(self.grid.get_pipe_parallel_group()) if self.is_pipe_parallel else self.device
-        if self.is_last_stage():
-            assert self._total_loss is not None
-            loss = (self._total_loss.detach().float() / self.micro_batches).reshape(1).to(dev)
-            if self.is_data_parallel:
-                comm.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.grid.get_data_parallel_world_size()
-        else:
-            loss = torch.zeros(1, dtype=torch.float32, device=dev)
-        if self.is_pipe_parallel:
-            comm.broadcast(loss, src=self.grid.stage_to_global(self.num_stages - 1),
-                           group=self.grid.get_pipe_parallel_group())
-        return loss.reshape(())
+        mean = None if self._total_loss is None else self._total_loss.detach().float() / self.micro_batches
+        return mean_loss_everywhere(mean, self.grid, self.device)
 
     # --- the instruction loop ----------------------------------------------------------------------
     def _run(self, schedule: PipeSchedule) -> None:
