@@ -70,7 +70,8 @@ def _seed(seed: Any) -> None:
     torch.manual_seed(int(seed))  # DeepSpeed hands numpy integers here (its random.seed path rejects them)
 
 
-def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int) -> dict:
+def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int,
+          virtual: int = 1) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
@@ -92,8 +93,9 @@ def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup:
         import zerospeed.pipe as api
 
         init = zerospeed.initialize
+    extra = {"virtual_stages": virtual} if virtual > 1 else {}
     model = api.PipelineModule(layers(api, cfg), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
-                               seed_fn=_seed, partition_method="type:Block")
+                               seed_fn=_seed, partition_method="type:Block", **extra)
     engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                       config=config)
     dp_rank, dp = engine.grid.get_data_parallel_rank(), world // pp
@@ -125,24 +127,29 @@ def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup:
             "p2p": statistics.median(p2p) if p2p else None, "rss": peak_rss_bytes(), "loss": loss}
 
 
-def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int) -> dict:
-    ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, timeout=3600)
+def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int,
+        virtual: int = 1) -> dict:
+    ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, virtual, timeout=3600)
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
     bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
     simulated = None
     if bubbles:  # the bubble 1F1B implies for the measured per-stage forward/backward times (dp replica 0)
+        from zerospeed.parallel.pipeline.interleaved import InterleavedSchedule
         from zerospeed.parallel.pipeline.schedule import TrainSchedule
         from zerospeed.parallel.pipeline.simulate import simulate
 
         by_stage = {r["stage"]: r for r in ranks}
         fwd = [by_stage[s]["fwd"] for s in range(pp)]
         bwd = [by_stage[s]["bwd"] for s in range(pp)]
-        simulated = statistics.mean(simulate([TrainSchedule(gas, pp, s) for s in range(pp)], fwd, bwd).bubble)
-    return {"contender": f"{framework} pp={pp} x dp={dp}", "pp": pp, "dp": dp, "micro_batches": gas,
+        scheds = [InterleavedSchedule(gas, pp, s, chunks=virtual) if virtual > 1 else TrainSchedule(gas, pp, s)
+                  for s in range(pp)]
+        simulated = statistics.mean(simulate(scheds, fwd, bwd, chunks=virtual).bubble)
+    name = f"{framework} pp={pp} x dp={dp}" + (f" v={virtual}" if virtual > 1 else "")
+    return {"contender": name, "pp": pp, "dp": dp, "virtual": virtual, "micro_batches": gas,
             "s_per_step": statistics.median(per_step), "peak_rss_mib": max(r["rss"] for r in ranks) / MiB,
             "bubble_measured": statistics.mean(bubbles) if bubbles else None,
             "bubble_per_rank": [round(b, 3) for b in bubbles], "bubble_simulated": simulated,
-            "bubble_theory": (pp - 1) / (gas + pp - 1),
+            "bubble_theory": (pp - 1) / (virtual * gas + pp - 1),
             "p2p_mib_per_step": (max(r["p2p"] for r in ranks) / MiB) if bubbles else None, "last_loss": ranks[0]["loss"]}
 
 
@@ -157,6 +164,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--no-dp", action="store_true", help="skip the pp=2 x dp=2 runs (4 ranks)")
+    p.add_argument("--virtual", type=int, default=1, help="also run zerospeed interleaved with this many "
+                                                              "virtual stages per rank (Megatron's schedule)")
     p.add_argument("--repeat", type=int, default=1, help="run the contenders this many times, alternating order")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -180,6 +189,9 @@ def main() -> int:
                                                      args.warmup, args.steps))
         for fw in frameworks:  # the round with the median step time
             rows.append(sorted(rounds[fw], key=lambda r: r["s_per_step"])[len(rounds[fw]) // 2])
+        if args.virtual > 1 and dp == 1:
+            rows.append(run("zerospeed", pp, dp, cfg, args.micro_batch, args.micro_batches, args.warmup, args.steps,
+                            args.virtual))
     if args.json:
         for r in rows:
             print(json.dumps(r))
