@@ -39,6 +39,16 @@ ACCEPTED_HINTS: dict[str, str] = {
         "DeepSpeed's FusedAdam option to set .grad to None in zero_grad(); zerospeed's parameters never keep a "
         ".grad (gradients move into the reducer's buffers, which are zeroed after each step), so the update is "
         "the same either way"),
+    "pipeline.pipe_partitioned": (
+        "partitions activations sent between pipeline stages across the tensor-parallel group; it has no effect "
+        "without tensor parallelism (DeepSpeed ANDs it with model parallelism too), and a pipeline with a "
+        "tensor-parallel axis is refused for now"),
+    "pipeline.grad_partitioned": (
+        "partitions activation gradients sent between stages across the tensor-parallel group; no effect without "
+        "tensor parallelism (as in DeepSpeed), and a pipeline with a tensor-parallel axis is refused for now"),
+    "pipeline.use_reentrant": (
+        "selects torch's reentrant or non-reentrant recomputation for the pipeline's activation checkpoints; "
+        "zerospeed always uses its own non-reentrant checkpoint (RNG replayed), whose gradients are the same"),
 }
 
 _log = logging.getLogger("zerospeed.config")
