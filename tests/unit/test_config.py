@@ -9,12 +9,14 @@ from zerospeed.config import ConfigError, NotSupportedYetError, load_config, res
 
 def test_defaults_match_deepspeed() -> None:
     cfg = load_config({"train_batch_size": 8}, 2)
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # DeepSpeed 0.19.8 (0.0 before 0.19.3)
     assert cfg.fp16.enabled is False and cfg.fp16.initial_scale_power == 16
     assert cfg.fp16.loss_scale_window == 1000 and cfg.fp16.hysteresis == 2 and cfg.fp16.min_loss_scale == 1
     assert cfg.zero_optimization.stage == 0
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
-    assert cfg.steps_per_print == 10
+    assert cfg.steps_per_print is None
+    assert cfg.zero_optimization.offload_optimizer.pin_memory and cfg.zero_optimization.offload_param.pin_memory
+    assert cfg.bf16.check_grad_overflow is True
 
 
 def test_json_path_and_bfloat16_alias(tmp_path) -> None:

@@ -34,7 +34,7 @@ class OffloadOptimizerConfig(Section):
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     buffer_count: int = Field(4, ge=1)
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed's default; pinning happens only on an accelerator (CUDA)
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
@@ -75,7 +75,7 @@ class OffloadParamConfig(Section):
     buffer_count: int = Field(5, ge=1)
     buffer_size: int = Field(100_000_000, gt=0)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed's default; pinning happens only on an accelerator (CUDA)
 
     @field_validator("device", mode="before")
     @classmethod

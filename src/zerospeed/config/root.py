@@ -48,13 +48,15 @@ class ZeroSpeedConfig(Section):
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = Field(0.0, ge=0)
+    gradient_clipping: float = Field(1.0, ge=0)
+    """DeepSpeed 0.19.8's default is 1.0 (it was 0.0, off, before 0.19.3); 0 switches clipping off."""
     fp16: Fp16Config = Field(default_factory=Fp16Config)
     bf16: Bf16Config = Field(default_factory=Bf16Config)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    steps_per_print: int = Field(10, ge=1)
+    steps_per_print: int | None = Field(None, ge=1)
+    """DeepSpeed's default None prints no progress line."""
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False

@@ -93,10 +93,18 @@ class StepObserver:
         self.loss_sum = 0.0
         self.history.append(record)
         self._write_monitors(record)
-        if self.rank == 0 and eng.global_steps % self.config.steps_per_print == 0:
-            self._print(record)
+        every = self.config.steps_per_print  # None (DeepSpeed's default): no progress line
+        if self.rank == 0 and every is not None and eng.global_steps % every == 0:
+            self._print(record, every)
+        elif self.rank == 0 and every is None and self.breakdown:
+            self._print_breakdown(record, 1)  # as DeepSpeed: the timers are logged on every step
 
     # --- outputs ----------------------------------------------------------------------------------
+    def _print_breakdown(self, record: dict[str, float], steps: int) -> None:
+        names = [n for n in (FORWARD, BACKWARD, STEP) if self.timers.has(n)]
+        print("[zerospeed] " + self.timers.log(names, normalizer=float(steps))
+              + f" | comm (last step): {record['comm_seconds'] * 1e3:.2f}", flush=True)
+
     def _write_monitors(self, record: dict[str, float]) -> None:
         if not self.monitor.enabled:
             return
@@ -119,7 +127,7 @@ class StepObserver:
                 events.append((f"Train/Samples/elapsed_time_ms_{name}", ms, x))
         self.monitor.write_events(events)
 
-    def _print(self, record: dict[str, float]) -> None:
+    def _print(self, record: dict[str, float], every: int) -> None:
         eng = self.engine
         parts = [f"step={eng.global_steps}", f"skipped={eng.skipped_steps}", f"loss={record['loss']:.4f}",
                  f"lr={eng.get_lr()}", f"samples/s={record['samples_per_sec']:.1f}"]
@@ -127,9 +135,7 @@ class StepObserver:
             parts.append(f"loss_scale={eng.loss_scale:g}")
         print("[zerospeed] " + ", ".join(parts), flush=True)
         if self.breakdown:
-            names = [n for n in (FORWARD, BACKWARD, STEP) if self.timers.has(n)]
-            print("[zerospeed] " + self.timers.log(names, normalizer=float(self.config.steps_per_print))
-                  + f" | comm (last step): {record['comm_seconds'] * 1e3:.2f}", flush=True)
+            self._print_breakdown(record, every)
         if self.config.memory_breakdown:
             print(f"[zerospeed] rank {self.rank} model-state bytes (accounted): {eng.memory_breakdown()}", flush=True)
             measured = eng.measured_memory()
