@@ -48,7 +48,8 @@ def _sgd(model: nn.Module, grads: list[torch.Tensor]) -> None:
 def _engine(stage: int, gas: int) -> tuple[Any, nn.Module]:
     model = _model()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
+              "gradient_clipping": 0.0}
     engine, *_ = zerospeed.initialize(model=model, config=config)
     return engine, model
 

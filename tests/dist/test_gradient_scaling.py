@@ -29,6 +29,7 @@ def _step(stage: int, extra: dict[str, Any]) -> dict[str, Any]:
         "fp16": {"enabled": True, "initial_scale_power": 0, "hysteresis": 1, "min_loss_scale": 0.5},
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
         **extra,
     }
     engine, *_ = zerospeed.initialize(model=model, config=config)

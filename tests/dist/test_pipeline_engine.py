@@ -23,7 +23,8 @@ MICRO = 2
 
 def _cfg(gas: int, **extra: Any) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, **extra}
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "gradient_clipping": 0.0, **extra}
 
 
 def _api() -> dict:

@@ -62,7 +62,7 @@ def _gas_scaling() -> float:
     for p in model.parameters():
         nn.init.constant_(p, 1.0)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     data = iter([(torch.ones(1, 1), torch.zeros(1, 1))] * 2)
     engine.train_batch(data)
