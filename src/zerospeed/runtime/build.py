@@ -198,6 +198,10 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
                               prescale_gradients=cfg.prescale_gradients,
                               gradient_predivide_factor=cfg.gradient_predivide_factor)
     reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
+    reducer.ignore_unused_parameters = zcfg.ignore_unused_parameters
+    if not zcfg.ignore_unused_parameters and cfg.zero_stage not in (1, 2):
+        warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
+                      "(as in DeepSpeed, it checks stages 1 and 2 only)")
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size)
@@ -227,11 +231,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     raw_config = _config_from(args, config, config_params)
     early = load_config(raw_config)  # validated before any process group exists; batch sizes checked below
     _join(dist_init_required, distributed_port, early.comms_timeout_s)
-    dp_group = comm.world_group()
+    if early.comms_timeout_s is not None:
+        comm.set_timeout(early.comms_timeout_s, comm.world_group())
+    # The engine's own connections (docs/recovery.md): dropped and rebuilt after a failed step, leaving the
+    # world group the user's code talks on untouched.
+    dp_group = comm.RecoverableGroup(early.comms_timeout_s)
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
     cfg = load_config(early, dp_size)
-    if cfg.comms_timeout_s is not None:
-        comm.set_timeout(cfg.comms_timeout_s, dp_group)
     batch = cfg.batch(dp_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
@@ -250,6 +256,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, dp_rank, dp_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
+    if zero_opt is not None:
+        zero_opt.reducer.names = {p: n for n, p in model.named_parameters()}
     engine = Engine(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
     if "activation_checkpointing" in cfg.model_fields_set:

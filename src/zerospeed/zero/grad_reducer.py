@@ -11,10 +11,19 @@ is launched asynchronously, always in bucket order so every rank issues the same
 * stage 2: no full-size buffer: every micro-step reduce-scatters a transient bucket buffer and adds
   the result into the gradient partition.
 
-Buckets whose parameters got no gradient (unused in this forward) are launched at the end of
-backward, so ranks that used different parameters still issue identical collectives. At most
+Unused parameters: a parameter that got no gradient in the first backward is from then on treated as
+arrived, so its bucket (and every bucket after it, launched in order) does not wait for the end of
+backward. Ranks that used different parameters still issue identical collectives (same buckets, same
+order; only the timing differs). Should such a parameter get a gradient later after its bucket was
+reduced, that gradient cannot be included any more: the backward raises (the step is abandoned on every
+rank, see ``runtime/engine.py``) and the parameter is waited for again from then on. At most
 ``MAX_IN_FLIGHT`` buckets are in flight: launching one more first completes the oldest, so stage 2's
 transient bucket buffers stay bounded (about two buckets) instead of adding up to the whole model.
+
+Gradients that arrive outside this reducer's own micro-step (another engine's backward reaching these
+parameters, e.g. a GAN generator's loss through the discriminator) are left in ``p.grad`` for the user's
+``zero_grad()``, as in plain PyTorch; stage 3 cannot keep a full gradient beside a partitioned parameter
+and raises instead.
 """
 
 from __future__ import annotations
@@ -74,6 +83,15 @@ class GradReducer:
         # This rank's reduced gradient partition, in the accumulation dtype.
         self.partition: list[torch.Tensor | None] = [None] * len(groups)
         self.where: dict[nn.Parameter, tuple[int, int]] = {}
+        self.active = False  # inside this engine's backward (begin_micro_step .. end_micro_step)
+        self.got: set[tuple[int, int]] = set()  # (group, index) that got a gradient in this backward
+        self.window_got: set[tuple[int, int]] = set()  # ... since the last zero() (the accumulation window)
+        self.unused: set[tuple[int, int]] | None = None  # learned from the first backward
+        self.boundary = True
+        self.ignore_unused_parameters = True  # zero_optimization.ignore_unused_parameters (stages 1-2)
+        self.names: dict[nn.Parameter, str] = {}  # for messages (set by build.py)
+        self.early_launches = 0  # bucket collectives launched from a gradient hook, during backward
+        self.peak_buffer_bytes = 0  # largest grad_bytes() seen when a transient bucket buffer was made
         self.hooks = []
         for g, grp in enumerate(groups):
             for i, p in enumerate(grp.params):
@@ -92,6 +110,7 @@ class GradReducer:
         if buf is None:
             buf = torch.zeros(n * bucket.shard_numel, dtype=self.s.accum_dtype, device=grp.device)
             self.staging[(g, b)] = buf
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.grad_bytes())
         return buf
 
     def partition_buffer(self, g: int) -> torch.Tensor:
@@ -108,6 +127,10 @@ class GradReducer:
         return part
 
     # --- hooks -----------------------------------------------------------------------------------
+    def _name(self, g: int, i: int) -> str:
+        p = self.groups[g].params[i]
+        return self.names.get(p, f"parameter {i} of group {g} ({self.groups[g].plan.slots[i].numel} elements)")
+
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         g, i = self.where[p]  # type: ignore[index]
@@ -116,19 +139,52 @@ class GradReducer:
         grad = p.grad
         if grad is None:
             return
+        if not self.active:
+            self._outside_backward(g, i)
+            return
+        k = self.position[(g, slot.bucket)]
+        if self.unused is not None and (g, i) in self.unused:
+            self.unused.discard((g, i))  # used after all: wait for it again from now on
+            self.expected[k] += 1
+            if self.communicate and k < self.next_launch:
+                raise RuntimeError(
+                    f"{self._name(g, i)} got no gradient in the first backward, so its gradient bucket no longer "
+                    "waits for it, and now got one after that bucket was reduced: its gradient cannot be "
+                    "included. This step is abandoned on every rank; from now on the bucket waits for it again.")
         buf = self._bucket_buffer(g, slot.bucket)
         bucket = grp.plan.buckets[slot.bucket]
         scatter_into(buf.view(grp.num_partitions, bucket.shard_numel), slot.offset, slot.shard,
                      grad.reshape(-1), accumulate=True)
         p.grad = None
-        k = self.position[(g, slot.bucket)]
+        self.got.add((g, i))
         self.arrived[k] += 1
-        if self.communicate and self.s.overlap_comm and self.arrived[k] == self.expected[k]:
-            self._launch_ready()
+        if self.communicate and self.s.overlap_comm and self.arrived[k] >= self.expected[k]:
+            self._launch_ready(early=True)
 
-    def _launch_ready(self) -> None:
+    def _outside_backward(self, g: int, i: int) -> None:
+        """A gradient from someone else's backward: leave it in ``p.grad`` (stages 0-2) or refuse (stage 3)."""
+        if self.s.stage >= 3:
+            self.groups[g].params[i].grad = None
+            raise RuntimeError(
+                f"a gradient for {self._name(g, i)} arrived outside this engine's backward() (another engine's "
+                "backward reached its parameters, e.g. a GAN generator loss through the discriminator). Under "
+                "ZeRO stage 3 the parameter is partitioned, so its full gradient cannot be kept in p.grad: stop "
+                "the gradient (detach, or requires_grad_(False) on these parameters for that backward), or use "
+                "stage 0-2, where such gradients stay in p.grad as in plain PyTorch.")
+
+    def _learn_unused(self) -> None:
+        """After the first backward: parameters that got no gradient count as arrived from now on."""
+        self.unused = set()
+        for g, grp in enumerate(self.groups):
+            for i, slot in enumerate(grp.plan.slots):
+                if (g, i) not in self.got:
+                    self.unused.add((g, i))
+                    self.expected[self.position[(g, slot.bucket)]] -= 1
+
+    def _launch_ready(self, early: bool = False) -> None:
         while self.next_launch < len(self.order) and self.arrived[self.next_launch] >= self.expected[self.next_launch]:
             self._launch(self.next_launch)
+            self.early_launches += int(early)
 
     # --- collectives -----------------------------------------------------------------------------
     def _scales(self) -> tuple[float, float]:
@@ -190,10 +246,19 @@ class GradReducer:
     def begin_micro_step(self, communicate: bool) -> None:
         """``communicate``: reduce on this micro-step (stage 2: always; stages 0-1: the boundary)."""
         self.communicate = communicate or self.s.stage >= 2
+        self.boundary = communicate
+        self.active = True
+        self.got = set()
+        if self.communicate and self.s.overlap_comm:
+            self._launch_ready()  # buckets of unused parameters only
 
     @torch.no_grad()
     def end_micro_step(self) -> None:
         """After backward: launch what is left (in order), wait for everything, reset counters."""
+        self.active = False
+        if self.unused is None:
+            self._learn_unused()
+        self.window_got |= self.got
         if self.communicate:
             while self.next_launch < len(self.order):
                 self._launch(self.next_launch)
@@ -202,6 +267,34 @@ class GradReducer:
             self.pending.clear()
             self.next_launch = 0
         self.arrived = [0] * len(self.order)
+        if self.boundary and not self.ignore_unused_parameters and self.s.stage in (1, 2):
+            self._check_all_used()
+
+    def _check_all_used(self) -> None:
+        """``ignore_unused_parameters: false`` (DeepSpeed's stages 1-2): every trainable parameter had a gradient."""
+        missing = [self._name(g, i) for g, grp in enumerate(self.groups) for i in range(len(grp.params))
+                   if (g, i) not in self.window_got]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} trainable parameter(s) got no gradient in this step: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}. Make every trainable parameter and forward output take part "
+                "in the loss, or set zero_optimization.ignore_unused_parameters to true (DeepSpeed's default).")
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """After an error in forward, backward or step: forget the step's gradients and collectives in flight.
+
+        The collectives are not waited for (their group is being dropped); every gradient accumulated in
+        this window is zeroed, so the next step starts clean.
+        """
+        self.pending.clear()
+        self.next_launch = 0
+        self.arrived = [0] * len(self.order)
+        self.active = False
+        self.got = set()
+        for p in self.where:
+            p.grad = None
+        self.zero()
 
     @torch.no_grad()
     def zero(self) -> None:
@@ -217,6 +310,7 @@ class GradReducer:
             else:
                 part.zero_()
         self.staging.clear()
+        self.window_got = set()
 
     def grad_bytes(self) -> int:
         total = 0
