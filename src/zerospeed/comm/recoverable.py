@@ -64,7 +64,7 @@ class RecoverableGroup:
         except Exception:  # noqa: BLE001 - already broken: dropping the reference is what matters
             pass
         del pg
-        gc.collect()
+        gc.collect(0)  # a young cycle may hold it; a full collection costs ~1 s with torch loaded
 
     def rebuild(self) -> None:
         """New connections among the same ranks (every rank must call this; waits up to the timeout)."""
