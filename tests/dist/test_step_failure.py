@@ -21,12 +21,12 @@ class Injected(RuntimeError):
     pass
 
 
-def _reference(world: int, skip: int) -> list[float]:
+def _reference(world: int, skip: int, gas: int = 1) -> list[float]:
     model = make_model()
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     losses = []
     for step in range(STEPS):
-        x, y = global_batch(step, MB * world)
+        x, y = global_batch(step, MB * gas * world)
         loss = model(x, y)
         if step == skip:
             losses.append(float("nan"))
@@ -42,13 +42,13 @@ def _reference(world: int, skip: int) -> list[float]:
     return losses
 
 
-def _train(stage: int, where: str) -> dict[str, Any]:
+def _train(stage: int, where: str, gas: int = 1) -> dict[str, Any]:
     import zerospeed
     from zerospeed import comm
 
     world, rank = comm.get_world_size(), comm.get_rank()
     model = make_model()
-    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
+    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 300,
                                     "stage3_param_persistence_threshold": 0},
@@ -79,28 +79,30 @@ def _train(stage: int, where: str) -> dict[str, Any]:
     losses: list[float] = []
     failures: list[tuple[int, str, float]] = []
     for step in range(STEPS):
-        armed["on"] = rank == 1 and step == FAIL
         t0 = time.monotonic()
+        total = torch.zeros(())
         try:
-            x, y = micro_batch(step, 0, rank, world, MB, 1)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            for m in range(gas):  # rank 1 fails in the first micro-step; rank 0 (stages 0-1) in the last
+                armed["on"] = rank == 1 and step == FAIL and m == 0
+                x, y = micro_batch(step, m, rank, world, MB, gas)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().float() / gas
         except Exception as exc:  # noqa: BLE001 - the loop a user writes: skip the batch, go on
             failures.append((step, f"{type(exc).__name__}: {exc}", time.monotonic() - t0))
             losses.append(float("nan"))
             continue
-        total = loss.detach().float().clone()
         comm.all_reduce(total)  # the user's own collective, on the world group
         losses.append(float(total) / world)
     return {"losses": losses, "failures": failures, "global_steps": engine.global_steps}
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "step"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_exception_on_one_rank_abandons_the_step_everywhere(stage: int, where: str) -> None:
-    ref = _reference(2, FAIL)
-    results = run_distributed(_train, 2, stage, where, timeout=90)
+@pytest.mark.parametrize("stage,where,gas", [(s, w, 1) for s in (0, 1, 2, 3) for w in ("forward", "backward", "step")]
+                         + [(1, "forward", 2), (2, "backward", 2)])
+def test_exception_on_one_rank_abandons_the_step_everywhere(stage: int, where: str, gas: int) -> None:
+    ref = _reference(2, FAIL, gas)
+    results = run_distributed(_train, 2, stage, where, gas, timeout=90)
     for rank, r in enumerate(results):
         assert [f[0] for f in r["failures"]] == [FAIL], (rank, r["failures"])
         _, message, elapsed = r["failures"][0]
