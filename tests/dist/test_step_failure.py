@@ -150,3 +150,46 @@ def test_failure_inside_the_update_stops_the_engine_on_every_rank() -> None:
     for r in run_distributed(_fails_inside_update, 2, timeout=60):
         assert len(r["messages"]) == 2, r
         assert "inconsistent" in r["messages"][1] and "checkpoint" in r["messages"][1], r
+
+
+def _offload_kernel_fails() -> dict[str, Any]:
+    import zerospeed
+    from zerospeed import comm
+
+    rank = comm.get_rank()
+    model = make_model()
+    config = {"train_micro_batch_size_per_gpu": MB, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 200, "offload_optimizer": {"device": "cpu"}},
+              "comms_timeout_s": 20.0}
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    stepper = engine.optimizer.stepper
+
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def step(self, *a: Any, **k: Any) -> None:
+            raise ValueError("not an I/O error: the CPU kernel failed")
+
+    real = stepper.kernel
+    if rank == 0:
+        stepper.kernel = Broken()
+    messages = []
+    for step in range(2):
+        t0 = time.monotonic()
+        try:
+            x, y = micro_batch(step, 0, rank, 2, MB, 1)
+            engine.backward(engine(x, y))
+            engine.step()
+        except Exception as exc:  # noqa: BLE001
+            messages.append((f"{type(exc).__name__}: {exc}", time.monotonic() - t0))
+    return {"messages": messages}
+
+
+def test_offload_failure_of_any_type_is_agreed_across_ranks() -> None:
+    r0, r1 = run_distributed(_offload_kernel_fails, 2, timeout=90)
+    assert [len(r["messages"]) for r in (r0, r1)] == [2, 2], (r0, r1)
+    assert r0["messages"][0][0].startswith("ValueError: not an I/O error"), r0
+    assert "another rank" in r1["messages"][0][0] and r1["messages"][0][1] < 10, r1
+    for r in (r0, r1):
+        assert "inconsistent" in r["messages"][1][0], r
