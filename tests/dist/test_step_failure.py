@@ -42,7 +42,7 @@ def _reference(world: int, skip: int, gas: int = 1) -> list[float]:
     return losses
 
 
-def _train(stage: int, where: str, gas: int = 1) -> dict[str, Any]:
+def _train(stage: int, where: str, gas: int = 1, offload: dict[str, Any] | None = None) -> dict[str, Any]:
     import zerospeed
     from zerospeed import comm
 
@@ -51,7 +51,7 @@ def _train(stage: int, where: str, gas: int = 1) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 300,
-                                    "stage3_param_persistence_threshold": 0},
+                                    "stage3_param_persistence_threshold": 0, **(offload or {})},
               "comms_timeout_s": TIMEOUT_S, "steps_per_print": 1000}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     armed = {"on": False}
@@ -103,6 +103,10 @@ def _train(stage: int, where: str, gas: int = 1) -> dict[str, Any]:
 def test_exception_on_one_rank_abandons_the_step_everywhere(stage: int, where: str, gas: int) -> None:
     ref = _reference(2, FAIL, gas)
     results = run_distributed(_train, 2, stage, where, gas, timeout=90)
+    _check(results, ref)
+
+
+def _check(results: list[dict[str, Any]], ref: list[float]) -> None:
     for rank, r in enumerate(results):
         assert [f[0] for f in r["failures"]] == [FAIL], (rank, r["failures"])
         _, message, elapsed = r["failures"][0]
@@ -193,3 +197,13 @@ def test_offload_failure_of_any_type_is_agreed_across_ranks() -> None:
     assert "another rank" in r1["messages"][0][0] and r1["messages"][0][1] < 10, r1
     for r in (r0, r1):
         assert "inconsistent" in r["messages"][1][0], r
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_offloaded_stage3_recovers_too(where: str, tmp_path) -> None:
+    """ZeRO-Infinity: parameter shards on disk, optimizer state offloaded; a failed step leaves nothing
+    read in or half-gathered behind."""
+    offload = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2,
+                                 "buffer_size": 64, "max_in_cpu": 0},
+               "offload_optimizer": {"device": "cpu"}}
+    _check(run_distributed(_train, 2, 3, where, 1, offload, timeout=90), _reference(2, FAIL))

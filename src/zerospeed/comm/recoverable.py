@@ -84,7 +84,10 @@ def resolve(group: Any) -> Any:
 
 
 def _world_timeout() -> timedelta:
-    try:
-        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001 - not every backend exposes its options
-        return timedelta(minutes=30)
+    """The world group's collective timeout (the engine's group inherits it unless told otherwise)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - no backend for this device, or it does not expose its options
+            continue
+    return timedelta(minutes=30)
