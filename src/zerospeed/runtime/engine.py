@@ -153,18 +153,22 @@ class Engine(nn.Module):
         if updating:
             self.broken = (f"an exception in engine.{what}() while the optimizer was updating parameters "
                            f"({type(exc).__name__}: {exc}); ranks may now hold different weights")
+        # Let go of collectives in flight, drop the connections (which waits until the backend is done with
+        # those collectives' buffers; peers fail at once), and only then zero the gradient buffers.
         if self.optimizer is not None:
-            self.optimizer.abandon_step()
+            self.optimizer.reducer.release_in_flight()
         if self.zero3 is not None:
             self.zero3.fetcher.reset()
+        if isinstance(self.dp_group, comm.RecoverableGroup) and self.dp_world_size > 1:
+            self.dp_group.drop()
+        if self.optimizer is not None:
+            self.optimizer.abandon_step()
         for name in self.timers.names():
             if self.timers(name).running:
                 self.timers(name).stop()
         gas = self.gradient_accumulation_steps()
         self.micro_steps -= self.micro_steps % gas  # the whole accumulation window is abandoned
         self.backwards_in_window = 0
-        if isinstance(self.dp_group, comm.RecoverableGroup) and self.dp_world_size > 1:
-            self.dp_group.drop()
         if hasattr(exc, "add_note"):
             exc.add_note(f"zerospeed: rank {self.global_rank} abandoned optimizer step {self.global_steps + 1} "
                          f"(engine.{what}() raised); every rank abandons it and rebuilds its connections at "

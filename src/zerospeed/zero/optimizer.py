@@ -101,6 +101,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> bool:
         """Apply one optimizer step; returns False when skipped for overflow."""
+        self.reducer.settle_late()  # gradients of once-unused parameters that arrived after their bucket left
         grads = self._collect_grads()
         scale = self.loss_scaler.loss_scale
         self.overflow = self._has_overflow(grads) if self.loss_scaler.dynamic or scale != 1.0 else False
