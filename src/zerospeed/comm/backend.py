@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
+from .recoverable import RecoverableGroup, resolve
 
 Group = dist.ProcessGroup
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -81,7 +82,7 @@ def set_timeout(timeout: timedelta | float, group: Group | None = None) -> None:
         warnings.warn("this torch cannot change the timeout of an existing process group: comms_timeout_s "
                       "applies only when zerospeed creates the group (init_distributed(timeout=...))")
         return
-    _set_pg_timeout(timeout, group)
+    _set_pg_timeout(timeout, resolve(group))
 
 
 def file_store(path: str, world_size: int) -> Any:
@@ -107,11 +108,15 @@ def world_group() -> Group:
 
 
 def get_rank(group: Group | None = None) -> int:
-    return dist.get_rank(group) if is_initialized() else 0
+    if isinstance(group, RecoverableGroup):  # answered without touching (or rebuilding) its connections
+        return group.rank
+    return dist.get_rank(resolve(group)) if is_initialized() else 0
 
 
 def get_world_size(group: Group | None = None) -> int:
-    return dist.get_world_size(group) if is_initialized() else 1
+    if isinstance(group, RecoverableGroup):
+        return group.size()
+    return dist.get_world_size(resolve(group)) if is_initialized() else 1
 
 
 def new_group(ranks: list[int], timeout: timedelta | None = None) -> Group:
@@ -124,16 +129,16 @@ def barrier(group: Group | None = None) -> None:
     if not is_initialized():
         return
     try:
-        dist.barrier(group=group)
+        dist.barrier(group=resolve(group))
     except RuntimeError as exc:
         from .collectives import CollectiveError
 
-        where = "WORLD" if group is None else f"ranks {dist.get_process_group_ranks(group)}"
+        where = "WORLD" if group is None else f"ranks {dist.get_process_group_ranks(resolve(group))}"
         raise CollectiveError(f"rank {get_rank()}: collective 'barrier' on group {where} failed: {exc}") from exc
 
 
 def backend_name(group: Group | None = None) -> str:
-    return str(dist.get_backend(group))
+    return str(dist.get_backend(resolve(group)))
 
 
 def device_for_backend(group: Group | None = None) -> torch.device:

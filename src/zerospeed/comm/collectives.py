@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized
 from .logger import COMMS_LOGGER
+from .recoverable import RecoverableGroup, resolve
 
 ReduceOp = dist.ReduceOp
 
@@ -42,8 +43,10 @@ class Handle:
 def _group_name(group: Group | None) -> str:
     if group is None:
         return "WORLD"
+    if isinstance(group, RecoverableGroup):
+        return f"ranks {group.ranks}"
     try:
-        ranks = dist.get_process_group_ranks(group)
+        ranks = dist.get_process_group_ranks(resolve(group))
     except Exception:  # pragma: no cover - defensive, only for the message
         return "?"
     return f"ranks {ranks}"
@@ -55,6 +58,9 @@ def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
     if "timed out" in text.lower() or "timeout" in text.lower():
         hint = (" -- a peer rank did not join this collective within the timeout (config 'comms_timeout_s'): "
                 "it is hung, dead, or running different code")
+    elif "closed by peer" in text.lower() or "connection reset" in text.lower():
+        hint = (" -- a peer rank closed its connections: it crashed, or it raised inside a training step and "
+                "abandoned the step (the engine then rebuilds its group at the next forward/backward/step)")
     return CollectiveError(f"rank {get_rank()}: collective '{op}' on group {_group_name(group)} failed: {text}{hint}")
 
 
@@ -80,7 +86,7 @@ def all_reduce(tensor: torch.Tensor, group: Group | None = None, op: Any = Reduc
     if get_world_size(group) == 1:
         return Handle(None, "all_reduce", group, 0.0) if async_op else None
     n = _nbytes(tensor)
-    return _run("all_reduce", group, n, 2 * n, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+    return _run("all_reduce", group, n, 2 * n, async_op, lambda: dist.all_reduce(tensor, op=op, group=resolve(group), async_op=async_op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, op: Any = ReduceOp.SUM, async_op: bool = False) -> Handle | None:
@@ -91,7 +97,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group | Non
     n = _nbytes(input)
     return _run(
         "reduce_scatter", group, n, n, async_op,
-        lambda: dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
+        lambda: dist.reduce_scatter_single(output, input, op=op, group=resolve(group), async_op=async_op),
     )
 
 
@@ -103,7 +109,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
     n = _nbytes(output)
     return _run(
         "all_gather", group, n, n, async_op,
-        lambda: dist.all_gather_single(output, input, group=group, async_op=async_op),
+        lambda: dist.all_gather_single(output, input, group=resolve(group), async_op=async_op),
     )
 
 
@@ -111,13 +117,13 @@ def all_gather_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Gr
     """What ``all_gather`` computes, as one broadcast per rank (DeepSpeed's ``allgather_partitions: false``)."""
     world = get_world_size(group)
     n = input.numel()
-    me = dist.get_rank(group) if world > 1 else 0
+    me = dist.get_rank(resolve(group)) if world > 1 else 0
     for r in range(world):
         chunk = output[r * n:(r + 1) * n]
         if r == me:
             chunk.copy_(input)
         if world > 1:
-            src = dist.get_global_rank(group, r) if group is not None else r
+            src = dist.get_global_rank(resolve(group), r) if group is not None else r
             broadcast(chunk, src=src, group=group)
 
 
@@ -126,7 +132,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
     if get_world_size(group) == 1:
         return None
     n = _nbytes(tensor)
-    return _run("broadcast", group, n, n, async_op, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+    return _run("broadcast", group, n, n, async_op, lambda: dist.broadcast(tensor, src=src, group=resolve(group), async_op=async_op))
 
 
 def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
@@ -135,7 +141,7 @@ def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * get_world_size(group)
     try:
-        dist.all_gather_object(out, obj, group=group)
+        dist.all_gather_object(out, obj, group=resolve(group))
     except RuntimeError as exc:
         raise _error("all_gather_object", group, exc) from exc
     return out
@@ -146,7 +152,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Group | None = None) -> Any:
         return obj
     box = [obj]
     try:
-        dist.broadcast_object_list(box, src=src, group=group)
+        dist.broadcast_object_list(box, src=src, group=resolve(group))
     except RuntimeError as exc:
         raise _error("broadcast_object", group, exc) from exc
     return box[0]

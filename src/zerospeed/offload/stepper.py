@@ -149,15 +149,16 @@ class OffloadStepper:
                 self._step_host(grads)
             else:
                 self._step_nvme(grads)
-        except (OffloadIOError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure (I/O, memory, a kernel) is agreed across ranks
             error = exc
         failed = comm.all_reduce_max_flag(error is not None, group=self.dp_group) if self.partitioned else error is not None
         if error is not None:
             self.broken = str(error)
             raise error
         if failed:
-            self.broken = "offload I/O failed on another rank"
-            raise RuntimeError("offload I/O failed on another rank (see its error); the weights were not updated")
+            self.broken = "the offloaded optimizer step failed on another rank"
+            raise RuntimeError("the offloaded optimizer step failed on another rank (see its error); the weights "
+                               "were not updated")
 
     def _begin(self) -> None:
         for s in self.steps:

@@ -232,6 +232,10 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
                               prescale_gradients=cfg.prescale_gradients,
                               gradient_predivide_factor=cfg.gradient_predivide_factor)
     reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
+    reducer.ignore_unused_parameters = zcfg.ignore_unused_parameters
+    if not zcfg.ignore_unused_parameters and cfg.zero_stage not in (1, 2):
+        warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
+                      "(as in DeepSpeed, it checks stages 1 and 2 only)")
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size)
@@ -282,15 +286,19 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     raw_config = _config_from(args, config, config_params)
     early = load_config(raw_config)  # validated before any process group exists; batch sizes checked below
     _join(dist_init_required, distributed_port, early.comms_timeout_s)
+    if early.comms_timeout_s is not None:
+        comm.set_timeout(early.comms_timeout_s, comm.world_group())
     grid = _parallel_grid(model, mpu)
-    dp_group = comm.world_group() if grid is None else grid.get_data_parallel_group()
+    # The engine's own connections (docs/recovery.md): dropped and rebuilt after a failed step, leaving the
+    # world group the user's code talks on untouched. A pipeline or a user's mpu brings its grid's groups.
+    dp_group = comm.RecoverableGroup(early.comms_timeout_s) if grid is None else grid.get_data_parallel_group()
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
     cfg = load_config(early, dp_size)
     pipelined = grid is not None and grid is getattr(model, "_grid", None)
     if pipelined and cfg.zero_stage >= 2:
         raise ConfigError("zero_optimization.stage", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism "
                           f"(got stage {cfg.zero_stage}); use stage 0 or 1")
-    if cfg.comms_timeout_s is not None:
+    if grid is not None and cfg.comms_timeout_s is not None:
         comm.set_timeout(cfg.comms_timeout_s, dp_group)
     batch = cfg.batch(dp_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
@@ -314,6 +322,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, dp_rank, dp_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
+    if zero_opt is not None:
+        zero_opt.reducer.names = {p: n for n, p in model.named_parameters()}
     engine_cls: type[Engine] = Engine
     if pipelined:
         from ..parallel.pipeline.engine import PipelineEngine

@@ -2,6 +2,15 @@
 
 The engine owns the step counters and the gradient-accumulation protocol; everything that depends
 on which stage, precision or feature is on was decided in ``build.py`` and handed in.
+
+Failures (docs/recovery.md): an exception inside ``forward``, ``backward`` or ``step`` on any rank
+abandons the current optimizer step on every rank. The failing rank resets its reducer, stage-3 fetcher
+and optimizer buffers and drops its connections of the engine's group (a ``comm.RecoverableGroup``),
+so every peer's pending or next collective of that step fails at once; the peers reset the same way.
+Each rank's next ``forward``/``backward``/``step`` rebuilds the group and checks that all ranks still
+agree (same step count; no rank failed after it began changing parameters). The optimizer's commit
+point is a collective before the first parameter changes, so a step that failed before it is applied
+nowhere; a failure after it (inside the parameter update) leaves the engine refusing to continue.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ class Engine(nn.Module):
         self.mp_world_size = 1
         self.observer = StepObserver(self, config, self.global_rank)
         self.timers = self.observer.timers
+        self.backwards_in_window = 0
+        self._checked_generation = 0
+        self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
 
     # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
     def train_batch_size(self) -> int:
@@ -100,18 +112,81 @@ class Engine(nn.Module):
             self._inside_no_sync = False
 
     def zero_grad(self) -> None:
-        """Drop the gradients accumulated so far (the optimizer step does this by itself)."""
+        """Drop the gradients accumulated so far (the optimizer step does this by itself), and, as DeepSpeed
+        does, every ``p.grad`` of the module (gradients another engine's backward left there)."""
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         self._accumulating = False
+        for p in self.module.parameters():
+            p.grad = None
+
+    # --- failures (docs/recovery.md) ----------------------------------------------------------------
+    @contextmanager
+    def _guarded(self, what: str) -> Iterator[None]:
+        """Run one engine call; on an exception abandon the step on every rank and re-raise."""
+        self._ensure_usable()
+        try:
+            yield
+        except Exception as exc:
+            self._abandon_step(what, exc)
+            raise
+
+    def _ensure_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"the engine cannot continue, its state may be inconsistent across ranks: "
+                               f"{self.broken}. Reload a checkpoint (engine.load_checkpoint) into a new engine")
+        group = self.dp_group
+        if not isinstance(group, comm.RecoverableGroup) or (group.generation == self._checked_generation
+                                                            and not group.dropped):
+            return
+        group.pg  # noqa: B018 - rebuilds a dropped group (every rank that abandoned the step gets here)
+        self._checked_generation = group.generation
+        flags = torch.tensor([float(self.global_steps), -float(self.global_steps)],
+                             device=comm.device_for_backend(group))
+        comm.all_reduce(flags, group=group, op=comm.ReduceOp.MAX)
+        if flags[0] != -flags[1]:
+            self.broken = (f"after a failed step the ranks disagree on the number of optimizer steps applied "
+                           f"(between {int(-flags[1])} and {int(flags[0])}; this rank {self.global_steps})")
+            raise RuntimeError(f"the engine cannot continue, its state is inconsistent across ranks: {self.broken}. "
+                               "Reload a checkpoint")
+
+    def _abandon_step(self, what: str, exc: BaseException) -> None:
+        """Reset what the failed step left behind and drop this rank's connections (peers fail at once)."""
+        updating = self.optimizer is not None and getattr(self.optimizer, "updating", False)
+        if updating:
+            self.broken = (f"an exception in engine.{what}() while the optimizer was updating parameters "
+                           f"({type(exc).__name__}: {exc}); ranks may now hold different weights")
+        # Let go of collectives in flight, drop the connections (which waits until the backend is done with
+        # those collectives' buffers; peers fail at once), and only then zero the gradient buffers.
+        if self.optimizer is not None:
+            self.optimizer.reducer.release_in_flight()
+        if self.zero3 is not None:
+            self.zero3.fetcher.reset()
+        if isinstance(self.dp_group, comm.RecoverableGroup) and self.dp_world_size > 1:
+            self.dp_group.drop()
+        if self.optimizer is not None:
+            self.optimizer.abandon_step()
+        for name in self.timers.names():
+            if self.timers(name).running:
+                self.timers(name).stop()
+        gas = self.gradient_accumulation_steps()
+        self.micro_steps -= self.micro_steps % gas  # the whole accumulation window is abandoned
+        self.backwards_in_window = 0
+        self._accumulating = False
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"zerospeed: rank {self.global_rank} abandoned optimizer step {self.global_steps + 1} "
+                         f"(engine.{what}() raised); every rank abandons it and rebuilds its connections at "
+                         "the next forward/backward/step. Catch the error around the whole step and continue "
+                         "with the next batch." if self.broken is None else f"zerospeed: {self.broken}")
 
     # --- forward / backward / step ----------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.observer.forward_start()
-        if self.config.fp16.auto_cast:
-            inputs = cast_inputs_half(inputs)
-        out = self.module(*inputs, **kwargs)
-        self.observer.forward_end()
+        with self._guarded("forward"):
+            self.observer.forward_start()
+            if self.config.fp16.auto_cast:
+                inputs = cast_inputs_half(inputs)
+            out = self.module(*inputs, **kwargs)
+            self.observer.forward_end()
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -126,13 +201,15 @@ class Engine(nn.Module):
         scale = self.optimizer.loss_scaler.loss_scale
         if scale != 1.0:
             scaled = scaled * scale
-        self.observer.backward_start(loss)
-        reducer = self.optimizer.reducer
-        reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
-        scaled.backward(retain_graph=retain_graph)
-        reducer.end_micro_step()
-        self._accumulating = True
-        self.observer.backward_end()
+        with self._guarded("backward"):
+            self.observer.backward_start(loss)
+            reducer = self.optimizer.reducer
+            reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+            scaled.backward(retain_graph=retain_graph)
+            reducer.end_micro_step()
+            self.backwards_in_window += 1
+            self._accumulating = True
+            self.observer.backward_end()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -143,8 +220,18 @@ class Engine(nn.Module):
         if boundary and self._inside_no_sync:
             raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
                                "were never reduced: leave the no_sync() block for the last backward before step()")
+        with self._guarded("step"):
+            self._step(boundary, lr_kwargs)
+
+    def _step(self, boundary: bool, lr_kwargs: dict[str, Any] | None) -> None:
+        assert self.optimizer is not None
         self.observer.step_start()
+        if boundary and self.backwards_in_window == 0 and any(p.grad is not None for p in self.module.parameters()):
+            raise RuntimeError("engine.step() found gradients in p.grad but engine.backward() was not called in "
+                               "this step: call engine.backward(loss) instead of loss.backward() (gradients from "
+                               "another engine's backward stay in p.grad; clear them with zero_grad())")
         if boundary:
+            self.backwards_in_window = 0
             applied = self.optimizer.step()
             self._accumulating = False
             self._step_applied = applied

@@ -11,10 +11,20 @@ is launched asynchronously, always in bucket order so every rank issues the same
 * stage 2: no full-size buffer: every micro-step reduce-scatters a transient bucket buffer and adds
   the result into the gradient partition.
 
-Buckets whose parameters got no gradient (unused in this forward) are launched at the end of
-backward, so ranks that used different parameters still issue identical collectives. At most
+Unused parameters: a parameter that got no gradient in the first backward on any rank (agreed by one
+all-reduce, once) is from then on treated as arrived, so its bucket (and every bucket after it, launched
+in order) does not wait for the end of backward. Should it get a gradient later, after its bucket was
+launched, that gradient goes to a *late* buffer of the bucket's layout; at the optimizer step one
+4-byte all-reduce (only for models that have such parameters) tells every rank whether any rank holds
+late gradients, and if so the affected buckets are reduced once more and added in (same result as if
+they had waited), and their parameters are waited for again from then on. At most
 ``MAX_IN_FLIGHT`` buckets are in flight: launching one more first completes the oldest, so stage 2's
 transient bucket buffers stay bounded (about two buckets) instead of adding up to the whole model.
+
+Gradients that arrive outside this reducer's own micro-step (another engine's backward reaching these
+parameters, e.g. a GAN generator's loss through the discriminator) are left in ``p.grad`` for the user's
+``zero_grad()``, as in plain PyTorch; stage 3 cannot keep a full gradient beside a partitioned parameter
+and raises instead.
 """
 
 from __future__ import annotations
@@ -74,6 +84,16 @@ class GradReducer:
         # This rank's reduced gradient partition, in the accumulation dtype.
         self.partition: list[torch.Tensor | None] = [None] * len(groups)
         self.where: dict[nn.Parameter, tuple[int, int]] = {}
+        self.active = False  # inside this engine's backward (begin_micro_step .. end_micro_step)
+        self.got: set[tuple[int, int]] = set()  # (group, index) that got a gradient in this backward
+        self.window_got: set[tuple[int, int]] = set()  # ... since the last zero() (the accumulation window)
+        self.unused: set[tuple[int, int]] | None = None  # learned from the first backward (same on every rank)
+        self.late: dict[int, torch.Tensor] = {}  # bucket position -> gradients that arrived after its launch
+        self.boundary = True
+        self.ignore_unused_parameters = True  # zero_optimization.ignore_unused_parameters (stages 1-2)
+        self.names: dict[nn.Parameter, str] = {}  # for messages (set by build.py)
+        self.early_launches = 0  # bucket collectives launched from a gradient hook, during backward
+        self.peak_buffer_bytes = 0  # largest grad_bytes() seen when a transient bucket buffer was made
         self.hooks = []
         for g, grp in enumerate(groups):
             for i, p in enumerate(grp.params):
@@ -92,6 +112,7 @@ class GradReducer:
         if buf is None:
             buf = torch.zeros(n * bucket.shard_numel, dtype=self.s.accum_dtype, device=grp.device)
             self.staging[(g, b)] = buf
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.grad_bytes())
         return buf
 
     def partition_buffer(self, g: int) -> torch.Tensor:
@@ -108,6 +129,10 @@ class GradReducer:
         return part
 
     # --- hooks -----------------------------------------------------------------------------------
+    def _name(self, g: int, i: int) -> str:
+        p = self.groups[g].params[i]
+        return self.names.get(p, f"parameter {i} of group {g} ({self.groups[g].plan.slots[i].numel} elements)")
+
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         g, i = self.where[p]  # type: ignore[index]
@@ -116,19 +141,99 @@ class GradReducer:
         grad = p.grad
         if grad is None:
             return
-        buf = self._bucket_buffer(g, slot.bucket)
+        if not self.active:
+            self._outside_backward(g, i)
+            return
+        k = self.position[(g, slot.bucket)]
+        unused = self.unused is not None and (g, i) in self.unused
+        late = unused and self.communicate and k < self.next_launch and self.s.dp_size > 1
         bucket = grp.plan.buckets[slot.bucket]
+        buf = self.late.get(k) if late else self._bucket_buffer(g, slot.bucket)
+        if buf is None:
+            buf = self.late[k] = torch.zeros(grp.num_partitions * bucket.shard_numel, dtype=self.s.accum_dtype,
+                                             device=grp.device)
         scatter_into(buf.view(grp.num_partitions, bucket.shard_numel), slot.offset, slot.shard,
                      grad.reshape(-1), accumulate=True)
         p.grad = None
-        k = self.position[(g, slot.bucket)]
+        self.got.add((g, i))
+        if unused:  # not counted: the bucket must still wait for every parameter it expects
+            return
         self.arrived[k] += 1
-        if self.communicate and self.s.overlap_comm and self.arrived[k] == self.expected[k]:
-            self._launch_ready()
+        if self.communicate and self.s.overlap_comm and self.arrived[k] >= self.expected[k]:
+            self._launch_ready(early=True)
 
-    def _launch_ready(self) -> None:
+    def _outside_backward(self, g: int, i: int) -> None:
+        """A gradient from someone else's backward: leave it in ``p.grad`` (stages 0-2) or refuse (stage 3)."""
+        if self.s.stage >= 3:
+            self.groups[g].params[i].grad = None
+            raise RuntimeError(
+                f"a gradient for {self._name(g, i)} arrived outside this engine's backward() (another engine's "
+                "backward reached its parameters, e.g. a GAN generator loss through the discriminator). Under "
+                "ZeRO stage 3 the parameter is partitioned, so its full gradient cannot be kept in p.grad: stop "
+                "the gradient (detach, or requires_grad_(False) on these parameters for that backward), or use "
+                "stage 0-2, where such gradients stay in p.grad as in plain PyTorch.")
+
+    def _learn_unused(self) -> None:
+        """After the first backward: parameters that got no gradient on any rank count as arrived from now on."""
+        keys = [(g, i) for g, grp in enumerate(self.groups) for i in range(len(grp.params))]
+        got = torch.tensor([float(key in self.got) for key in keys], device=comm.device_for_backend(self.dp_group)
+                           if self.s.dp_size > 1 else None)
+        if self.s.dp_size > 1:
+            comm.all_reduce(got, group=self.dp_group, op=comm.ReduceOp.MAX)
+        self.unused = {key for key, used in zip(keys, got.tolist()) if not used}
+        for g, i in self.unused:
+            self.expected[self.position[(g, self.groups[g].plan.slots[i].bucket)]] -= 1
+
+    @torch.no_grad()
+    def settle_late(self) -> None:
+        """Before the optimizer step: add in gradients that arrived after their bucket was launched.
+
+        Collective (every rank decides alike: the unused set is agreed). Costs one 4-byte all-reduce per
+        step for models with unused parameters, and one more reduction per affected bucket when any rank
+        has late gradients; those buckets then wait for all their parameters again.
+        """
+        if not self.unused or self.s.dp_size == 1:
+            return
+        if not comm.all_reduce_max_flag(bool(self.late), group=self.dp_group):
+            return
+        mask = torch.zeros(len(self.order), device=comm.device_for_backend(self.dp_group))
+        for k in self.late:
+            mask[k] = 1.0
+        comm.all_reduce(mask, group=self.dp_group, op=comm.ReduceOp.MAX)
+        for k in [k for k, flag in enumerate(mask.tolist()) if flag]:
+            self._add_late(k, self.late.pop(k, None))
+            g, b = self.order[k]
+            for i in self.groups[g].plan.buckets[b].params:
+                if (g, i) in self.unused:
+                    self.unused.discard((g, i))
+                    self.expected[k] += 1
+
+    def _add_late(self, k: int, late: torch.Tensor | None) -> None:
+        """Reduce bucket k's late gradients (zeros where this rank has none) and add them to the result."""
+        g, b = self.order[k]
+        grp = self.groups[g]
+        bucket = grp.plan.buckets[b]
+        n, width = grp.num_partitions, bucket.shard_numel
+        send = torch.zeros(n * width, dtype=self.s.comm_dtype, device=grp.device) if late is None \
+            else late.to(self.s.comm_dtype)
+        pre, post = self._scales()
+        send.mul_(pre)
+        if n > 1 and self.s.reduce_scatter:
+            mine = torch.empty(width, dtype=send.dtype, device=send.device)
+            comm.reduce_scatter(mine, send, group=self.dp_group)
+        else:
+            comm.all_reduce(send, group=self.dp_group)
+            mine = send.view(n, width)[grp.rank] if n > 1 else send
+        mine = mine.to(self.s.accum_dtype) * post
+        if n == 1:
+            self._bucket_buffer(g, b).add_(mine)
+        else:
+            self.partition_buffer(g)[bucket.partition_offset: bucket.partition_offset + width].add_(mine)
+
+    def _launch_ready(self, early: bool = False) -> None:
         while self.next_launch < len(self.order) and self.arrived[self.next_launch] >= self.expected[self.next_launch]:
             self._launch(self.next_launch)
+            self.early_launches += int(early)
 
     # --- collectives -----------------------------------------------------------------------------
     def _scales(self) -> tuple[float, float]:
@@ -190,10 +295,19 @@ class GradReducer:
     def begin_micro_step(self, communicate: bool) -> None:
         """``communicate``: reduce on this micro-step (stage 2: always; stages 0-1: the boundary)."""
         self.communicate = communicate or self.s.stage >= 2
+        self.boundary = communicate
+        self.active = True
+        self.got = set()
+        if self.communicate and self.s.overlap_comm:
+            self._launch_ready()  # buckets of unused parameters only
 
     @torch.no_grad()
     def end_micro_step(self) -> None:
         """After backward: launch what is left (in order), wait for everything, reset counters."""
+        self.active = False
+        if self.unused is None:
+            self._learn_unused()
+        self.window_got |= self.got
         if self.communicate:
             while self.next_launch < len(self.order):
                 self._launch(self.next_launch)
@@ -202,6 +316,42 @@ class GradReducer:
             self.pending.clear()
             self.next_launch = 0
         self.arrived = [0] * len(self.order)
+        if self.boundary and not self.ignore_unused_parameters and self.s.stage in (1, 2):
+            self._check_all_used()
+
+    def _check_all_used(self) -> None:
+        """``ignore_unused_parameters: false`` (DeepSpeed's stages 1-2): every trainable parameter had a gradient."""
+        missing = [self._name(g, i) for g, grp in enumerate(self.groups) for i in range(len(grp.params))
+                   if (g, i) not in self.window_got]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} trainable parameter(s) got no gradient in this step: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}. Make every trainable parameter and forward output take part "
+                "in the loss, or set zero_optimization.ignore_unused_parameters to true (DeepSpeed's default).")
+
+    def release_in_flight(self) -> None:
+        """After an error, before the group is dropped: let go of the collectives in flight (not waited for).
+
+        Their buffers may still be written until the group's backend has finished them, which dropping it
+        waits for; only then may :meth:`reset` zero those buffers.
+        """
+        self.pending.clear()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """After an error in forward, backward or step (and the group dropped): forget the step's gradients.
+
+        Every gradient accumulated in this window is zeroed, so the next step starts clean.
+        """
+        self.pending.clear()
+        self.next_launch = 0
+        self.arrived = [0] * len(self.order)
+        self.active = False
+        self.got = set()
+        for p in self.where:
+            p.grad = None
+        self.zero()
+        self.late.clear()
 
     @torch.no_grad()
     def zero(self) -> None:
@@ -217,6 +367,8 @@ class GradReducer:
             else:
                 part.zero_()
         self.staging.clear()
+        self.late.clear()
+        self.window_got = set()
 
     def grad_bytes(self) -> int:
         total = 0

@@ -5,6 +5,11 @@ compute the global gradient norm over all partitions, unscale and clip in one mu
 wrapped torch optimizer on this rank's fp32 master shards, then rebuild the full model parameters
 (stage 0: copy; stages 1-2: all-gather the updated shards, bucket by bucket; stage 3: update each
 parameter's local shard, no communication).
+
+Commit point: the norm's all-reduce (stage 0 with several ranks: an all-reduce too, although every rank
+holds the same gradient) comes after everything that may fail before the update and before the first
+parameter changes. A rank that raised earlier in the step never joins it, so its peers fail there and no
+rank updates alone (``runtime/engine.py``). ``updating`` is true from there to the end of the update.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class ZeroOptimizer:
         # DeepSpeed; bf16 when bf16.check_grad_overflow): weights, optimizer state and schedule stay untouched.
         self.check_grad_overflow = False
         self.global_grad_norm: float | None = None
+        self.updating = False
         self.partitioned = any(g.num_partitions > 1 for g in groups)
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
@@ -84,7 +90,7 @@ class ZeroOptimizer:
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        return comm.all_reduce_max_flag(local, group=self.dp_group) if self.partitioned else local
+        return comm.all_reduce_max_flag(local, group=self.dp_group)  # also a commit point: the scale changes
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
@@ -93,6 +99,9 @@ class ZeroOptimizer:
         if self.partitioned:
             sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
             comm.all_reduce(sq, group=self.dp_group)
+        elif comm.get_world_size(self.dp_group) > 1:  # same value everywhere: only the commit point
+            sq = sq.to(comm.device_for_backend(self.dp_group))
+            comm.all_reduce(sq, group=self.dp_group, op=comm.ReduceOp.MAX)
         return math.sqrt(float(sq))
 
     def _sum_over_shards(self, partial: torch.Tensor) -> torch.Tensor:
@@ -104,6 +113,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> bool:
         """Apply one optimizer step; returns False when skipped for overflow."""
+        self.reducer.settle_late()  # gradients of once-unused parameters that arrived after their bucket left
         grads = self._collect_grads()
         scale = self.loss_scaler.loss_scale
         check = self.check_grad_overflow or self.loss_scaler.dynamic or scale != 1.0
@@ -120,6 +130,7 @@ class ZeroOptimizer:
             coef = self.clip / (norm + 1e-6)
             if coef < 1.0:
                 mult *= coef
+        self.updating = True
         if mult != 1.0:
             for g in grads:
                 g.mul_(mult)
@@ -130,7 +141,16 @@ class ZeroOptimizer:
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
+        self.updating = False
         return True
+
+    def abandon_step(self) -> None:
+        """After an exception in forward, backward or step: drop the step's gradients and buffers."""
+        self.updating = False
+        for gi, grp in enumerate(self.groups):
+            grp.attach_grads(None)
+            self._fp32_grads[gi] = None
+        self.reducer.reset()
 
     def _release(self) -> None:
         for gi, grp in enumerate(self.groups):

@@ -118,6 +118,19 @@ class Fetcher:
             self.recording = False
         self.cursor[BACKWARD] = 0
 
+    def reset(self) -> None:
+        """After an error: forget every hold and gather in flight (not waited for: their group is being
+        dropped) and free what was gathered. A trace still being recorded starts again."""
+        for unit in self.units:
+            unit.reasons.clear()
+            unit.arrived.clear()
+        self.inflight.clear()
+        for s in self.shards:
+            s.abandon()
+        if self.recording:
+            self.traces = {FORWARD: [], BACKWARD: []}
+        self.cursor = {FORWARD: 0, BACKWARD: 0}
+
     def _drain(self) -> None:
         """Finish gathers still in flight and release what nobody holds (so no collective stays open)."""
         for op in self.inflight:

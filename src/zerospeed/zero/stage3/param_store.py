@@ -172,6 +172,16 @@ class ParamShard:
         buf.untyped_storage().resize_(self.numel * buf.element_size())
         return buf
 
+    def abandon(self) -> None:
+        """After an error: no holders, no gather in flight (dropped unfinished), the full value freed."""
+        self.holders.clear()
+        if self.state is ShardState.GATHERING:
+            self.pending = None
+            self.state = ShardState.SHARDED
+            if self.home is not None and self.resident:
+                self.home.evict(self)  # read in for the abandoned gather
+        self.release()
+
     def drop_buffer(self) -> None:
         """Give back the memory of the last gathered value (only while SHARDED: nothing can read it)."""
         if self.state is ShardState.SHARDED and self._full is not None:

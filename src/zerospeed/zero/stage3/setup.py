@@ -55,6 +55,7 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         target = dtype if p.is_floating_point() or (state and state.dtype.is_floating_point) else None
         if state is not None:
             state.cast_(target or state.dtype, device)
+            state.group = group  # zero.Init cut it on its group: gather on the engine's from now on
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
             comm.broadcast(p.data, src=0, group=group)
