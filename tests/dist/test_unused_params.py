@@ -40,7 +40,7 @@ def _engine(stage: int, zero: dict[str, Any] | None = None, deep: bool = False) 
     params = model.parameters() if deep else param_groups(model)
     config = {"train_micro_batch_size_per_gpu": MB, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 72 if deep else 40, **(zero or {})},
-              "steps_per_print": 1000}
+              "steps_per_print": 1000, "gradient_clipping": 0.0}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=params, config=config)
     return engine
 

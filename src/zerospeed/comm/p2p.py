@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .backend import Group, get_rank
 from .collectives import CollectiveError
 from .logger import COMMS_LOGGER
+from .recoverable import resolve
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def exchange(ops: list[P2P], group: Group | None = None) -> P2PHandle:
     if not ops:
         return P2PHandle([], [], 0.0)
     t0 = time.perf_counter()
-    p2p_ops = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer, group, o.tag) for o in ops]
+    pg = resolve(group)
+    p2p_ops = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer, pg, o.tag) for o in ops]
     try:
         works = dist.batch_isend_irecv(p2p_ops)
     except RuntimeError as exc:
@@ -120,4 +122,4 @@ def global_rank_of(group: Group | None, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group`` (None: the world)."""
     if group is None or not dist.is_initialized():
         return group_rank
-    return dist.get_global_rank(group, group_rank)
+    return dist.get_global_rank(resolve(group), group_rank)
