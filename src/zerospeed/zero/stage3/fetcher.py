@@ -14,11 +14,22 @@ rank sees the same order, so every rank issues the same collectives.
 Under parameter offload to disk, reads run further ahead than gathers: when unit ``k`` is acquired, the
 home starts reading the shards of the units after it, up to its ``read_ahead_numel`` elements, so the
 disk works while the current module computes and the next gathers find their shards already read.
+
+Reuse (DeepSpeed's ``stage3_max_reuse_distance``): once the order is recorded, a unit that stops being
+held does not release a parameter that a unit within the next ``max_reuse_numel`` elements of the
+recorded order (forward, then backward) uses again: it stays gathered, unheld ("kept"), so a layer
+applied twice in a forward, or the last layers between forward and backward, are gathered once. The
+walk stops before the first unit reached with ``max_reuse_numel`` elements already passed (0: release
+always). Kept parameters count as live: none is kept while more than ``max_live_numel`` elements are
+gathered. Everything is released at the end of backward, and at the end of a forward that did not
+follow the recorded order with grad enabled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
 
 from .param_store import GatherOp, ParamShard, ShardHome, ShardState, ensure_gathered, start_gather
 
@@ -46,8 +57,10 @@ class Unit:
 
 class Fetcher:
     def __init__(self, units: Sequence[Unit], shards: Sequence[ParamShard], prefetch_numel: int,
-                 max_live_numel: int, home: ShardHome | None = None) -> None:
+                 max_live_numel: int, home: ShardHome | None = None, max_reuse_numel: int = 0) -> None:
         self.units = list(units)
+        self.max_reuse_numel = max_reuse_numel
+        self.kept: dict[int, ParamShard] = {}  # gathered, unheld, because a unit soon uses them again
         self.home = home
         self.shards = list(shards)
         self.prefetch_numel = prefetch_numel
@@ -85,9 +98,42 @@ class Fetcher:
         unit.reasons.discard(reason)
         if unit.reasons:
             return
+        keep = self._reused_soon(unit, reason)
         for s in unit.shards:
             s.holders.discard(unit)
-            s.release()
+            if id(s) not in keep:
+                self._release(s)
+        live = self.live_numel()
+        for s in unit.shards:
+            if id(s) in keep and not s.holders and s.state is ShardState.GATHERED:
+                if live > self.max_live_numel:
+                    self._release(s)
+                    live -= s.numel
+                else:
+                    self.kept[id(s)] = s
+
+    def _release(self, s: ParamShard) -> None:
+        self.kept.pop(id(s), None)
+        s.release()
+
+    def _reused_soon(self, unit: Unit, reason: str) -> set[int]:
+        """Ids of ``unit``'s shards used again within ``max_reuse_numel`` elements of the recorded order."""
+        pos = self.cursor[reason]
+        if self.max_reuse_numel <= 0 or self.recording or pos is None:
+            return set()
+        if reason == FORWARD and not torch.is_grad_enabled():
+            return set()  # an untracked (no-grad) forward: not following the recorded order
+        ahead = self.traces[reason][pos:] + (self.traces[BACKWARD] if reason == FORWARD else [])
+        mine = {id(s) for s in unit.shards}
+        keep: set[int] = set()
+        walked = 0
+        for index in ahead:
+            if walked >= self.max_reuse_numel or keep == mine:
+                break
+            nxt = self.units[index]
+            keep.update(id(s) for s in nxt.shards if id(s) in mine)
+            walked += nxt.numel
+        return keep
 
     def on_grad(self, shard: ParamShard) -> None:
         """A parameter's gradient is complete: release units whose trainable parameters all arrived."""
@@ -101,10 +147,12 @@ class Fetcher:
         self.cursor[FORWARD] = 0
 
     def end_forward(self) -> None:
-        self._drain()
+        on_trace = torch.is_grad_enabled() and not self.recording and self.cursor[FORWARD] is not None
+        self._drain(keep_kept=on_trace)
         self.cursor[BACKWARD] = 0
 
     def end_backward(self) -> None:
+        self.cursor[BACKWARD] = None  # nothing is reused after backward: release everything
         for unit in self.units:
             self.release(unit, BACKWARD)
             unit.arrived.clear()
@@ -113,13 +161,14 @@ class Fetcher:
             self.recording = False
         self.cursor[BACKWARD] = 0
 
-    def _drain(self) -> None:
+    def _drain(self, keep_kept: bool = False) -> None:
         """Finish gathers still in flight and release what nobody holds (so no collective stays open)."""
         for op in self.inflight:
             op.finish()
         self.inflight.clear()
         for s in self.shards:
-            s.release()
+            if not (keep_kept and id(s) in self.kept):
+                self._release(s)
 
     # --- prefetch ----------------------------------------------------------------------------------
     def live_numel(self) -> int:

@@ -74,6 +74,7 @@ class ParamShard:
         self.state = ShardState.GATHERED
         self.holders: set[object] = set()
         self.pending: GatherOp | None = None
+        self.gathers = 0  # all-gathers that brought this parameter in (for tests and reports)
         # The gathered value's buffer: freed by shrinking its storage (autograd's saved views of the weight,
         # e.g. ``W.t()`` in a linear layer, would otherwise keep every gathered weight alive from forward to
         # backward), and refilled in place by the next gather so those views see the value again.
@@ -255,6 +256,7 @@ class GatherOp:
         for s in self.shards:
             s.state = ShardState.GATHERING
             s.pending = self
+            s.gathers += 1
 
     def numel(self) -> int:
         return self.width * self.world

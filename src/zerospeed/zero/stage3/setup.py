@@ -3,14 +3,15 @@
 Steps: cast parameters and buffers to the compute dtype on the device (already-partitioned ones, built
 under ``zero.Init``, are cast shard by shard); make every rank start from rank 0's values (broadcast of
 whole parameters and buffers; ``zero.Init`` already broadcast what it cut); cut every parameter larger
-than ``stage3_param_persistence_threshold``; under parameter offload, hand each cut shard to its
+than ``stage3_param_persistence_threshold`` or, once the parameters kept whole so far reach
+``stage3_model_persistence_threshold`` elements in all, any parameter that would exceed that total
+(DeepSpeed's rule, in ``model.parameters()`` order); under parameter offload, hand each cut shard to its
 home (host memory or a swap file; at world size 1 too, where a "shard" is the whole parameter); group
 each module's directly-owned partitioned parameters into a unit; install the module hooks.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -45,20 +46,40 @@ def _params(module: nn.Module) -> list[nn.Parameter]:
     return list(module.parameters())  # deduplicated: a tied parameter appears once
 
 
+class _Persistence:
+    """Which parameters stay whole: each at most ``param`` elements, all together at most ``model``."""
+
+    def __init__(self, param: int, model: int, always: bool) -> None:
+        self.param, self.model, self.always = param, model, always
+        self.total = 0
+
+    def __call__(self, numel: int) -> bool:
+        if self.always:
+            return True
+        if numel > self.param or self.total + numel > self.model:
+            return False
+        self.total += numel
+        return True
+
+
 @torch.no_grad()
 def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
-             threshold: int, home: ShardHome | None) -> list[ParamShard]:
+             zcfg: ZeroConfig, home: ShardHome | None) -> list[ParamShard]:
     world = comm.get_world_size(group)
+    persists = _Persistence(zcfg.stage3_param_persistence_threshold, zcfg.stage3_model_persistence_threshold,
+                            always=world == 1 and home is None)
     shards = []
     for p in _params(module):
         state = shard_of(p)
         target = dtype if p.is_floating_point() or (state and state.dtype.is_floating_point) else None
         if state is not None:
             state.cast_(target or state.dtype, device)
+            if state.persistent:
+                persists.total += state.numel
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
             comm.broadcast(p.data, src=0, group=group)
-            state = partition(p, group, persistent=(world == 1 and home is None) or p.numel() <= threshold)
+            state = partition(p, group, persistent=persists(p.numel()))
             if home is not None and not state.persistent:
                 home.adopt(state)
         shards.append(state)
@@ -73,18 +94,13 @@ class Stage3Runtime:
 
     def __init__(self, module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
                  dp_group: comm.Group | None, param_home: ShardHome | None = None) -> None:
-        for key in ("stage3_max_reuse_distance", "stage3_model_persistence_threshold"):
-            if key in zcfg.model_fields_set:
-                warnings.warn(f"zero_optimization.{key} is accepted but has no effect in zerospeed: a module's "
-                              "parameters are released after its forward and re-gathered for its backward")
         self.module = module
         self.dp_group = dp_group
         self.compute_dtype = compute_dtype
         self.device = device
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
         self.param_home = param_home
-        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg.stage3_param_persistence_threshold,
-                               param_home)
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home)
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():
@@ -98,7 +114,7 @@ class Stage3Runtime:
                 _UNITS[m] = unit
         self.units = units
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
-                               param_home)
+                               param_home, max_reuse_numel=zcfg.stage3_max_reuse_distance)
         self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
         self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
 
