@@ -152,6 +152,23 @@ def broadcast_object(obj: Any, src: int = 0, group: Group | None = None) -> Any:
     return box[0]
 
 
+def exchange_ints(values: list[int], group: Group | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (same length on all ranks), in rank order: one small all-gather.
+
+    Counted by the comms logger as ``exchange_ints`` (control messages, apart from data all-gathers).
+    """
+    world = get_world_size(group)
+    if world == 1:
+        return [list(values)]
+    device = device_for_backend(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    n = _nbytes(out)
+    _run("exchange_ints", group, _nbytes(mine), n, False,
+         lambda: dist.all_gather_single(out, mine, group=group))
+    return out.view(world, -1).tolist()
+
+
 def all_reduce_max_flag(flag: bool, group: Group | None = None) -> bool:
     """True on every rank when ``flag`` is true on any rank."""
     if get_world_size(group) == 1:

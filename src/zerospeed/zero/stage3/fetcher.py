@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .lockstep import Lockstep
 from .param_store import GatherOp, ParamShard, ShardHome, ShardState, ensure_gathered, start_gather
 
 FORWARD = "forward"
@@ -74,6 +75,7 @@ class Fetcher:
             for s in u.shards:
                 self.units_of.setdefault(id(s), []).append(u)
         self.prefetched_numel = 0  # counted over the life of the fetcher (for tests and reports)
+        self.lockstep: Lockstep | None = None  # the ranks' gather sequences checked against each other
 
     def add_unit(self, unit: Unit) -> None:
         self.units.append(unit)
@@ -88,6 +90,8 @@ class Fetcher:
         unit.reasons.add(reason)
         for s in unit.shards:
             s.holders.add(unit)
+        if self.lockstep is not None:
+            self.lockstep.unit = unit.index
         if track:
             self._record_and_prefetch(unit, reason)
         ensure_gathered(unit.shards)
@@ -145,11 +149,16 @@ class Fetcher:
     # --- pass boundaries ---------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self.cursor[FORWARD] = 0
+        if self.lockstep is not None:
+            self.lockstep.begin_forward(torch.is_grad_enabled())
 
-    def end_forward(self) -> None:
+    def end_forward(self, clean: bool = True) -> None:
+        """The root module's forward returned (``clean``) or raised."""
         on_trace = torch.is_grad_enabled() and not self.recording and self.cursor[FORWARD] is not None
         self._drain(keep_kept=on_trace)
         self.cursor[BACKWARD] = 0
+        if self.lockstep is not None and clean:
+            self.lockstep.end_forward(torch.is_grad_enabled())
 
     def end_backward(self) -> None:
         self.cursor[BACKWARD] = None  # nothing is reused after backward: release everything
@@ -160,6 +169,8 @@ class Fetcher:
         if self.recording and self.traces[BACKWARD]:
             self.recording = False
         self.cursor[BACKWARD] = 0
+        if self.lockstep is not None:
+            self.lockstep.end_backward()
 
     def _drain(self, keep_kept: bool = False) -> None:
         """Finish gathers still in flight and release what nobody holds (so no collective stays open)."""

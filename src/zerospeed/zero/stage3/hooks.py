@@ -67,7 +67,7 @@ def _root_pre(fetcher: Fetcher, module: nn.Module, args: Any) -> None:
 
 def _root_post(fetcher: Fetcher, module: nn.Module, args: Any, output: Any) -> None:
     exc = sys.exc_info()[1]
-    fetcher.end_forward()
+    fetcher.end_forward(clean=exc is None)
     if output is None and exc is not None and hasattr(exc, "add_note") and HINT not in getattr(exc, "__notes__", []):
         exc.add_note(HINT)
 

@@ -25,6 +25,7 @@ from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
+from .lockstep import Lockstep
 from .param_store import ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
@@ -115,6 +116,12 @@ class Stage3Runtime:
         self.units = units
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
                                param_home, max_reuse_numel=zcfg.stage3_max_reuse_distance)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.lockstep = Lockstep(dp_group, self.shards, [names.get(id(s.param), "?") for s in self.shards],
+                                 [u.name for u in units])
+        self.fetcher.lockstep = self.lockstep
+        for s in self.shards:
+            s.lockstep = self.lockstep
         self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
         self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
 
