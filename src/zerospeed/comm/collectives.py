@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized
+from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized, note_failure
 from .logger import COMMS_LOGGER
 
 ReduceOp = dist.ReduceOp
@@ -50,6 +50,7 @@ def _group_name(group: Group | None) -> str:
 
 
 def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
+    note_failure()
     text = str(exc)
     hint = ""
     if "timed out" in text.lower() or "timeout" in text.lower():
