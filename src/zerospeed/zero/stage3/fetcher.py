@@ -6,7 +6,7 @@ its parameters are released when the last reason goes and no other holder keeps 
 
 Prefetch: during the first training step (forward and backward with grad enabled) the fetcher records
 the order in which units are acquired. On later passes, when unit ``k`` of the recorded order is acquired,
-gathers for the units after it are launched asynchronously, up to ``prefetch_numel`` elements ahead and
+one asynchronous gather is launched for the units after it, up to ``prefetch_numel`` elements ahead and
 never beyond ``max_live_numel`` gathered elements, so the collective overlaps the current module's
 compute. As soon as execution leaves the recorded order, prefetch stops for the rest of that pass; every
 rank sees the same order, so every rank issues the same collectives.
@@ -203,17 +203,18 @@ class Fetcher:
             return
         self.inflight = [op for op in self.inflight if op.out is not None]
         ahead, live = 0, self.live_numel() + unit.numel
+        todo: dict[int, ParamShard] = {}  # gathered together: one collective (and one lockstep check)
         for j in range(pos + 1, len(trace)):
-            nxt = self.units[trace[j]]
-            todo = [s for s in nxt.shards if s.state is ShardState.SHARDED]
-            cost = sum(s.numel for s in nxt.shards if s.state is not ShardState.GATHERED)
+            nxt = [s for s in self.units[trace[j]].shards if id(s) not in todo]
+            cost = sum(s.numel for s in nxt if s.state is not ShardState.GATHERED)
             if ahead + cost > self.prefetch_numel or live + cost > self.max_live_numel:
                 break
             ahead += cost
-            if todo:
-                live += cost
-                self.inflight.extend(start_gather(todo, async_op=True))
-                self.prefetched_numel += sum(s.numel for s in todo)
+            live += cost
+            todo.update((id(s), s) for s in nxt if s.state is ShardState.SHARDED)
+        if todo:
+            self.inflight.extend(start_gather(todo.values(), async_op=True))
+            self.prefetched_numel += sum(s.numel for s in todo.values())
 
     def _read_ahead(self, trace: list[int], pos: int) -> None:
         """Start reading the offloaded shards of the units after ``pos`` (at least the next one)."""
