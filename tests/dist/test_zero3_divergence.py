@@ -27,6 +27,7 @@ class _Net(nn.Module):
         self.b = nn.Linear(8, 8, bias=False)
         self.head = nn.Linear(8, 16)
         self.skip: int | None = None  # index of a layer this rank skips
+        self.exit_after: int | None = None  # index of the layer after which this rank returns
         self.branch = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,8 @@ class _Net(nn.Module):
         for i, layer in enumerate(self.layers):
             if i != self.skip:
                 h = torch.tanh(layer(h))
+            if i == self.exit_after:
+                return h  # an early exit
         if self.branch:
             h = self.a(h) if int(tokens[0, 0]) == 0 else self.b(h)  # data-dependent
         return self.head(h)
@@ -66,6 +69,9 @@ def _diverge(case: str) -> tuple[str, str, float]:
         if case == "skip":
             model.skip = 2 if rank == 1 else None
             _train_step(engine, tokens)
+        elif case == "exit":
+            model.exit_after = 1 if rank == 1 else None
+            _train_step(engine, tokens)
         elif case == "branch":
             model.branch = True
             _train_step(engine, tokens)
@@ -80,7 +86,8 @@ def _diverge(case: str) -> tuple[str, str, float]:
             else:
                 comm.barrier()
     except Exception as exc:  # noqa: BLE001 - the error is the result
-        return type(exc).__name__, str(exc), time.monotonic() - t0
+        notes = "\n".join(getattr(exc, "__notes__", []))
+        return type(exc).__name__, str(exc) + notes, time.monotonic() - t0
     return "no error", "", time.monotonic() - t0
 
 
@@ -99,6 +106,14 @@ def test_a_rank_that_skips_a_layer_is_named() -> None:
         assert "rank 0: gather #4 of training forward pass 1 for module 'layers.2'" in message
         assert "rank 1: gather #4 of training forward pass 1 for module 'layers.3'" in message
         assert "synced_generate" in message
+        assert "outside its module" not in message  # not mistaken for a parameter used elsewhere
+
+
+def test_an_early_exit_is_named() -> None:
+    for kind, message, _ in _check("exit"):
+        assert kind == "RanksDivergedError", message
+        assert "rank 0: gather #4 of training forward pass 1 for module 'layers.2'" in message
+        assert "rank 1: the end of training forward pass 1, after 3 gathers" in message
 
 
 def test_a_data_dependent_branch_is_named() -> None:
