@@ -62,6 +62,7 @@ class Fetcher:
         self.units = list(units)
         self.max_reuse_numel = max_reuse_numel
         self.kept: dict[int, ParamShard] = {}  # gathered, unheld, because a unit soon uses them again
+        self._reuse: dict[tuple[int, str, int, int], set[int]] = {}  # the recorded order is fixed: walk once
         self.home = home
         self.shards = list(shards)
         self.prefetch_numel = prefetch_numel
@@ -127,6 +128,12 @@ class Fetcher:
             return set()
         if reason == FORWARD and not torch.is_grad_enabled():
             return set()  # an untracked (no-grad) forward: not following the recorded order
+        key = (unit.index, reason, pos, self.max_reuse_numel)
+        if key not in self._reuse:
+            self._reuse[key] = self._walk(unit, reason, pos)
+        return self._reuse[key]
+
+    def _walk(self, unit: Unit, reason: str, pos: int) -> set[int]:
         ahead = self.traces[reason][pos:] + (self.traces[BACKWARD] if reason == FORWARD else [])
         mine = {id(s) for s in unit.shards}
         keep: set[int] = set()
