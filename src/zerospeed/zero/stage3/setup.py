@@ -7,7 +7,8 @@ than ``stage3_param_persistence_threshold`` or, once the parameters kept whole s
 ``stage3_model_persistence_threshold`` elements in all, any parameter that would exceed that total
 (DeepSpeed's rule, in ``model.parameters()`` order); under parameter offload, hand each cut shard to its
 home (host memory or a swap file; at world size 1 too, where a "shard" is the whole parameter); group
-each module's directly-owned partitioned parameters into a unit; install the module hooks.
+each module's directly-owned partitioned parameters into a unit; give the fetcher DeepSpeed's reuse
+distance and a ``Lockstep`` (every gather checked to be the same on all ranks); install the module hooks.
 """
 
 from __future__ import annotations
