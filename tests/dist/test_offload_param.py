@@ -71,6 +71,8 @@ def test_offload_param_parity(param: str, optimizer: str, build_in_init: bool, t
     ref_losses, ref_state, _ = zero3_reference(STEPS, MB, GAS, 2, CLIP)
     plain = _plain()
     zero: dict[str, Any] = {"offload_param": _param(param, str(tmp_path))}
+    if param == "nvme":  # re-gather for backward too (no reuse), so that backward reads the disk as well
+        zero["stage3_max_reuse_distance"] = 0
     if optimizer == "nvme":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}
     results = run_distributed(_run, 2, zero, build_in_init, timeout=120)

@@ -143,3 +143,34 @@ def test_parameter_used_outside_its_module() -> None:
     for message, diff in run_distributed(_outside_use, 2, True, timeout=60):
         assert "GatheredParameters" in message and "\n---\n" not in message  # only the state_dict error
         assert diff < 1e-5
+
+
+# --- stage3_max_reuse_distance and stage3_model_persistence_threshold (DeepSpeed's semantics) -------
+def _persistent_by_deepspeeds_rule(param_threshold: int, model_threshold: int) -> tuple[list[str], int]:
+    from .zero3_fixtures import make_model
+
+    names, total = [], 0
+    for name, p in make_model().named_parameters():
+        if p.numel() + total > model_threshold:
+            continue
+        if p.numel() <= param_threshold:
+            names.append(name)
+            total += p.numel()
+    return sorted(names), total
+
+
+@pytest.mark.parametrize("reuse", [0, 1_000_000])
+def test_reuse_distance_and_model_persistence(reuse: int) -> None:
+    ref = reference(STEPS, MB, GAS, 2, CLIP)
+    zero = {"stage3_max_reuse_distance": reuse, "stage3_param_persistence_threshold": 64,
+            "stage3_model_persistence_threshold": 50}
+    names, total = _persistent_by_deepspeeds_rule(64, 50)
+    assert total == 48 and "shared.weight" not in names  # the model cap excludes it (64 + 8 > 50)
+    for r in run_distributed(run_engine, 2, 3, STEPS, MB, GAS, CLIP, None, zero, timeout=120):
+        _check_fp32(r, *ref)
+        assert r["persistent"] == names
+        # fp32: cut shards are master slots, so the parameters' own bytes are the persistent ones.
+        assert r["memory"]["params"] == 4 * total
+        # shared runs twice per forward: re-gathered for its second use and for backward without reuse,
+        # gathered once per micro-step (forward) with it.
+        assert r["gathers"] == ((2, 1) if reuse == 0 else (1, 0)), r["gathers"]

@@ -95,7 +95,7 @@ def run_engine(stage: int, steps: int, mb: int, gas: int, clip: float, extra: di
     """Train through zerospeed on the current group: global losses, full fp32 state, eval loss."""
     import zerospeed
     from zerospeed import comm
-    from zerospeed.zero import Init, full_state_dict
+    from zerospeed.zero import Init, full_state_dict, shard_of
 
     world, rank = comm.get_world_size(), comm.get_rank()
     cfg = config(stage, mb, gas, clip, **(zero or {}))
@@ -107,12 +107,18 @@ def run_engine(stage: int, steps: int, mb: int, gas: int, clip: float, extra: di
         model = make_model()
     engine, opt, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
+    shared = next((s for u in engine.zero3.fetcher.units if u.name == "shared" for s in u.shards), None) \
+        if engine.zero3 is not None else None
+    gathers = (0, 0)  # of shared.weight in the last micro-step: (forward, backward)
     for step in range(steps):
         total = torch.zeros(())
         for m in range(gas):
             x, y = micro_batch(step, m, rank, world, mb, gas)
+            start = shared.gathers if shared is not None else 0
             loss = engine(x, y)
+            mid = shared.gathers if shared is not None else 0
             engine.backward(loss)
+            gathers = (mid - start, (shared.gathers if shared is not None else 0) - mid)
             engine.step()
             total += loss.detach().float() / gas
         comm.all_reduce(total)
@@ -125,4 +131,7 @@ def run_engine(stage: int, steps: int, mb: int, gas: int, clip: float, extra: di
     fp32 = full_state_dict(model, optimizer=opt, fp32=True, rank0_only=False)
     return {"losses": losses, "state": {k: v.float() for k, v in state.items()}, "fp32": fp32,
             "eval": eval_loss, "memory": engine.memory_breakdown(),
-            "prefetched": engine.zero3.fetcher.prefetched_numel if engine.zero3 is not None else 0}
+            "prefetched": engine.zero3.fetcher.prefetched_numel if engine.zero3 is not None else 0,
+            "gathers": gathers,
+            "persistent": sorted(n for n, p in model.named_parameters()
+                                 if engine.zero3 is not None and shard_of(p).persistent)}

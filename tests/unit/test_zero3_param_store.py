@@ -62,3 +62,44 @@ def test_hooks_gather_for_forward_and_backward_then_release() -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x))
     assert fetcher.prefetched_numel > 0
+
+
+class _SharedTwice(nn.Module):
+    """``shared`` runs twice in a forward, ``mid`` (20 elements) between its two uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.mid, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.shared(torch.tanh(self.mid(torch.tanh(self.shared(x)))))))
+
+
+def _gathers_in_second_step(max_reuse: int, max_live: int = 10_000) -> tuple[int, int]:
+    """(gathers of shared.weight in the second step's forward, in its backward)."""
+    model = _SharedTwice()
+    fetcher, _ = _partitioned(model)
+    fetcher.max_reuse_numel, fetcher.max_live_numel, fetcher.prefetch_numel = max_reuse, max_live, 0
+    weight = shard_of(model.shared.weight)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    fetcher.end_backward()  # the order is recorded
+    start = weight.gathers
+    out = model(x)
+    forward = weight.gathers - start
+    out.sum().backward()
+    fetcher.end_backward()
+    assert all(p.numel() == 0 for p in model.parameters())  # all released at the end of backward
+    assert not fetcher.kept
+    return forward, weight.gathers - start - forward
+
+
+def test_reuse_distance_keeps_a_layer_used_twice_gathered() -> None:
+    assert _gathers_in_second_step(0) == (2, 1)  # released after each forward use (backward: held to its end)
+    assert _gathers_in_second_step(1_000_000) == (1, 0)  # kept from its first use to the end of backward
+    # DeepSpeed's walk: the 20 elements of `mid` lie between the two uses of `shared`.
+    assert _gathers_in_second_step(20)[0] == 2
+    assert _gathers_in_second_step(21)[0] == 1
+    # Nothing is kept while more than stage3_max_live_parameters elements are gathered.
+    assert _gathers_in_second_step(1_000_000, max_live=10)[0] == 2

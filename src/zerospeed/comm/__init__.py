@@ -31,6 +31,7 @@ from .collectives import (
     all_reduce_max_flag,
     broadcast,
     broadcast_object,
+    exchange_ints,
     reduce_scatter,
 )
 from .logger import COMMS_LOGGER, CommsLogger, OpStats
@@ -41,6 +42,6 @@ __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
     "P2P", "P2PHandle", "device_mesh", "exchange", "global_rank_of",
     "RecoverableGroup", "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name",
-    "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "file_store", "get_rank",
+    "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "exchange_ints", "file_store", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -14,6 +15,41 @@ from .recoverable import RecoverableGroup, resolve
 
 Group = dist.ProcessGroup
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class _DestroyAtExit:
+    """Destroys, at interpreter exit, the process group that :func:`init_distributed` created.
+
+    Otherwise Gloo's worker threads (and the work objects they hold, with tensors that reference
+    Python) outlive the interpreter's teardown, and a rank can end in ``terminate called without an
+    active exception`` (SIGABRT) after a run that succeeded. Skipped once a collective failed in this
+    process: a collective still pending would hold the exit for up to the collective timeout.
+    """
+
+    def __init__(self) -> None:
+        self.registered = False
+        self.failed = False
+
+    def arm(self) -> None:
+        if not self.registered:
+            atexit.register(self)
+            self.registered = True
+
+    def __call__(self) -> None:
+        if self.failed or not is_initialized():
+            return
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - at exit, nothing can be done about it any more
+            pass
+
+
+_AT_EXIT = _DestroyAtExit()  # process-wide, as the default process group it cleans up
+
+
+def note_failure() -> None:
+    """A collective failed in this process: leave the process group alone at exit (see _DestroyAtExit)."""
+    _AT_EXIT.failed = True
 
 
 def is_initialized() -> bool:
@@ -62,6 +98,7 @@ def init_distributed(
         kwargs["rank"] = rank
         kwargs["world_size"] = world_size
     dist.init_process_group(**kwargs)
+    _AT_EXIT.arm()
 
 
 def set_timeout(timeout: timedelta | float, group: Group | None = None) -> None:
@@ -133,6 +170,7 @@ def barrier(group: Group | None = None) -> None:
     except RuntimeError as exc:
         from .collectives import CollectiveError
 
+        note_failure()
         where = "WORLD" if group is None else f"ranks {dist.get_process_group_ranks(resolve(group))}"
         raise CollectiveError(f"rank {get_rank()}: collective 'barrier' on group {where} failed: {exc}") from exc
 

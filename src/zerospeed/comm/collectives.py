@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized
+from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized, note_failure
 from .logger import COMMS_LOGGER
 from .recoverable import RecoverableGroup, resolve
 
@@ -53,6 +53,7 @@ def _group_name(group: Group | None) -> str:
 
 
 def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
+    note_failure()
     text = str(exc)
     hint = ""
     if "timed out" in text.lower() or "timeout" in text.lower():
@@ -156,6 +157,23 @@ def broadcast_object(obj: Any, src: int = 0, group: Group | None = None) -> Any:
     except RuntimeError as exc:
         raise _error("broadcast_object", group, exc) from exc
     return box[0]
+
+
+def exchange_ints(values: list[int], group: Group | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (same length on all ranks), in rank order: one small all-gather.
+
+    Counted by the comms logger as ``exchange_ints`` (control messages, apart from data all-gathers).
+    """
+    world = get_world_size(group)
+    if world == 1:
+        return [list(values)]
+    device = device_for_backend(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    n = _nbytes(out)
+    _run("exchange_ints", group, _nbytes(mine), n, False,
+         lambda: dist.all_gather_single(out, mine, group=resolve(group)))
+    return out.view(world, -1).tolist()
 
 
 def all_reduce_max_flag(flag: bool, group: Group | None = None) -> bool:

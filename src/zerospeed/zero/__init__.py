@@ -8,13 +8,17 @@ from .sharded_group import ShardedGroup
 from .stage3 import (
     GatheredParameters,
     Init,
+    RanksDivergedError,
     ShardState,
+    any_rank_running,
     full_state_dict,
     register_external_parameter,
     save_16bit_model,
     shard_of,
+    synced_generate,
 )
 
 __all__ = ["BucketPlan", "GatheredParameters", "GradReducer", "Init", "ParamSlot", "PartitionPlan",
-           "ReduceSettings", "ShardState", "ShardedGroup", "ZeroOptimizer", "full_state_dict", "plan_partitions",
-           "register_external_parameter", "save_16bit_model", "shard_of", "shard_size"]
+           "RanksDivergedError", "ReduceSettings", "ShardState", "ShardedGroup", "ZeroOptimizer", "any_rank_running",
+           "full_state_dict", "plan_partitions", "register_external_parameter", "save_16bit_model", "shard_of",
+           "shard_size", "synced_generate"]

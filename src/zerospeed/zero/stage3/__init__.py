@@ -3,7 +3,8 @@
 ``param_store`` (each parameter's shard and state), ``fetcher`` (gather, release, prefetch in recorded
 order), ``hooks`` (module hooks), ``group`` (optimizer group and reducer), ``setup`` (what
 ``initialize`` calls), ``init`` (``zero.Init``), ``gathered`` (``GatheredParameters``), ``export``
-(full state dict, 16-bit safetensors).
+(full state dict, 16-bit safetensors), ``lockstep`` (every rank's gathers checked to be the same),
+``synced`` (generation loops of per-rank length).
 """
 
 from .export import full_state_dict, save_16bit_model, save_safetensors
@@ -11,9 +12,12 @@ from .fetcher import Fetcher, Unit
 from .gathered import GatheredParameters
 from .group import Stage3Group, Stage3Reducer
 from .init import Init
+from .lockstep import RanksDivergedError
 from .param_store import GatherOp, ParamShard, ShardState, shard_of
 from .setup import Stage3Runtime, register_external_parameter, setup_stage3
+from .synced import any_rank_running, synced_generate
 
-__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "ParamShard", "ShardState", "Stage3Group",
-           "Stage3Reducer", "Stage3Runtime", "Unit", "full_state_dict", "register_external_parameter",
-           "save_16bit_model", "save_safetensors", "setup_stage3", "shard_of"]
+__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "ParamShard", "RanksDivergedError", "ShardState",
+           "Stage3Group", "Stage3Reducer", "Stage3Runtime", "Unit", "any_rank_running", "full_state_dict",
+           "register_external_parameter", "save_16bit_model", "save_safetensors", "setup_stage3", "shard_of",
+           "synced_generate"]

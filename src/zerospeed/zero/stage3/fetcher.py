@@ -6,7 +6,7 @@ its parameters are released when the last reason goes and no other holder keeps 
 
 Prefetch: during the first training step (forward and backward with grad enabled) the fetcher records
 the order in which units are acquired. On later passes, when unit ``k`` of the recorded order is acquired,
-gathers for the units after it are launched asynchronously, up to ``prefetch_numel`` elements ahead and
+one asynchronous gather is launched for the units after it, up to ``prefetch_numel`` elements ahead and
 never beyond ``max_live_numel`` gathered elements, so the collective overlaps the current module's
 compute. As soon as execution leaves the recorded order, prefetch stops for the rest of that pass; every
 rank sees the same order, so every rank issues the same collectives.
@@ -14,6 +14,15 @@ rank sees the same order, so every rank issues the same collectives.
 Under parameter offload to disk, reads run further ahead than gathers: when unit ``k`` is acquired, the
 home starts reading the shards of the units after it, up to its ``read_ahead_numel`` elements, so the
 disk works while the current module computes and the next gathers find their shards already read.
+
+Reuse (DeepSpeed's ``stage3_max_reuse_distance``): once the order is recorded, a unit that stops being
+held does not release a parameter that a unit within the next ``max_reuse_numel`` elements of the
+recorded order (forward, then backward) uses again: it stays gathered, unheld ("kept"), so a layer
+applied twice in a forward, or the last layers between forward and backward, are gathered once. The
+walk stops before the first unit reached with ``max_reuse_numel`` elements already passed (0: release
+always). Kept parameters count as live: none is kept while more than ``max_live_numel`` elements are
+gathered. Everything is released at the end of backward, and at the end of a forward that did not
+follow the recorded order with grad enabled.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
+from .lockstep import Lockstep
 from .param_store import GatherOp, ParamShard, ShardHome, ShardState, ensure_gathered, start_gather
 
 _log = logging.getLogger("zerospeed.zero")
@@ -51,8 +63,11 @@ class Fetcher:
     log_trace_warnings = False  # zero_optimization.log_trace_cache_warnings: log when a pass leaves the trace
 
     def __init__(self, units: Sequence[Unit], shards: Sequence[ParamShard], prefetch_numel: int,
-                 max_live_numel: int, home: ShardHome | None = None) -> None:
+                 max_live_numel: int, home: ShardHome | None = None, max_reuse_numel: int = 0) -> None:
         self.units = list(units)
+        self.max_reuse_numel = max_reuse_numel
+        self.kept: dict[int, ParamShard] = {}  # gathered, unheld, because a unit soon uses them again
+        self._reuse: dict[tuple[int, str, int, int], set[int]] = {}  # the recorded order is fixed: walk once
         self.home = home
         self.shards = list(shards)
         self.prefetch_numel = prefetch_numel
@@ -66,6 +81,7 @@ class Fetcher:
             for s in u.shards:
                 self.units_of.setdefault(id(s), []).append(u)
         self.prefetched_numel = 0  # counted over the life of the fetcher (for tests and reports)
+        self.lockstep: Lockstep | None = None  # the ranks' gather sequences checked against each other
 
     def add_unit(self, unit: Unit) -> None:
         self.units.append(unit)
@@ -80,6 +96,8 @@ class Fetcher:
         unit.reasons.add(reason)
         for s in unit.shards:
             s.holders.add(unit)
+        if self.lockstep is not None:
+            self.lockstep.unit = unit.index
         if track:
             self._record_and_prefetch(unit, reason)
         ensure_gathered(unit.shards)
@@ -90,9 +108,48 @@ class Fetcher:
         unit.reasons.discard(reason)
         if unit.reasons:
             return
+        keep = self._reused_soon(unit, reason)
         for s in unit.shards:
             s.holders.discard(unit)
-            s.release()
+            if id(s) not in keep:
+                self._release(s)
+        live = self.live_numel()
+        for s in unit.shards:
+            if id(s) in keep and not s.holders and s.state is ShardState.GATHERED:
+                if live > self.max_live_numel:
+                    self._release(s)
+                    live -= s.numel
+                else:
+                    self.kept[id(s)] = s
+
+    def _release(self, s: ParamShard) -> None:
+        self.kept.pop(id(s), None)
+        s.release()
+
+    def _reused_soon(self, unit: Unit, reason: str) -> set[int]:
+        """Ids of ``unit``'s shards used again within ``max_reuse_numel`` elements of the recorded order."""
+        pos = self.cursor[reason]
+        if self.max_reuse_numel <= 0 or self.recording or pos is None:
+            return set()
+        if reason == FORWARD and not torch.is_grad_enabled():
+            return set()  # an untracked (no-grad) forward: not following the recorded order
+        key = (unit.index, reason, pos, self.max_reuse_numel)
+        if key not in self._reuse:
+            self._reuse[key] = self._walk(unit, reason, pos)
+        return self._reuse[key]
+
+    def _walk(self, unit: Unit, reason: str, pos: int) -> set[int]:
+        ahead = self.traces[reason][pos:] + (self.traces[BACKWARD] if reason == FORWARD else [])
+        mine = {id(s) for s in unit.shards}
+        keep: set[int] = set()
+        walked = 0
+        for index in ahead:
+            if walked >= self.max_reuse_numel or keep == mine:
+                break
+            nxt = self.units[index]
+            keep.update(id(s) for s in nxt.shards if id(s) in mine)
+            walked += nxt.numel
+        return keep
 
     def on_grad(self, shard: ParamShard) -> None:
         """A parameter's gradient is complete: release units whose trainable parameters all arrived."""
@@ -104,12 +161,19 @@ class Fetcher:
     # --- pass boundaries ---------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self.cursor[FORWARD] = 0
+        if self.lockstep is not None:
+            self.lockstep.begin_forward(torch.is_grad_enabled())
 
-    def end_forward(self) -> None:
-        self._drain()
+    def end_forward(self, clean: bool = True) -> None:
+        """The root module's forward returned (``clean``) or raised."""
+        on_trace = torch.is_grad_enabled() and not self.recording and self.cursor[FORWARD] is not None
+        self._drain(keep_kept=on_trace)
         self.cursor[BACKWARD] = 0
+        if self.lockstep is not None and clean:
+            self.lockstep.end_forward(torch.is_grad_enabled())
 
     def end_backward(self) -> None:
+        self.cursor[BACKWARD] = None  # nothing is reused after backward: release everything
         for unit in self.units:
             self.release(unit, BACKWARD)
             unit.arrived.clear()
@@ -117,6 +181,8 @@ class Fetcher:
         if self.recording and self.traces[BACKWARD]:
             self.recording = False
         self.cursor[BACKWARD] = 0
+        if self.lockstep is not None:
+            self.lockstep.end_backward()
 
     def reset(self) -> None:
         """After an error: forget every hold and gather in flight (not waited for: their group is being
@@ -125,19 +191,23 @@ class Fetcher:
             unit.reasons.clear()
             unit.arrived.clear()
         self.inflight.clear()
+        self.kept.clear()
+        if self.lockstep is not None:
+            self.lockstep.reset()
         for s in self.shards:
             s.abandon()
         if self.recording:
             self.traces = {FORWARD: [], BACKWARD: []}
         self.cursor = {FORWARD: 0, BACKWARD: 0}
 
-    def _drain(self) -> None:
+    def _drain(self, keep_kept: bool = False) -> None:
         """Finish gathers still in flight and release what nobody holds (so no collective stays open)."""
         for op in self.inflight:
             op.finish()
         self.inflight.clear()
         for s in self.shards:
-            s.release()
+            if not (keep_kept and id(s) in self.kept):
+                self._release(s)
 
     # --- prefetch ----------------------------------------------------------------------------------
     def live_numel(self) -> int:
@@ -164,17 +234,18 @@ class Fetcher:
             return
         self.inflight = [op for op in self.inflight if op.out is not None]
         ahead, live = 0, self.live_numel() + unit.numel
+        todo: dict[int, ParamShard] = {}  # gathered together: one collective (and one lockstep check)
         for j in range(pos + 1, len(trace)):
-            nxt = self.units[trace[j]]
-            todo = [s for s in nxt.shards if s.state is ShardState.SHARDED]
-            cost = sum(s.numel for s in nxt.shards if s.state is not ShardState.GATHERED)
+            nxt = [s for s in self.units[trace[j]].shards if id(s) not in todo]
+            cost = sum(s.numel for s in nxt if s.state is not ShardState.GATHERED)
             if ahead + cost > self.prefetch_numel or live + cost > self.max_live_numel:
                 break
             ahead += cost
-            if todo:
-                live += cost
-                self.inflight.extend(start_gather(todo, async_op=True))
-                self.prefetched_numel += sum(s.numel for s in todo)
+            live += cost
+            todo.update((id(s), s) for s in nxt if s.state is ShardState.SHARDED)
+        if todo:
+            self.inflight.extend(start_gather(todo.values(), async_op=True))
+            self.prefetched_numel += sum(s.numel for s in todo.values())
 
     def _read_ahead(self, trace: list[int], pos: int) -> None:
         """Start reading the offloaded shards of the units after ``pos`` (at least the next one)."""

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .fetcher import BACKWARD, FORWARD, Fetcher, Unit
+from .lockstep import RanksDivergedError
 
 HINT = (
     "zerospeed ZeRO stage 3: parameters are partitioned; a parameter is whole only during the forward "
@@ -67,7 +68,9 @@ def _root_pre(fetcher: Fetcher, module: nn.Module, args: Any) -> None:
 
 def _root_post(fetcher: Fetcher, module: nn.Module, args: Any, output: Any) -> None:
     exc = sys.exc_info()[1]
-    fetcher.end_forward()
+    fetcher.end_forward(clean=exc is None)
+    if isinstance(exc, RanksDivergedError):
+        return  # its message says what happened; the note on partitioned parameters would mislead
     if output is None and exc is not None and hasattr(exc, "add_note") and HINT not in getattr(exc, "__notes__", []):
         exc.add_note(HINT)
 

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ... import comm
 from ..layout import gather_from
 from ..partition import shard_size
+
+if TYPE_CHECKING:
+    from .lockstep import Lockstep
 
 
 class ShardState(Enum):
@@ -74,6 +77,8 @@ class ParamShard:
         self.state = ShardState.GATHERED
         self.holders: set[object] = set()
         self.pending: GatherOp | None = None
+        self.gathers = 0  # all-gathers that brought this parameter in (for tests and reports)
+        self.lockstep: Lockstep | None = None  # checks that every rank gathers the same (set by setup)
         # The gathered value's buffer: freed by shrinking its storage (autograd's saved views of the weight,
         # e.g. ``W.t()`` in a linear layer, would otherwise keep every gathered weight alive from forward to
         # backward), and refilled in place by the next gather so those views see the value again.
@@ -247,6 +252,8 @@ class GatherOp:
         for s in shards:
             s._expect(ShardState.SHARDED, action="start a gather")
             assert s.local is not None
+        if shards[0].lockstep is not None:
+            shards[0].lockstep.before_gather(shards)  # raises on every rank if the ranks diverged
         self.shards = list(shards)
         for home, group in _by_home(self.shards).items():
             home.load(group)  # offloaded shards: read them in (prefetched reads are waited for)
@@ -265,6 +272,7 @@ class GatherOp:
         for s in self.shards:
             s.state = ShardState.GATHERING
             s.pending = self
+            s.gathers += 1
 
     def numel(self) -> int:
         return self.width * self.world

@@ -3,14 +3,16 @@
 Steps: cast parameters and buffers to the compute dtype on the device (already-partitioned ones, built
 under ``zero.Init``, are cast shard by shard); make every rank start from rank 0's values (broadcast of
 whole parameters and buffers; ``zero.Init`` already broadcast what it cut); cut every parameter larger
-than ``stage3_param_persistence_threshold``; under parameter offload, hand each cut shard to its
+than ``stage3_param_persistence_threshold`` or, once the parameters kept whole so far reach
+``stage3_model_persistence_threshold`` elements in all, any parameter that would exceed that total
+(DeepSpeed's rule, in ``model.parameters()`` order); under parameter offload, hand each cut shard to its
 home (host memory or a swap file; at world size 1 too, where a "shard" is the whole parameter); group
-each module's directly-owned partitioned parameters into a unit; install the module hooks.
+each module's directly-owned partitioned parameters into a unit; give the fetcher DeepSpeed's reuse
+distance and a ``Lockstep`` (every gather checked to be the same on all ranks); install the module hooks.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
+from .lockstep import Lockstep
 from .param_store import ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
@@ -45,10 +48,28 @@ def _params(module: nn.Module) -> list[nn.Parameter]:
     return list(module.parameters())  # deduplicated: a tied parameter appears once
 
 
+class _Persistence:
+    """Which parameters stay whole: each at most ``param`` elements, all together at most ``model``."""
+
+    def __init__(self, param: int, model: int, always: bool) -> None:
+        self.param, self.model, self.always = param, model, always
+        self.total = 0
+
+    def __call__(self, numel: int) -> bool:
+        if self.always:
+            return True
+        if numel > self.param or self.total + numel > self.model:
+            return False
+        self.total += numel
+        return True
+
+
 @torch.no_grad()
 def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
-             threshold: int, home: ShardHome | None) -> list[ParamShard]:
+             zcfg: ZeroConfig, home: ShardHome | None) -> list[ParamShard]:
     world = comm.get_world_size(group)
+    persists = _Persistence(zcfg.stage3_param_persistence_threshold, zcfg.stage3_model_persistence_threshold,
+                            always=world == 1 and home is None)
     shards = []
     for p in _params(module):
         state = shard_of(p)
@@ -56,10 +77,12 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         if state is not None:
             state.cast_(target or state.dtype, device)
             state.group = group  # zero.Init cut it on its group: gather on the engine's from now on
+            if state.persistent:
+                persists.total += state.numel
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
             comm.broadcast(p.data, src=0, group=group)
-            state = partition(p, group, persistent=(world == 1 and home is None) or p.numel() <= threshold)
+            state = partition(p, group, persistent=persists(p.numel()))
             if home is not None and not state.persistent:
                 home.adopt(state)
         shards.append(state)
@@ -74,18 +97,13 @@ class Stage3Runtime:
 
     def __init__(self, module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
                  dp_group: comm.Group | None, param_home: ShardHome | None = None) -> None:
-        for key in ("stage3_max_reuse_distance", "stage3_model_persistence_threshold"):
-            if key in zcfg.model_fields_set:
-                warnings.warn(f"zero_optimization.{key} is accepted but has no effect in zerospeed: a module's "
-                              "parameters are released after its forward and re-gathered for its backward")
         self.module = module
         self.dp_group = dp_group
         self.compute_dtype = compute_dtype
         self.device = device
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
         self.param_home = param_home
-        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg.stage3_param_persistence_threshold,
-                               param_home)
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home)
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():
@@ -99,8 +117,14 @@ class Stage3Runtime:
                 _UNITS[m] = unit
         self.units = units
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
-                               param_home)
+                               param_home, max_reuse_numel=zcfg.stage3_max_reuse_distance)
         self.fetcher.log_trace_warnings = zcfg.log_trace_cache_warnings
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.lockstep = Lockstep(dp_group, self.shards, [names.get(id(s.param), "?") for s in self.shards],
+                                 [u.name for u in units])
+        self.fetcher.lockstep = self.lockstep
+        for s in self.shards:
+            s.lockstep = self.lockstep
         self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
         self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
 
