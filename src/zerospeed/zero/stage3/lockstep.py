@@ -109,6 +109,8 @@ class Lockstep:
         except RanksDivergedError:
             raise
         except comm.CollectiveError as exc:
+            if "closed by peer" in str(exc).lower():
+                raise  # a peer abandoned the step (or died): the plain collective error says so
             raise RanksDivergedError(
                 f"rank {self.rank}: ZeRO-3 rank {self.rank} was at {self.describe(row)} when its peers did not "
                 f"join (within comms_timeout_s, or they failed): they run other code (a different number of "
