@@ -220,8 +220,9 @@ class DeepSpeedInferenceConfig(Section):
             act = self.quant.activation
             if "activation" in self.quant.model_fields_set and act.enabled:
                 out.append("quant.activation.enabled=True (activation quantization)")
-            if self.quant.weight.quantized_initialization:
-                out.append("quant.weight.quantized_initialization")
+            for key in ("quantized_initialization", "post_init_quant"):
+                if getattr(self.quant.weight, key):
+                    out.append(f"quant.weight.{key}")
         return out
 
     def check_supported(self) -> None:
