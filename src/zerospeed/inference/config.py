@@ -19,8 +19,8 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 from zerospeed.config.base import Section, translate_validation_error
 from zerospeed.config.errors import NotSupportedYetError
 
-__all__ = ["DeepSpeedInferenceConfig", "QuantizationConfig", "StateManagerConfig", "parse_dtype",
-           "load_inference_config"]
+__all__ = ["DeepSpeedInferenceConfig", "QuantizationConfig", "RaggedInferenceEngineConfig", "StateManagerConfig",
+           "load_inference_config", "parse_dtype"]
 
 _DTYPES: dict[torch.dtype, tuple[str, ...]] = {
     torch.float16: ("torch.float16", "fp16", "float16", "half"),
@@ -129,7 +129,7 @@ class StateManagerConfig(Section):
     max_context: PositiveInt = 8192
     memory_config: MemoryConfig = Field(default_factory=MemoryConfig)
     offload: bool = False
-    kv_block_size: PositiveInt = 64
+    kv_block_size: PositiveInt = 64  # zerospeed's key: FastGen fixes the block size per model
 
     @model_validator(mode="after")
     def _limits(self) -> StateManagerConfig:
@@ -140,6 +140,34 @@ class StateManagerConfig(Section):
         if self.memory_config.mode not in ("allocate", "reserve"):
             raise ValueError(f"memory_config.mode must be 'allocate' or 'reserve', got {self.memory_config.mode!r}")
         return self
+
+
+class FastGenQuantizationConfig(Section):
+    """FastGen's ``quantization``: only ``quantization_mode: None`` (FP6 'wf6af16' is a CUDA kernel)."""
+
+    quantization_mode: str | None = None
+
+
+class RaggedInferenceEngineConfig(Section):
+    """DeepSpeed-FastGen's engine config: ``tensor_parallel``, ``state_manager`` (alias ``manager``), ``quantization``."""
+
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, alias="tp")
+    state_manager: StateManagerConfig = Field(default_factory=StateManagerConfig, alias="manager")
+    quantization: FastGenQuantizationConfig = Field(default_factory=FastGenQuantizationConfig)
+
+    def check_supported(self) -> None:
+        """Raise ``NotSupportedYetError`` for a setting zerospeed's serving engine does not do yet."""
+        sm = self.state_manager
+        bad = [(k, v) for k, v, on in [
+            ("tensor_parallel.tp_size", self.tensor_parallel.tp_size, self.tensor_parallel.tp_size > 1),
+            ("state_manager.offload", True, sm.offload),
+            ("state_manager.memory_config.mode", "reserve", sm.memory_config.mode == "reserve"),
+            ("quantization.quantization_mode", self.quantization.quantization_mode,
+             self.quantization.quantization_mode is not None)] if on]
+        if bad:
+            key, value = bad[0]
+            hint = " (use memory_config {mode: 'allocate', size: <KV blocks>})" if key.endswith("mode") else ""
+            raise NotSupportedYetError(key, f"{key}={value!r}: not supported yet by zerospeed{hint}")
 
 
 class DeepSpeedInferenceConfig(Section):
