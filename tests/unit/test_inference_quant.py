@@ -108,3 +108,16 @@ def test_int8_dtype_quantizes_and_generates():
     for _ in range(4):
         x = torch.cat([x, eng.module(x)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, x)  # cached decode of the quantized model equals its own full recompute
+
+
+def test_int4_gpt2_cached_decode_equals_hf_generate_of_the_quantized_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                  initializer_range=0.3, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    eng = zerospeed.init_inference(model, dtype="fp32", quant={"weight": {"num_bits": 4, "q_type": "asymmetric"}})
+    assert isinstance(eng.module.transformer.h[0].attn.c_attn, QuantizedLinear)  # Conv1D converted
+    ids = torch.tensor([[5, 17, 42, 8]])
+    ref = eng.module.generate(ids, max_new_tokens=8, do_sample=False)  # HF's own loop over the quantized modules
+    assert torch.equal(eng.generate(ids, max_new_tokens=8), ref)
