@@ -80,7 +80,8 @@ def test_completion_greedy_and_stream_agree(server):
 def test_chat_and_stop(server):
     client, loaded, _, _ = server
     msgs = [{"role": "user", "content": "Hi"}]
-    r = client.chat.completions.create(model=loaded.name, messages=msgs, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(model=loaded.name, messages=msgs, max_tokens=10, temperature=0,
+                                       logprobs=False, user="u1", presence_penalty=0)  # neutral values accepted
     want = _greedy_text(loaded, "user: Hi\nassistant:", 10)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
@@ -93,7 +94,7 @@ def test_chat_and_stop(server):
 
 def test_bad_input_is_400_with_openai_error(server):
     client, loaded, _, _ = server
-    for kwargs, param in [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    for kwargs, param in [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
                           ({"max_tokens": 500}, "prompt")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=loaded.name, prompt="x", **kwargs)

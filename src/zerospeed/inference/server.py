@@ -60,11 +60,12 @@ class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-# Accepted at these values only; anything else is a 400 naming the parameter.
-_NEUTRAL: dict[str, Any] = {"n": 1, "logprobs": None, "echo": False, "best_of": None, "suffix": None,
-                            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "user": None,
-                            "stream_options": None, "tools": None, "tool_choice": None, "response_format": None,
-                            "top_logprobs": None, "parallel_tool_calls": None}
+# Accepted at these values only (None always); anything else is a 400 naming the parameter.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "logprobs": (False, 0), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "stream_options": ({},),
+    "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "top_logprobs": (0,),
+}
 
 
 class ApiError(Exception):
@@ -140,7 +141,7 @@ class _Server:
 def _params(body: _Body, prompt_len: int, default_max: int | None, limit: int) -> SamplingParams:
     for key, neutral in _NEUTRAL.items():
         value = getattr(body, key, None) if key in type(body).model_fields else (body.model_extra or {}).get(key)
-        if value is not None and value != neutral:
+        if value is not None and value not in neutral:
             raise ApiError(400, f"'{key}'={value!r} is not supported yet by zerospeed", key)
     max_tokens = body.max_tokens or body.max_completion_tokens or default_max or max(1, limit - prompt_len)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
