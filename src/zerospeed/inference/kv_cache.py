@@ -1,6 +1,7 @@
 """Paged (block) KV cache: a block allocator, the cache tensors, and attention over a ragged batch.
 
-The cache holds, per layer, ``num_blocks * block_size`` slots of ``[kv_heads, head_dim]`` keys and values.
+The cache holds, per layer and kv head, ``num_blocks * block_size`` slots of ``head_dim`` keys and values
+(``[layers, kv_heads, slots, head_dim]``, so a sequence's gathered keys are already ``[heads, len, dim]``).
 A sequence owns a *block table* (a list of block ids); its token at position ``p`` lives in slot
 ``table[p // block_size] * block_size + p % block_size``. So sequences grow one block at a time, share no
 slots, and give their blocks back when they finish or are cancelled — no per-sequence contiguous buffer.
@@ -91,7 +92,7 @@ class RaggedBatch:
 
 
 class PagedKVCache:
-    """Per-layer key/value slots ``[num_blocks * block_size, kv_heads, head_dim]``."""
+    """Key/value slots ``[num_layers, kv_heads, num_blocks * block_size, head_dim]``."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -99,7 +100,7 @@ class PagedKVCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        shape = (num_layers, kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -126,20 +127,20 @@ class PagedKVCache:
         masks = [_chunk_mask(c, self.k.device) for c in bs]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            self.k[layer].index_copy_(0, write, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, write, v.to(self.v.dtype))
+            kl, vl = self.k[layer], self.v[layer]
+            kl.index_copy_(1, write, k.transpose(0, 1).to(kl.dtype))
+            vl.index_copy_(1, write, v.transpose(0, 1).to(vl.dtype))
             out = torch.empty_like(q)
             rep = q.shape[1] // k.shape[1]
             for i, c in enumerate(bs):
-                qs = q[offsets[i]:offsets[i + 1]].transpose(0, 1)[None]  # [1, H, n, D]
-                ks, vs = self.k[layer][reads[i]], self.v[layer][reads[i]]
+                qs = q[offsets[i]:offsets[i + 1]].transpose(0, 1).contiguous()  # [H, n, D]
+                ks, vs = kl.index_select(1, reads[i]), vl.index_select(1, reads[i])  # [Hkv, S, D]
                 if rep > 1:
-                    ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
-                ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
+                    ks, vs = ks.repeat_interleave(rep, dim=0), vs.repeat_interleave(rep, dim=0)
                 mask = masks[i]
                 y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=None if isinstance(mask, bool) else mask,
                                                    is_causal=mask is True, scale=scale)
-                out[offsets[i]:offsets[i + 1]] = y[0].transpose(0, 1)
+                out[offsets[i]:offsets[i + 1]] = y.transpose(0, 1)
             return out
 
         return attend
