@@ -17,6 +17,8 @@ _LAZY = {
     "Engine": ("zerospeed.runtime", "Engine"),
     "DeepSpeedEngine": ("zerospeed.runtime", "Engine"),
     "init_distributed": ("zerospeed.runtime.distributed", "init_distributed"),
+    "init_inference": ("zerospeed.inference", "init_inference"),
+    "InferenceEngine": ("zerospeed.inference", "InferenceEngine"),
     "ConfigError": ("zerospeed.config", "ConfigError"),
     "NotSupportedYetError": ("zerospeed.config", "NotSupportedYetError"),
     "zero": ("zerospeed.zero", None),

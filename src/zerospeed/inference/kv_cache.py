@@ -1,0 +1,156 @@
+"""Paged (block) KV cache: a block allocator, the cache tensors, and attention over a ragged batch.
+
+The cache holds, per layer and kv head, ``num_blocks * block_size`` slots of ``head_dim`` keys and values
+(``[layers, kv_heads, slots, head_dim]``, so a sequence's gathered keys are already ``[heads, len, dim]``).
+A sequence owns a *block table* (a list of block ids); its token at position ``p`` lives in slot
+``table[p // block_size] * block_size + p % block_size``. So sequences grow one block at a time, share no
+slots, and give their blocks back when they finish or are cancelled — no per-sequence contiguous buffer.
+
+A ``RaggedBatch`` is one forward's worth of work: the new tokens of several sequences concatenated, each
+sequence described by ``(block table, start position, number of new tokens)``. ``attend`` writes the new
+keys/values into their slots, then lets each sequence's queries see its cached positions ``<=`` their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BlockAllocator", "KVCacheOutOfBlocks", "PagedKVCache", "RaggedBatch", "SeqChunk", "blocks_needed"]
+
+
+class KVCacheOutOfBlocks(RuntimeError):
+    """The allocator cannot hand out the blocks asked for."""
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class BlockAllocator:
+    """Hands out block ids ``0..num_blocks-1`` and takes them back; pure bookkeeping, no tensors."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise KVCacheOutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        out = [self._free.pop() for _ in range(n)]
+        self._used.update(out)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self._used:
+                raise ValueError(f"block {b} is not allocated (double free?)")
+            self._used.remove(b)
+            self._free.append(b)
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """``length`` new tokens of one sequence at positions ``start .. start+length-1``."""
+
+    block_table: tuple[int, ...]
+    start: int
+    length: int
+
+
+@dataclass
+class RaggedBatch:
+    """The flat tokens of one forward and the sequences they belong to (in order)."""
+
+    token_ids: torch.Tensor  # [T] long
+    chunks: list[SeqChunk]
+    positions: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        total = sum(c.length for c in self.chunks)
+        if total != self.token_ids.numel():
+            raise ValueError(f"{self.token_ids.numel()} tokens but the chunks cover {total}")
+        self.positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in self.chunks]).to(
+            self.token_ids.device)
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Row of each chunk's last token in the flat batch."""
+        ends = torch.tensor([c.length for c in self.chunks]).cumsum(0) - 1
+        return ends.to(self.token_ids.device)
+
+
+class PagedKVCache:
+    """Key/value slots ``[num_layers, kv_heads, num_blocks * block_size, head_dim]``."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, kv_heads, num_blocks * block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def slots(self, table: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+        """Flat slot index of positions ``start .. stop-1`` of a sequence with block table ``table``."""
+        if blocks_needed(stop, self.block_size) > len(table):
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {stop} positions")
+        pos = torch.arange(start, stop)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        return (blocks * self.block_size + pos % self.block_size).to(self.k.device)
+
+    def attention(self, batch: RaggedBatch):  # -> Attend
+        """The ``attend`` callable for ``batch`` (see ``adapters.Attend``)."""
+        bs = batch.chunks
+        write = torch.cat([self.slots(c.block_table, c.start, c.start + c.length) for c in bs])
+        reads = [self.slots(c.block_table, 0, c.start + c.length) for c in bs]
+        offsets = [0]
+        for c in bs:
+            offsets.append(offsets[-1] + c.length)
+        masks = [_chunk_mask(c, self.k.device) for c in bs]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            kl, vl = self.k[layer], self.v[layer]
+            kl.index_copy_(1, write, k.transpose(0, 1).to(kl.dtype))
+            vl.index_copy_(1, write, v.transpose(0, 1).to(vl.dtype))
+            out = torch.empty_like(q)
+            rep = q.shape[1] // k.shape[1]
+            for i, c in enumerate(bs):
+                qs = q[offsets[i]:offsets[i + 1]].transpose(0, 1).contiguous()  # [H, n, D]
+                ks, vs = kl.index_select(1, reads[i]), vl.index_select(1, reads[i])  # [Hkv, S, D]
+                if rep > 1:
+                    ks, vs = ks.repeat_interleave(rep, dim=0), vs.repeat_interleave(rep, dim=0)
+                mask = masks[i]
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=None if isinstance(mask, bool) else mask,
+                                                   is_causal=mask is True, scale=scale)
+                out[offsets[i]:offsets[i + 1]] = y.transpose(0, 1)
+            return out
+
+        return attend
+
+
+def _chunk_mask(c: SeqChunk, device: torch.device) -> torch.Tensor | bool:
+    """True: plain causal (chunk starts at 0); False: no mask (one query sees all); else a bool mask."""
+    if c.start == 0:
+        return True
+    if c.length == 1:
+        return False
+    q_pos = torch.arange(c.start, c.start + c.length)[:, None]
+    return (torch.arange(c.start + c.length)[None, :] <= q_pos).to(device)

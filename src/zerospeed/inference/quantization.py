@@ -1,0 +1,149 @@
+"""Weight-only quantization of every linear layer: INT8 and INT4 (two per byte), per channel or per group.
+
+Each output row of a weight ``[out, in]`` is cut into ``q_groups`` groups of ``in / q_groups`` columns; each
+group gets its own scale (and, for asymmetric, its own offset = the group minimum):
+
+* symmetric, ``b`` bits:  ``q = round(w / s)`` in ``[-(2^(b-1)-1), 2^(b-1)-1]``, ``s = max|w| / (2^(b-1)-1)``
+* asymmetric, ``b`` bits: ``q = round((w - m) / s)`` in ``[0, 2^b - 1]``, ``s = (max w - m) / (2^b - 1)``, ``m = min w``
+
+and ``w ~ q * s (+ m)``. INT8 codes are stored as ``int8``; INT4 codes as unsigned nibbles, two per ``uint8``
+(even column in the low nibble). Scales are fp32 for INT8 and fp16 for INT4 (so INT4's per-group overhead is
+4 bytes). ``QuantizedLinear`` keeps only the codes and scales and dequantizes to the activation dtype inside
+``forward``: memory shrinks ~4x / ~8x, compute stays in floating point (no INT kernels). Hugging Face's
+``Conv1D`` (GPT-2's transposed linear) is converted the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import QuantTypeEnum, WeightQuantConfig
+
+__all__ = ["QuantizedLinear", "dequantize", "model_bytes", "quantize", "quantize_model"]
+
+
+def _grouped(w: torch.Tensor, groups: int) -> torch.Tensor:
+    out, inp = w.shape
+    if inp % groups:
+        raise ValueError(f"in_features {inp} is not divisible by quant.weight.q_groups={groups}")
+    return w.reshape(out, groups, inp // groups)
+
+
+def quantize(w: torch.Tensor, bits: int, symmetric: bool, groups: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(codes, scale [out, groups], offset [out, groups] or None)`` for a weight ``[out, in]``."""
+    g = _grouped(w.detach().float(), groups)
+    scale_dtype = torch.float32 if bits == 8 else torch.float16
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (g.abs().amax(-1, keepdim=True) / qmax).to(scale_dtype).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(g / scale).clamp(-qmax, qmax)
+        offset = None
+        codes = q if bits == 8 else q + 2 ** (bits - 1)  # INT4 stored unsigned: 1..15
+    else:
+        qmax = 2**bits - 1
+        lo = g.amin(-1, keepdim=True).to(scale_dtype).float()
+        scale = ((g.amax(-1, keepdim=True) - lo) / qmax).to(scale_dtype).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((g - lo) / scale).clamp(0, qmax)
+        offset = lo.squeeze(-1).to(scale_dtype)
+        if bits == 8:
+            codes = codes - 128  # int8 storage of 0..255
+    codes = codes.reshape(w.shape)
+    if bits == 8:
+        packed = codes.to(torch.int8)
+    else:
+        if w.shape[1] % 2:
+            raise ValueError(f"INT4 needs an even in_features, got {w.shape[1]}")
+        c = codes.to(torch.uint8)
+        packed = c[:, 0::2] | (c[:, 1::2] << 4)
+    return packed, scale.squeeze(-1).to(scale_dtype), offset
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The ``[out, in]`` weight in ``dtype`` from ``quantize``'s output."""
+    if bits == 8:
+        q = codes.float() + (128.0 if offset is not None else 0.0)
+    else:
+        q = torch.stack((codes & 0x0F, codes >> 4), dim=-1).reshape(codes.shape[0], -1).float()
+        if offset is None:
+            q = q - 2 ** (bits - 1)
+    out, groups = scale.shape
+    g = q.reshape(out, groups, -1) * scale.float()[..., None]
+    if offset is not None:
+        g = g + offset.float()[..., None]
+    return g.reshape(out, -1).to(dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held as INT8/INT4 codes plus per-group scales (see module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cfg: WeightQuantConfig) -> None:
+        super().__init__()
+        self.bits = cfg.num_bits
+        self.out_features, self.in_features = weight.shape
+        codes, scale, offset = quantize(weight, cfg.num_bits, cfg.q_type is QuantTypeEnum.sym, cfg.q_groups)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.codes, self.scale, self.offset, self.bits, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        kind = "sym" if self.offset is None else "asym"
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits} {kind}, groups={self.scale.shape[1]}"
+
+
+def _linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight [out, in], bias)`` of a linear layer (nn.Linear or HF Conv1D), else None."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
+        return module.weight.t(), module.bias
+    return None
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, cfg: WeightQuantConfig) -> int:
+    """Replace every linear layer of ``model`` in place by a ``QuantizedLinear``; returns how many."""
+    swaps = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            found = _linear_weight(child)
+            if found is not None:
+                swaps.append((module, child_name, QuantizedLinear(found[0], found[1], cfg)))
+    for parent, child_name, new in swaps:
+        setattr(parent, child_name, new)
+    return len(swaps)
+
+
+def model_bytes(model: nn.Module, linear_weights_only: bool = False) -> int:
+    """Bytes held by ``model``'s tensors, each storage counted once; or only its linear weights (codes+scales)."""
+    if linear_weights_only:
+        total = 0
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                total += m.weight_nbytes()
+            elif (found := _linear_weight(m)) is not None:
+                total += found[0].numel() * found[0].element_size()
+        return total
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,154 @@
+"""Continuous batching with Dynamic SplitFuse (DeepSpeed-FastGen's scheduling), as pure bookkeeping.
+
+Every forward gets a fixed budget of ``max_ragged_batch_size`` tokens and ``max_ragged_sequence_count``
+sequences. A step is filled in this order:
+
+1. every running sequence that is *decoding* (one known token not yet in the KV cache) gets that token;
+2. sequences still *prefilling* take the rest of the budget in arrival order; a prompt longer than what is
+   left is split, and its next chunk goes into the next step (so long prompts never stall decodes, and
+   each forward stays near the budget).
+
+A chunk that reaches the end of a sequence's known tokens yields logits, so the engine samples a token.
+Sequences join from a FIFO waiting queue while fewer than ``max_tracked_sequences`` are tracked and the KV
+allocator can *reserve* blocks for their whole length (prompt + max new tokens, capped by ``max_context``):
+blocks are taken as a sequence grows, but the reservation means growth never fails, so nothing needs to be
+preempted. Finishing or cancelling gives the blocks back at once. No tensors here: the engine turns the
+``Work`` items into a ragged batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockAllocator, blocks_needed
+
+__all__ = ["Limits", "Scheduler", "SeqState", "Work"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """FastGen's state-manager limits (see ``StateManagerConfig``)."""
+
+    max_ragged_batch_size: int = 768
+    max_ragged_sequence_count: int = 512
+    max_tracked_sequences: int = 2048
+    max_context: int = 8192
+
+
+@dataclass
+class SeqState:
+    """One sequence: ``known`` tokens (prompt + generated) of which ``computed`` are in the KV cache."""
+
+    uid: int
+    prompt_len: int
+    max_new_tokens: int
+    computed: int = 0
+    generated: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def known(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class Work:
+    """Feed tokens ``start .. start+length-1`` of sequence ``uid``; ``samples``: the chunk ends its known tokens."""
+
+    uid: int
+    start: int
+    length: int
+    block_table: tuple[int, ...]
+    samples: bool
+
+
+class Scheduler:
+    """Admission, KV-block accounting and the per-step token plan."""
+
+    def __init__(self, limits: Limits, allocator: BlockAllocator, block_size: int) -> None:
+        self.limits = limits
+        self.allocator = allocator
+        self.block_size = block_size
+        self.waiting: deque[SeqState] = deque()
+        self.running: dict[int, SeqState] = {}  # insertion order = arrival order
+
+    def add(self, uid: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Queue a sequence; ValueError if it can never fit."""
+        if uid in self.running or any(s.uid == uid for s in self.waiting):
+            raise ValueError(f"sequence {uid} is already tracked")
+        if prompt_len < 1 or max_new_tokens < 1:
+            raise ValueError(f"need a prompt and at least one new token, got {prompt_len} and {max_new_tokens}")
+        seq = SeqState(uid, prompt_len, max_new_tokens)
+        if seq.max_len > self.limits.max_context:
+            raise ValueError(f"prompt ({prompt_len}) + max new tokens ({max_new_tokens}) exceed "
+                             f"max_context={self.limits.max_context}")
+        if self._blocks_for(seq) > self.allocator.num_blocks:
+            raise ValueError(f"sequence needs {self._blocks_for(seq)} KV blocks, the cache has "
+                             f"{self.allocator.num_blocks}")
+        self.waiting.append(seq)
+
+    def _blocks_for(self, seq: SeqState) -> int:
+        return blocks_needed(seq.max_len, self.block_size)
+
+    def _reserved(self) -> int:
+        return sum(self._blocks_for(s) - len(s.blocks) for s in self.running.values())
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_tracked_sequences:
+            seq = self.waiting[0]
+            if self.allocator.num_free - self._reserved() < self._blocks_for(seq):
+                return  # FIFO: later arrivals do not overtake
+            self.running[self.waiting.popleft().uid] = seq
+
+    def schedule(self) -> list[Work]:
+        """The next forward's work: decodes first, then prefill chunks, within both budgets."""
+        self._admit()
+        tokens, seqs = self.limits.max_ragged_batch_size, self.limits.max_ragged_sequence_count
+        decodes = [s for s in self.running.values() if s.decoding]
+        prefills = [s for s in self.running.values() if not s.decoding]
+        work = []
+        for seq in decodes + prefills:
+            if tokens == 0 or len(work) == seqs:
+                break
+            length = min(seq.known - seq.computed, tokens)
+            need = blocks_needed(seq.computed + length, self.block_size) - len(seq.blocks)
+            if need > 0:
+                seq.blocks.extend(self.allocator.allocate(need))  # covered by the admission reservation
+            work.append(Work(seq.uid, seq.computed, length, tuple(seq.blocks), seq.computed + length == seq.known))
+            tokens -= length
+        return work
+
+    def commit(self, work: list[Work]) -> None:
+        """Record that ``work`` ran: its tokens are cached; each sampling chunk produced one token."""
+        for w in work:
+            seq = self.running[w.uid]
+            if w.start != seq.computed:
+                raise AssertionError(f"sequence {w.uid}: work starts at {w.start}, cache holds {seq.computed}")
+            seq.computed += w.length
+            if w.samples:
+                seq.generated += 1
+
+    def finish(self, uid: int) -> None:
+        """Drop a sequence (finished or cancelled, running or waiting) and free its blocks."""
+        seq = self.running.pop(uid, None)
+        if seq is None:
+            for s in self.waiting:
+                if s.uid == uid:
+                    self.waiting.remove(s)
+                    return
+            raise KeyError(f"sequence {uid} is not tracked")
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting

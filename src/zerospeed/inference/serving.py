@@ -1,0 +1,163 @@
+"""The serving engine: requests in, tokens out, one continuous-batching forward per ``step``.
+
+``ServingEngine`` owns the paged KV cache, the scheduler and each request's sampling state. ``step`` asks
+the scheduler for a plan (decodes + prefill chunks within the token budget), runs the model once over that
+ragged batch, samples a token for every chunk that reached the end of its sequence, and reports the new
+tokens. A request ends on ``max_tokens`` ("length"), on an eos / stop token or a stop string ("stop"), or
+when cancelled; its KV blocks are freed at once. ``decode`` (token ids -> text) is needed for stop strings.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import DecoderAdapter, adapter_for
+from .config import RaggedInferenceEngineConfig
+from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk
+from .sampling import SamplingParams, sample_next
+from .scheduler import Limits, Scheduler
+
+__all__ = ["QueueFullError", "Request", "ServingEngine", "TokenEvent"]
+
+
+class QueueFullError(RuntimeError):
+    """The engine already tracks ``max_tracked_sequences`` running + waiting requests."""
+
+
+@dataclass
+class Request:
+    uid: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One new token of request ``uid``; ``finish_reason`` is set on its last event."""
+
+    uid: int
+    token: int
+    finish_reason: str | None
+
+
+class ServingEngine:
+    """Continuous batching over a paged KV cache for one model (see module docstring)."""
+
+    def __init__(self, model: nn.Module, config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
+                 decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+        cfg = RaggedInferenceEngineConfig.parse_section(config, "")
+        cfg.check_supported()
+        sm = cfg.state_manager
+        self.config = cfg
+        self.model = model.eval()
+        self.adapter: DecoderAdapter = adapter_for(model)
+        max_context = sm.max_context
+        if self.adapter.max_positions is not None:
+            max_context = min(max_context, self.adapter.max_positions)
+        self.limits = Limits(sm.max_ragged_batch_size, sm.max_ragged_sequence_count, sm.max_tracked_sequences,
+                             max_context)
+        blocks = sm.memory_config.size
+        self.cache = PagedKVCache(self.adapter.num_layers, blocks, sm.kv_block_size, self.adapter.num_kv_heads,
+                                  self.adapter.head_dim, self.adapter.dtype, self.adapter.device)
+        self.scheduler = Scheduler(self.limits, BlockAllocator(blocks), sm.kv_block_size)
+        self.decode = decode
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[int, Request] = {}
+        self._uids = itertools.count()
+        self.forwards = 0
+        self.tokens_forwarded = 0
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Queue a request; its uid. ValueError if it can never fit, QueueFullError if the queue is full."""
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a decode function (token ids -> text)")
+        if len(self.requests) >= self.limits.max_tracked_sequences:
+            raise QueueFullError(f"{len(self.requests)} requests tracked (max_tracked_sequences="
+                                 f"{self.limits.max_tracked_sequences})")
+        if any(not 0 <= t < self.adapter.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.adapter.vocab_size})")
+        uid = next(self._uids)
+        self.scheduler.add(uid, len(prompt), params.max_tokens)
+        self.requests[uid] = Request(uid, list(prompt), params, params.generator())
+        return uid
+
+    def cancel(self, uid: int) -> None:
+        """Stop a request now and free its KV blocks (no-op if it already finished)."""
+        req = self.requests.pop(uid, None)
+        if req is not None:
+            req.finish_reason = "cancelled"
+            self.scheduler.finish(uid)
+
+    @property
+    def has_work(self) -> bool:
+        return not self.scheduler.idle
+
+    @torch.no_grad()
+    def step(self) -> list[TokenEvent]:
+        """One forward of continuous batching; the tokens it produced."""
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        ids = []
+        for w in work:
+            req = self.requests[w.uid]
+            known = req.prompt + req.output
+            ids.extend(known[w.start:w.start + w.length])
+        batch = RaggedBatch(torch.tensor(ids, device=self.adapter.device),
+                            [SeqChunk(w.block_table, w.start, w.length) for w in work])
+        hidden = self.adapter.hidden(batch.token_ids, batch.positions, self.cache.attention(batch))
+        rows = [i for i, w in enumerate(work) if w.samples]
+        logits = self.adapter.logits(hidden[batch.last_token_rows()[rows]]) if rows else None
+        self.scheduler.commit(work)
+        self.forwards += 1
+        self.tokens_forwarded += len(ids)
+        events = []
+        for j, i in enumerate(rows):
+            req = self.requests[work[i].uid]
+            token = sample_next(logits[j], req.params, req.generator)
+            req.output.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                if self.decode is not None and not req.params.stop:
+                    req.text = self.decode(req.output)
+                self.scheduler.finish(req.uid)
+                del self.requests[req.uid]
+            events.append(TokenEvent(req.uid, token, reason))
+        return events
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in self.eos_token_ids or token in req.params.stop_token_ids:
+            return "stop"
+        if req.params.stop:
+            assert self.decode is not None
+            req.text = self.decode(req.output)
+            cut = min((i for s in req.params.stop if (i := req.text.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                req.text = req.text[:cut]
+                return "stop"
+        if len(req.output) >= req.params.max_tokens:
+            return "length"
+        return None
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[Request]:
+        """Run the given prompts concurrently to completion (convenience for tests and scripts)."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        reqs = {}
+        for p, sp in zip(prompts, plist):
+            uid = self.add_request(p, sp)
+            reqs[uid] = self.requests[uid]
+        while self.has_work:
+            self.step()
+        return list(reqs.values())
