@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -17,14 +18,37 @@ Group = dist.ProcessGroup
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
-class _DestroyAtExit:
-    """Destroys, at interpreter exit, the process group that :func:`init_distributed` created.
+def _gloo_workers_busy() -> bool:
+    """True while a Gloo worker thread of this process is running (Linux: read from /proc; else False)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, state = stat[stat.find("(") + 1: stat.rfind(")")], stat[stat.rfind(")") + 2: stat.rfind(")") + 3]
+        if name.startswith("pt_gloo") and state not in ("S", "D", "I"):
+            return True
+    return False
 
-    Otherwise Gloo's worker threads (and the work objects they hold, with tensors that reference
-    Python) outlive the interpreter's teardown, and a rank can end in ``terminate called without an
-    active exception`` (SIGABRT) after a run that succeeded. Skipped once a collective failed in this
-    process: a collective still pending would hold the exit for up to the collective timeout.
+
+class _AtExit:
+    """At interpreter exit: let Gloo's worker threads settle, then destroy the group init_distributed made.
+
+    A Gloo worker finishes each collective's bookkeeping just after the collective returns; when the
+    script ends right then (its last step), the interpreter starts tearing down while the worker still
+    runs, and the rank aborts with ``terminate called without an active exception`` (SIGABRT) after a
+    run that succeeded. ``destroy_process_group`` alone does not stop the workers while any object (an
+    engine) still refers to the group; so first wait, bounded, until every worker thread sleeps. The
+    group is left alone once a collective failed in this process (a collective still pending would hold
+    the exit for up to the collective timeout).
     """
+
+    SETTLE_S = 2.0
 
     def __init__(self) -> None:
         self.registered = False
@@ -36,6 +60,10 @@ class _DestroyAtExit:
             self.registered = True
 
     def __call__(self) -> None:
+        deadline, calm = time.monotonic() + self.SETTLE_S, 0
+        while calm < 2 and time.monotonic() < deadline:  # two quiet looks in a row
+            calm = 0 if _gloo_workers_busy() else calm + 1
+            time.sleep(0.001)
         if self.failed or not is_initialized():
             return
         try:
@@ -44,11 +72,11 @@ class _DestroyAtExit:
             pass
 
 
-_AT_EXIT = _DestroyAtExit()  # process-wide, as the default process group it cleans up
+_AT_EXIT = _AtExit()  # process-wide, as the default process group it cleans up
 
 
 def note_failure() -> None:
-    """A collective failed in this process: leave the process group alone at exit (see _DestroyAtExit)."""
+    """A collective failed in this process: leave the process group alone at exit (see _AtExit)."""
     _AT_EXIT.failed = True
 
 
