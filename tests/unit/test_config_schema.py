@@ -32,9 +32,6 @@ SRC = Path(zerospeed.__file__).parent
 # TEMPORARY: keys implemented concurrently on other helpers' branches (issue 10). The lead deletes this set
 # at merge; from then on every key must be read by code or be in ACCEPTED_HINTS.
 _IMPLEMENTED_ON_OTHER_BRANCHES = {
-    "zero_optimization.ignore_unused_parameters",  # reducer / stage3
-    "zero_optimization.stage3_model_persistence_threshold",  # stage3
-    "zero_optimization.stage3_max_reuse_distance",  # stage3
     "zero_optimization.offload_optimizer.pipeline_read",  # offload
     "zero_optimization.offload_optimizer.pipeline_write",  # offload
     "zero_optimization.offload_optimizer.fast_init",  # offload
