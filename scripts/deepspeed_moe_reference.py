@@ -23,8 +23,13 @@ def _logits(seed: int, s: int, e: int) -> torch.Tensor:
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a ~3 min JIT build
+    deepspeed.init_distributed("gloo")
+    assert dist.is_initialized()
     from deepspeed.moe import sharded_moe as sm
 
     cases = []
@@ -60,12 +65,30 @@ def main() -> None:
     add("topk2_generic", "topkgating", lg2, 14, k=2, capacity_factor=1.0, min_capacity=1)
 
     torch.manual_seed(15)
-    x = _logits(3, 6, 4)
-    jit = sm.multiplicative_jitter(x, device=x.device)
+    jx = _logits(3, 6, 4)
+    jit = sm.multiplicative_jitter(jx, device=jx.device)
     torch.manual_seed(16)
     gum = sm.gumbel_rsample((5, 3), device=torch.device("cpu"))
-    out = {"deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__, "cases": cases,
-           "jitter": {"seed": 15, "x": x.tolist(), "out": jit.tolist()},
+    from deepspeed.moe.layer import MoE
+
+    layers = []
+    for name, kw in [("moe_k1", dict(k=1, capacity_factor=0.5, min_capacity=1, use_rts=False)),
+                     ("moe_k2", dict(k=2, capacity_factor=0.75, min_capacity=1, top2_2nd_expert_sampling=False)),
+                     ("moe_k3_residual", dict(k=3, capacity_factor=1.0, min_capacity=1, use_residual=True))]:
+        torch.manual_seed(20)
+        expert = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 6))
+        moe = MoE(6, expert, num_experts=4, **kw)
+        moe.set_deepspeed_parallelism()
+        x = torch.randn(3, 4, 6, requires_grad=True)
+        y, l_aux, counts = moe(x)
+        w = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        ((y * w).sum() + l_aux).backward()
+        layers.append({"name": name, "kwargs": kw, "state": {k: v.tolist() for k, v in moe.state_dict().items()},
+                       "x": x.detach().tolist(), "y": y.detach().tolist(), "l_aux": float(l_aux.detach()),
+                       "exp_counts": counts.tolist(), "x_grad": x.grad.tolist(),
+                       "wg_grad": moe.deepspeed_moe.gate.wg.weight.grad.tolist()})
+    out = {"layers": layers, "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__, "cases": cases,
+           "jitter": {"seed": 15, "x": jx.tolist(), "out": jit.tolist()},
            "gumbel": {"seed": 16, "shape": [5, 3], "out": gum.tolist()}}
     path = os.path.join(os.path.dirname(__file__), "..", "tests", "unit", "fixtures", "deepspeed_moe_gating.json")
     with open(path, "w") as f:
