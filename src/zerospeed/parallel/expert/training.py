@@ -95,7 +95,9 @@ class MoETraining:
         eg = self.expert_groups_of(params)
         assert eg is not None
         rank = eg.edp_ranks.index(comm.get_rank()) if comm.is_initialized() else 0
-        return ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute)
+        grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute)
+        grp.replica_rank = rank  # type: ignore[attr-defined]  # checkpoints: edp rank 0 writes unpartitioned experts
+        return grp
 
     @torch.no_grad()
     def sync_experts(self, model: nn.Module) -> None:
