@@ -92,3 +92,41 @@ def test_world2_ep2_clipping_uses_the_true_norm() -> None:
 
 def test_world4_ep2_dp2_zero2() -> None:
     _check(run_distributed(_train, 4, 2, 2, 2, 0.0, timeout=180), 4, 2, 0.0)
+
+
+def _client_optimizer(mixed: bool) -> tuple[list[float], dict[str, torch.Tensor], float, dict]:
+    from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = MoEGPT(2, 1, rank % 2)
+    if mixed:
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                       "name": "dense"})
+        assert [g.get("moe", False) for g in groups] == [False, True]
+        opt = torch.optim.SGD(groups, lr=LR)
+    cfg = engine_config(2, 0.0, LR, MB, world)
+    del cfg["optimizer"]
+    try:
+        engine, *_ = zerospeed.initialize(model=model, optimizer=opt, config=cfg)
+    except ValueError as exc:
+        return [], {}, 0.0, {"error": str(exc)}
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*batch(step, rank, MB))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if not is_moe_param(p)}
+    for layer in range(len(model.gpt.blocks)):
+        for local, gid in enumerate(model.gpt.blocks[layer].mlp.moe.global_expert_ids()):
+            for n, p in model.expert(layer, local).named_parameters():
+                state[f"L{layer}.E{gid}.{n}"] = p.detach().clone()
+    return losses, state, 0.0, {}
+
+
+def test_client_optimizer_with_deepspeeds_moe_param_groups() -> None:
+    _check(run_distributed(_client_optimizer, 2, False, timeout=120), 2, 1, 0.0)
+    errors = run_distributed(_client_optimizer, 2, True, timeout=120)
+    assert all("split_params_into_different_moe_groups_for_optimizer" in r[3]["error"] for r in errors)
