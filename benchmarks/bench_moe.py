@@ -58,10 +58,11 @@ class MoEGPT(nn.Module):
         return loss + 0.01 * sum(b.mlp.l_aux for b in self.gpt.blocks)
 
 
-def _rank(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: int, warmup: int, steps: int) -> dict:
+def _rank(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: int, warmup: int, steps: int,
+          clip: float) -> dict:
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+              "gradient_clipping": clip, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     if framework == "deepspeed":
         import warnings
@@ -88,8 +89,7 @@ def _rank(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: 
     rank = int(os.environ["RANK"])
     g = torch.Generator().manual_seed(100 + rank)
     data = torch.randint(0, cfg.vocab_size, (warmup + steps, micro, cfg.block_size + 1), generator=g)
-    times, cpu, a2a = [], [], []
-    loss = 0.0
+    times, cpu, a2a, losses = [], [], [], []
     for s in range(warmup + steps):
         comm.COMMS_LOGGER.reset()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -101,14 +101,15 @@ def _rank(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: 
             cpu.append(time.process_time() - c0)
             st = comm.COMMS_LOGGER.snapshot().get("all_to_all_single")
             a2a.append(st.bytes if st is not None else 0)
-        loss = float(out.detach())
+        losses.append(float(out.detach()))
     expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if is_moe_param(p))
-    return {"times": times, "cpu": cpu, "a2a": a2a, "rss": peak_rss_bytes(), "loss": loss,
+    return {"times": times, "cpu": cpu, "a2a": a2a, "rss": peak_rss_bytes(), "loss": losses[-1], "losses": losses,
             "expert_bytes": expert_bytes}
 
 
-def run(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: int, warmup: int, steps: int) -> dict:
-    ranks = run_distributed(_rank, 2, framework, ep, cfg, experts, k, micro, warmup, steps, timeout=3600)
+def run(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: int, warmup: int, steps: int,
+        clip: float) -> dict:
+    ranks = run_distributed(_rank, 2, framework, ep, cfg, experts, k, micro, warmup, steps, clip, timeout=3600)
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
     per_cpu = [max(r["cpu"][i] for r in ranks) for i in range(steps)]
     s = statistics.median(per_step)
@@ -116,7 +117,8 @@ def run(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: in
     return {"contender": f"{framework} ep={ep}", "s_per_step": s, "cpu_s_per_step": statistics.median(per_cpu),
             "tokens_per_s": 2 * micro * cfg.block_size / s, "expert_mib_per_rank": ranks[0]["expert_bytes"] / MiB,
             "a2a_mib_per_step_rank": (statistics.median(a2a[0]) / MiB) if framework == "zerospeed" else None,
-            "peak_rss_mib": max(r["rss"] for r in ranks) / MiB, "loss": ranks[0]["loss"]}
+            "peak_rss_mib": max(r["rss"] for r in ranks) / MiB, "loss": ranks[0]["loss"],
+            "losses_rank0": ranks[0]["losses"]}
 
 
 def main() -> int:
@@ -127,7 +129,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--deepspeed-ep", type=int, nargs="+", default=[2], help="DeepSpeed contenders' ep sizes")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     cfg = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=args.n_embd)
@@ -135,10 +139,11 @@ def main() -> int:
     if not args.no_deepspeed:
         try:
             import deepspeed  # noqa: F401
-            contenders.append(("deepspeed", 2))
+            contenders += [("deepspeed", ep) for ep in args.deepspeed_ep]
         except ImportError:
             pass
-    results = [run(f, ep, cfg, args.experts, args.k, args.micro, args.warmup, args.steps) for f, ep in contenders]
+    results = [run(f, ep, cfg, args.experts, args.k, args.micro, args.warmup, args.steps, args.clip)
+               for f, ep in contenders]
     if args.json:
         for r in results:
             print(json.dumps({"bench": "moe", "experts": args.experts, "k": args.k, **r}))
