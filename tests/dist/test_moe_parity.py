@@ -19,11 +19,18 @@ from .moe_fixtures import MoEGPT, batch, engine_config, reference
 STEPS, MB, LR = 10, 2, 0.5
 
 
-def _train(ep: int, k: int, stage: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor], float]:
+def _train(ep: int, k: int, stage: int, clip: float, data_before: bool = False) -> tuple:
     rank, world = comm.get_rank(), comm.get_world_size()
-    ep_rank = rank % ep  # DeepSpeed's layout: expert-parallel peers adjacent
+    # DeepSpeed's layout: expert-parallel peers adjacent; "data before expert": expert-data peers adjacent
+    ep_rank = rank // (world // ep) if data_before else rank % ep
     model = MoEGPT(ep, k, ep_rank)
-    engine, *_ = zerospeed.initialize(model=model, config=engine_config(stage, clip, LR, MB, world))
+    cfg = engine_config(stage, clip, LR, MB, world)
+    cfg["use_data_before_expert_parallelism"] = data_before
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    groups = model.gpt.blocks[0].mlp.moe.expert_groups
+    assert model.gpt.blocks[0].mlp.moe.global_expert_ids()[0] == ep_rank * (4 // ep)
+    if data_before and world == 4:
+        assert (groups.ep_ranks, groups.edp_ranks) == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1])
     losses, grads = [], {}
     for step in range(STEPS):
         loss = engine(*batch(step, rank, MB))
@@ -92,6 +99,10 @@ def test_world2_ep2_clipping_uses_the_true_norm() -> None:
 
 def test_world4_ep2_dp2_zero2() -> None:
     _check(run_distributed(_train, 4, 2, 2, 2, 0.0, timeout=180), 4, 2, 0.0)
+
+
+def test_world4_data_before_expert_config_key() -> None:
+    _check(run_distributed(_train, 4, 2, 1, 1, 0.0, True, timeout=180), 4, 1, 0.0)
 
 
 def _client_optimizer(mixed: bool) -> tuple[list[float], dict[str, torch.Tensor], float, dict]:

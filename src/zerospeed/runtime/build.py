@@ -259,7 +259,8 @@ def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group |
 
     if not moe_layers(model):
         return None
-    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled)
+    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled,
+                       cfg.use_data_before_expert_parallelism)
 
 
 def _parallel_grid(model: nn.Module, mpu: Any) -> Any:

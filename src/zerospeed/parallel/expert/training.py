@@ -37,7 +37,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 class MoETraining:
     """The expert groups of one engine (a registry it owns) and the helpers ``runtime/build.py`` calls."""
 
-    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload: bool) -> None:
+    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload: bool,
+                 data_before_expert: bool = False) -> None:
         if comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
             raise NotSupportedYetError("mpu", "MoE layers with pipeline or model parallelism (a data-parallel "
                                        "group smaller than the world) are not supported yet by zerospeed")
@@ -49,7 +50,7 @@ class MoETraining:
                                        "are not supported yet by zerospeed")
         self.registry: dict[str, ExpertGroups] = {}
         for layer in moe_layers(model):
-            layer.set_deepspeed_parallelism(False, self.registry)
+            layer.set_deepspeed_parallelism(data_before_expert, self.registry)
         self.dp_group = dp_group
         self.dp_size = comm.get_world_size(dp_group) if comm.is_initialized() else 1
         self.hooks = []
