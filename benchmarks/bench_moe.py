@@ -61,9 +61,10 @@ class MoEGPT(nn.Module):
 def _rank(framework: str, ep: int, cfg: GPTConfig, experts: int, k: int, micro: int, warmup: int, steps: int,
           clip: float) -> dict:
     torch.manual_seed(0)
+    # weight_decay explicit: DeepSpeed's torch_adam path would take torch AdamW's default 0.01 (FusedAdam's is 0)
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "gradient_clipping": clip, "zero_optimization": {"stage": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
     if framework == "deepspeed":
         import warnings
 

@@ -81,9 +81,34 @@ def test_ep2_checkpoint_loads_at_ep1_and_ep4(tmp_path, stage: int) -> None:
     assert got4.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got4[k], want[k], rtol=0, atol=0, msg=k)
+    # offline consolidation (zerospeed to-fp32): one file with every expert, loadable into the ep=1 model
+    from safetensors.torch import load_file
+
+    from zerospeed.runtime.checkpoint.consolidate import consolidate
+
+    out = consolidate(path, str(tmp_path / "full.safetensors"), tag="t")
+    full = MoEGPT(1, 1, 0)
+    res = full.load_state_dict(load_file(out["path"]), strict=False)
+    assert not res.unexpected_keys and set(res.missing_keys) <= {"gpt.lm_head.weight"}  # tied to gpt.wte.weight
+    for k, v in _by_global_id(full).items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
 
 
 def _load_only(path: str, ep: int, stage: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     engine, model = _engine(ep, stage, seed=5)
     engine.load_checkpoint(path, tag="t")
     return _by_global_id(model), []
+
+
+def _save_16bit(path: str) -> str:
+    engine, _ = _engine(2, 0, seed=0)
+    try:
+        engine.save_16bit_model(path)
+    except NotImplementedError as exc:
+        return str(exc)
+    return ""
+
+
+def test_save_16bit_model_at_ep2_fails_loudly(tmp_path) -> None:
+    assert all("not supported yet by zerospeed" in m for m in run_distributed(_save_16bit, 2, str(tmp_path),
+                                                                            timeout=60))

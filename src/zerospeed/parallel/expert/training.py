@@ -52,7 +52,6 @@ class MoETraining:
         for layer in moe_layers(model):
             layer.set_deepspeed_parallelism(data_before_expert, self.registry)
         self.dp_group = dp_group
-        self.dp_size = comm.get_world_size(dp_group) if comm.is_initialized() else 1
         self.hooks = []
         for layer in moe_layers(model):
             ep = layer.ep_size
