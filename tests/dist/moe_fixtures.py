@@ -63,16 +63,17 @@ def batch(step: int, rank: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
-def reference(steps: int, world: int, mb: int, k: int, clip: float,
-              lr: float) -> tuple[list[list[float]], MoEGPT, dict[str, torch.Tensor]]:
+def reference(steps: int, world: int, mb: int, k: int, clip: float, lr: float,
+              gas: int = 1) -> tuple[list[list[float]], MoEGPT, dict[str, torch.Tensor]]:
     """Plain PyTorch, one process: each rank's micro-batch routed on its own (as on that rank), losses averaged."""
     model = MoEGPT(1, k, 0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], {}
     for step in range(steps):
         opt.zero_grad()
-        per_rank = [model(*batch(step, r, mb)) for r in range(world)]
-        loss = sum(per_rank) / world
+        # micro-step m of step s is global micro-step s * gas + m; its losses are reported per rank
+        per_rank = [model(*batch(step * gas + m, r, mb)) for m in range(gas) for r in range(world)]
+        loss = sum(per_rank) / (world * gas)
         loss.backward()
         if step == 0:  # the first step's expert gradients, by global id
             for layer in range(len(model.gpt.blocks)):
@@ -82,12 +83,13 @@ def reference(steps: int, world: int, mb: int, k: int, clip: float,
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
         opt.step()
-        losses.append([float(x.detach()) for x in per_rank])
+        for m in range(gas):
+            losses.append([float(x.detach()) for x in per_rank[m * world:(m + 1) * world]])
     return losses, model, grads
 
 
-def engine_config(stage: int, clip: float, lr: float, mb: int, world: int) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
-            "train_batch_size": mb * world, "gradient_clipping": clip,
+def engine_config(stage: int, clip: float, lr: float, mb: int, world: int, gas: int = 1) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas,
+            "train_batch_size": mb * world * gas, "gradient_clipping": clip,
             "optimizer": {"type": "SGD", "params": {"lr": lr}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300}}

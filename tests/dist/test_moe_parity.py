@@ -141,3 +141,36 @@ def test_client_optimizer_with_deepspeeds_moe_param_groups() -> None:
     _check(run_distributed(_client_optimizer, 2, False, timeout=120), 2, 1, 0.0)
     errors = run_distributed(_client_optimizer, 2, True, timeout=120)
     assert all("split_params_into_different_moe_groups_for_optimizer" in r[3]["error"] for r in errors)
+
+
+def _train_gas(stage: int, gas: int) -> tuple:
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = MoEGPT(2, 1, rank % 2)
+    engine, *_ = zerospeed.initialize(model=model, config=engine_config(stage, 0.0, LR, MB, world, gas))
+    losses = []
+    for micro in range(4 * gas):
+        loss = engine(*batch(micro, rank, MB))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if not is_moe_param(p)}
+    for layer in range(len(model.gpt.blocks)):
+        for local, gid in enumerate(model.gpt.blocks[layer].mlp.moe.global_expert_ids()):
+            for n, p in model.expert(layer, local).named_parameters():
+                state[f"L{layer}.E{gid}.{n}"] = p.detach().clone()
+    return losses, state
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_accumulation_ep2(stage: int) -> None:
+    gas = 2
+    ref_losses, ref, _ = reference(4, 2, MB, 1, 0.0, LR, gas)
+    for rank, (losses, state) in enumerate(run_distributed(_train_gas, 2, stage, gas, timeout=120)):
+        assert losses == pytest.approx([r[rank] for r in ref_losses], rel=1e-5, abs=1e-6)
+        for name, value in state.items():
+            if ".E" in name:
+                layer, gid, rest = name[1], int(name.split(".E")[1].split(".")[0]), name.split(".", 2)[2]
+                want = dict(ref.expert(int(layer), gid).named_parameters())[rest]
+            else:
+                want = dict(ref.named_parameters())[name]
+            torch.testing.assert_close(value, want.detach(), rtol=1e-5, atol=1e-5, msg=name)
