@@ -67,3 +67,13 @@ def test_ep_without_group_and_bad_args_fail_loudly() -> None:
         MoE(6, _expert(), num_experts=3, ep_size=2)
     with pytest.raises(NotImplementedError, match="not supported yet by zerospeed"):
         MoE(6, _expert(), num_experts=4, use_tutel=True)
+
+
+def test_deepspeed_import_paths() -> None:
+    from zerospeed.moe.experts import Experts
+    from zerospeed.moe.sharded_moe import MOELayer, TopKGate, top1gating, top2gating, topkgating
+    from zerospeed.parallel.expert import gating, layer
+
+    assert (top1gating, top2gating, topkgating) == (gating.top1gating, gating.top2gating, gating.topkgating)
+    assert MOELayer is layer.MOELayer and TopKGate.__module__.endswith("expert.gate")
+    assert isinstance(MoE(6, _expert(), num_experts=2).deepspeed_moe.experts, Experts)
