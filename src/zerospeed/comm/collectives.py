@@ -114,6 +114,22 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
     )
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: Group | None = None,
+                      async_op: bool = False) -> Handle | None:
+    """Rank r sends input chunk j (dim 0, ``input_split_sizes[j]`` rows) to rank j and receives rank j's
+    chunk r into output chunk j (``output_split_sizes[j]`` rows); splits may be uneven. None: equal splits."""
+    if get_world_size(group) == 1:
+        output.copy_(input)
+        return Handle(None, "all_to_all_single", group, 0.0) if async_op else None
+    n = _nbytes(input)
+    return _run(
+        "all_to_all_single", group, n, n, async_op,
+        lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                       async_op=async_op),
+    )
+
+
 def all_gather_by_broadcast(output: torch.Tensor, input: torch.Tensor, group: Group | None = None) -> None:
     """What ``all_gather`` computes, as one broadcast per rank (DeepSpeed's ``allgather_partitions: false``)."""
     world = get_world_size(group)

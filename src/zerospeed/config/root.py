@@ -78,6 +78,8 @@ class ZeroSpeedConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    use_data_before_expert_parallelism: bool = False
+    """MoE groups: ``true`` puts expert-data-parallel peers adjacent ("D + E") instead of expert peers."""
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""

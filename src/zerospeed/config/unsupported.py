@@ -19,7 +19,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "sequence_parallel_size": "sequence parallelism (Ulysses)",
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
-    "use_data_before_expert_parallelism": "expert-parallel group ordering",
     "compression_training": "compression training",
     "sparse_attention": "sparse attention",
     "elasticity": "elastic training",

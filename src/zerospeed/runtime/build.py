@@ -156,6 +156,8 @@ def _sync_module(module: nn.Module, group: comm.Group | None) -> None:
         return
     src = comm.global_rank_of(group, 0)
     for t in [*module.parameters(), *module.buffers()]:
+        if getattr(t, "allreduce", True) is False:  # an MoE expert's: synced within its expert-data group
+            continue
         comm.broadcast(t.data, src=src, group=group)
 
 
@@ -192,7 +194,7 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
 
 
 def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
-                  dp_size: int, dp_rank: int) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+                  dp_size: int, dp_rank: int, moe: Any = None) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
     """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
     bucket = cfg.zero_optimization.reduce_bucket_size
     partitions = 1 if cfg.zero_stage == 0 else dp_size
@@ -205,6 +207,8 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
             groups.append(None)
         elif stage3 is not None:
             groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket))
+        elif moe is not None and moe.expert_groups_of(trainable) is not None:  # partitioned over its edp group
+            groups.append(moe.sharded_group(trainable, options[-1], cfg.zero_stage, bucket, compute))
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute))
     offload = cfg.zero_optimization.offload_optimizer
@@ -221,7 +225,8 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
 
 
 def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
-                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int) -> ZeroOptimizer:
+                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int,
+                          moe: Any = None) -> ZeroOptimizer:
     if not live:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     _check_zero_optimizer(cfg, base)
@@ -231,7 +236,10 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
                               gradient_predivide_factor=cfg.gradient_predivide_factor)
-    reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
+    if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
+        reducer = moe.make_reducer(live, settings)
+    else:
+        reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
     reducer.ignore_unused_parameters = zcfg.ignore_unused_parameters
     if not zcfg.ignore_unused_parameters and cfg.zero_stage not in (1, 2):
         warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
@@ -246,7 +254,17 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
 
         zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
                                           dp_rank)
-    return zero_opt
+    return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
+
+
+def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None) -> Any:
+    """Expert groups and gradient routing when the model holds MoE layers (None otherwise)."""
+    from ..parallel.expert.training import MoETraining, moe_layers
+
+    if not moe_layers(model):
+        return None
+    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled,
+                       cfg.use_data_before_expert_parallelism)
 
 
 def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
@@ -303,14 +321,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     batch = cfg.batch(dp_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
+    moe = _moe_training(cfg, model, dp_group)
     stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank)
     raw_groups = _param_groups(model, model_parameters, optimizer)
+    if moe is not None:
+        moe.sync_experts(model)
+        raw_groups = moe.split_groups(raw_groups, from_client=optimizer is not None)
     _check_ownership(model, raw_groups)
-    groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank)
+    groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank, moe)
     live = [g for g in groups if g is not None]
     base = _build_base_optimizer(cfg, optimizer, groups, options)
     zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
-                                                               dp_rank)
+                                                               dp_rank, moe)
     if pipelined and zero_opt is not None:  # one grad norm / overflow verdict over every stage
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 

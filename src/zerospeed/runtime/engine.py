@@ -314,6 +314,11 @@ class Engine(nn.Module):
 
         if exclude_frozen_parameters:
             raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) is not supported yet by zerospeed")
+        from ..parallel.expert.training import moe_layers
+
+        if any(m.ep_size > 1 for m in moe_layers(self.module)):  # each rank holds only its own experts
+            raise NotImplementedError("save_16bit_model with expert parallelism (ep_size > 1) is not supported yet by "
+                                      "zerospeed: save_checkpoint() and `zerospeed to-fp32` give the full model")
         if self.zero3 is not None and not self.zero3.gather_16bit_on_save:
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "under ZeRO stage 3 saving a 16-bit model gathers the partitioned parameters; set it "

@@ -158,6 +158,10 @@ class ZeroOptimizer:
             self._fp32_grads[gi] = None
         self.reducer.zero()
 
+    def gather_group(self, grp: ShardedGroup) -> comm.Group | None:
+        """The group over which ``grp`` is partitioned (MoE: experts' over their expert-data-parallel group)."""
+        return self.dp_group
+
     def _write_back(self) -> None:
         for grp in self.groups:
             if grp.alias:
@@ -173,9 +177,9 @@ class ZeroOptimizer:
                 send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
                 out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
                 if self.allgather_partitions:
-                    comm.all_gather(out, send, group=self.dp_group)
+                    comm.all_gather(out, send, group=self.gather_group(grp))
                 else:
-                    comm.all_gather_by_broadcast(out, send, group=self.dp_group)
+                    comm.all_gather_by_broadcast(out, send, group=self.gather_group(grp))
                 grp.unpack_gathered(out, run)
 
     # --- accounting -------------------------------------------------------------------------------

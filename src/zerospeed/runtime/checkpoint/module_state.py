@@ -23,7 +23,17 @@ from .universal import CheckpointReader
 from .tensor_file import TensorReader
 
 
-entries = state_entries
+def entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """State entries under their checkpoint names (MoE experts by global expert id)."""
+    from ...parallel.expert.checkpoint import rename
+
+    return rename(state_entries(module), module)
+
+
+def _other_experts(module: nn.Module) -> list[tuple[str, str]]:
+    from ...parallel.expert.checkpoint import other_expert_keys
+
+    return other_expert_keys(entries(module), module)
 
 
 def full_shape(t: torch.Tensor) -> torch.Size:
@@ -59,6 +69,8 @@ def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool
                          "source": "master" if base in grouped else "module"}
             if base != key:
                 meta[key]["alias_of"] = base
+        for key, like in _other_experts(module):  # experts other expert-parallel ranks hold
+            meta[key] = dict(meta[like])
         if rank == 0:
             for key, t in rest:
                 d = t.detach()
@@ -68,6 +80,7 @@ def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool
 
 def check_names(module: nn.Module, saved: dict[str, Any], strict: bool) -> None:
     current = {k: full_shape(t) for k, t in entries(module)}
+    current.update({k: current[like] for k, like in _other_experts(module)})
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     if strict and (missing or unexpected):

@@ -30,7 +30,10 @@ from .tensor_file import TensorReader
 
 
 def names_by_id(module: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in module.named_parameters()}
+    """Checkpoint name of each parameter: its ``named_parameters`` name, MoE experts by global expert id."""
+    from ...parallel.expert.checkpoint import global_param_names
+
+    return global_param_names(module)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ def owned_params(groups: list[ShardedGroup], names: dict[int, str], dp_rank: int
     """Each parameter with the range this rank owns. With ``dp_rank`` (saving), a replicated group (one
     partition: stage 0) is owned by data-parallel rank 0 only, so exactly one rank writes each element."""
     for grp in groups:
-        if dp_rank not in (None, 0) and grp.num_partitions == 1:
+        replica = dp_rank if dp_rank is None else getattr(grp, "replica_rank", dp_rank)  # MoE experts: edp rank
+        if replica not in (None, 0) and grp.num_partitions == 1:
             continue
         for i, p in enumerate(grp.params):
             if id(p) not in names:

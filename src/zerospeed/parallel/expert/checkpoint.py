@@ -1,0 +1,68 @@
+"""Checkpoint names of expert parameters by *global* expert id, so a checkpoint reshards to any ``ep_size``.
+
+A rank's local expert ``l`` of an MoE layer is global expert ``ep_rank * E_local + l``. In a checkpoint
+its parameters are named with the global id::
+
+    <layer>.deepspeed_moe.experts.deepspeed_experts.<global id>.<param>
+
+so ``ep=2`` (rank 1's local expert 0 is global expert 2) loads into ``ep=1`` (global expert 2 is local
+expert 2) or ``ep=4``. At ``ep=1`` the names are the usual ``state_dict`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from .layer import MoE
+
+_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
+
+
+def _layers(module: nn.Module) -> list[tuple[str, MoE]]:
+    return [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, MoE)]
+
+
+def _split(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, MoE, int, str] | None:
+    """(layer prefix + experts path, layer, local id, rest) when ``key`` names a local expert's tensor."""
+    for prefix, layer in layers:
+        head = prefix + _EXPERTS
+        if key.startswith(head):
+            local, _, rest = key[len(head):].partition(".")
+            return head, layer, int(local), rest
+    return None
+
+
+def rename(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` with local expert ids replaced by global ones."""
+    layers = _layers(module)
+    for key, t in pairs:
+        hit = _split(key, layers) if layers else None
+        if hit is None:
+            yield key, t
+        else:
+            head, layer, local, rest = hit
+            yield f"{head}{layer.global_expert_ids()[local]}.{rest}", t
+
+
+def global_param_names(module: nn.Module) -> dict[int, str]:
+    """``id(param) -> checkpoint name`` (experts by global id)."""
+    return {id(p): name for name, p in rename(module.named_parameters(), module)}
+
+
+def other_expert_keys(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Module) -> list[tuple[str, str]]:
+    """``(key of an expert held by another rank, key of this rank's first expert tensor with its shape)``;
+    ``pairs`` are already renamed (global ids)."""
+    layers = _layers(module)
+    out = []
+    for key, _ in pairs:
+        hit = _split(key, layers) if layers else None
+        if hit is None:
+            continue
+        head, layer, gid, rest = hit
+        mine = layer.global_expert_ids()
+        if gid == mine[0]:
+            out += [(f"{head}{g}.{rest}", key) for g in range(layer.num_experts) if g not in mine]
+    return out

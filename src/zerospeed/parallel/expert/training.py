@@ -1,0 +1,241 @@
+"""Training a model with MoE layers under the ZeRO engine: which group reduces which gradient.
+
+Dense parameters are replicated on every data-parallel rank; an expert's parameters only on the ranks
+of its expert-data-parallel (``edp``) group. So, as in DeepSpeed:
+
+* dense gradients are averaged over the data-parallel world, as without MoE;
+* expert gradients are summed over their ``edp`` group and divided by the *data-parallel world size*
+  (the all-to-all backward already summed the contributions of the ``ep`` ranks' tokens), which keeps
+  them independent of ``ep_size``: ``ep=2`` trains exactly like ``ep=1``;
+* ZeRO-1/2 partition expert state over the ``edp`` group and dense state over the data-parallel group,
+  in separate sharded groups (optimizer param groups with ``moe: True`` and the expert group ``name``);
+* the global gradient norm (clipping) is the true norm: dense squares summed over the dense shards,
+  expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts);
+* at start, dense parameters come from data-parallel rank 0, expert parameters from ``edp`` rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import comm
+from ...config.errors import NotSupportedYetError
+from ...zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
+from .groups import ExpertGroups
+from .layer import MoE
+from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class MoETraining:
+    """The expert groups of one engine (a registry it owns) and the helpers ``runtime/build.py`` calls."""
+
+    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload: bool,
+                 data_before_expert: bool = False) -> None:
+        if comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
+            raise NotSupportedYetError("mpu", "MoE layers with pipeline or model parallelism (a data-parallel "
+                                       "group smaller than the world) are not supported yet by zerospeed")
+        if stage == 3:
+            raise NotSupportedYetError("zero_optimization.stage", "MoE layers under ZeRO stage 3 are not "
+                                       "supported yet by zerospeed; use stage 0, 1 or 2")
+        if offload:
+            raise NotSupportedYetError("zero_optimization.offload_optimizer", "MoE layers with optimizer offload "
+                                       "are not supported yet by zerospeed")
+        self.registry: dict[str, ExpertGroups] = {}
+        for layer in moe_layers(model):
+            layer.set_deepspeed_parallelism(data_before_expert, self.registry)
+        self.dp_group = dp_group
+        self.hooks = []
+        for layer in moe_layers(model):
+            ep = layer.ep_size
+            if ep > 1:  # the all-to-all backward summed ep ranks' contributions: average them
+                for p in layer.deepspeed_moe.experts.parameters():
+                    self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
+
+    # --- parameter groups ---------------------------------------------------------------------------------
+    def split_groups(self, raw_groups: list[dict[str, Any]], from_client: bool) -> list[dict[str, Any]]:
+        """Give expert params groups of their own (DeepSpeed does this for ``model_parameters``)."""
+        mixed = [i for i, g in enumerate(raw_groups) if self._kind(g["params"]) == "mixed"]
+        if not mixed:
+            return raw_groups
+        if from_client:
+            raise ValueError(f"the optimizer's param group(s) {mixed} mix expert and dense parameters: build the "
+                             "optimizer over zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer"
+                             "(param_groups) (each group needs a 'name'), as in DeepSpeed")
+        named = [{**g, "name": g.get("name", f"dense-params-{i}" if i else "dense-params")}
+                 for i, g in enumerate(raw_groups)]
+        return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
+
+    @staticmethod
+    def _kind(params: list[nn.Parameter]) -> str:
+        flags = {is_moe_param(p) for p in params}
+        return "mixed" if len(flags) == 2 else ("expert" if flags == {True} else "dense")
+
+    def expert_groups_of(self, params: list[nn.Parameter]) -> ExpertGroups | None:
+        """The expert groups of a param group made of expert params (None for dense)."""
+        kind = self._kind(params)
+        if kind == "dense":
+            return None
+        names = {p.group_name for p in params}
+        if kind == "mixed" or len(names) != 1:
+            raise ValueError("a parameter group mixes expert and dense parameters (or several expert groups); "
+                             "split it with split_params_into_different_moe_groups_for_optimizer")
+        return self.registry[names.pop()]
+
+    def sharded_group(self, params: list[nn.Parameter], options: dict[str, Any], stage: int, bucket: int,
+                      compute: torch.dtype) -> ShardedGroup:
+        """An expert param group, partitioned over its ``edp`` group (stages 1-2)."""
+        eg = self.expert_groups_of(params)
+        assert eg is not None
+        rank = eg.edp_ranks.index(comm.get_rank()) if comm.is_initialized() else 0
+        grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute)
+        grp.replica_rank = rank  # type: ignore[attr-defined]  # checkpoints: edp rank 0 writes unpartitioned experts
+        return grp
+
+    @torch.no_grad()
+    def sync_experts(self, model: nn.Module) -> None:
+        """Every ``edp`` group starts from the expert values of its first rank."""
+        for layer in moe_layers(model):
+            eg = layer.expert_groups
+            assert eg is not None
+            if eg.edp_size > 1:
+                for p in layer.deepspeed_moe.experts.parameters():
+                    comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
+
+    # --- reduction and the step -------------------------------------------------------------------------
+    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings) -> "MoEGradReducer":
+        by_set: dict[str, list[int]] = {}
+        for gi, grp in enumerate(live):
+            eg = self.expert_groups_of(grp.params)
+            by_set.setdefault("" if eg is None else eg.name, []).append(gi)
+        parts = []
+        for name in sorted(by_set):  # dense ("") first, then expert groups by name: the same order on every rank
+            idx = by_set[name]
+            if name == "":
+                parts.append((GradReducer([live[i] for i in idx], settings, self.dp_group), idx))
+            else:
+                eg = self.registry[name]
+                s = ReduceSettings(stage=settings.stage, dp_size=eg.edp_size, accum_dtype=settings.accum_dtype,
+                                   comm_dtype=settings.comm_dtype, reduce_scatter=settings.reduce_scatter,
+                                   overlap_comm=settings.overlap_comm, prescale_gradients=settings.prescale_gradients,
+                                   gradient_predivide_factor=settings.gradient_predivide_factor)
+                parts.append((GradReducer([live[i] for i in idx], s, eg.edp_group), idx))
+        return MoEGradReducer(parts)
+
+    def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
+        return MoEZeroOptimizer.wrap(opt, self)
+
+
+class MoEGradReducer:
+    """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
+
+    def __init__(self, parts: list[tuple[GradReducer, list[int]]]) -> None:
+        self.parts = parts
+        self.index = {gi: (r, local) for r, idx in parts for local, gi in enumerate(idx)}
+        self.groups = [self.index[gi][0].groups[self.index[gi][1]] for gi in range(len(self.index))]
+
+    def partition_buffer(self, g: int) -> torch.Tensor:
+        reducer, local = self.index[g]
+        return reducer.partition_buffer(local)
+
+    def begin_micro_step(self, communicate: bool) -> None:
+        for r, _ in self.parts:
+            r.begin_micro_step(communicate)
+
+    def end_micro_step(self) -> None:
+        for r, _ in self.parts:
+            r.end_micro_step()
+
+    def zero(self) -> None:
+        for r, _ in self.parts:
+            r.zero()
+
+    def grad_bytes(self) -> int:
+        return sum(r.grad_bytes() for r, _ in self.parts)
+
+    def remove_hooks(self) -> None:
+        for r, _ in self.parts:
+            r.remove_hooks()
+
+    # --- unused parameters and failure recovery (each part agrees over its own group) ---------------
+    def settle_late(self) -> None:
+        for r, _ in self.parts:
+            r.settle_late()
+
+    def release_in_flight(self) -> None:
+        for r, _ in self.parts:
+            r.release_in_flight()
+
+    def reset(self) -> None:
+        for r, _ in self.parts:
+            r.reset()
+
+    @property
+    def ignore_unused_parameters(self) -> bool:
+        return all(r.ignore_unused_parameters for r, _ in self.parts)
+
+    @ignore_unused_parameters.setter
+    def ignore_unused_parameters(self, value: bool) -> None:
+        for r, _ in self.parts:
+            r.ignore_unused_parameters = value
+
+    @property
+    def names(self) -> dict:
+        return self.parts[0][0].names if self.parts else {}
+
+    @names.setter
+    def names(self, value: dict) -> None:
+        for r, _ in self.parts:
+            r.names = value
+
+
+class MoEZeroOptimizer(ZeroOptimizer):
+    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow."""
+
+    moe: MoETraining
+
+    @classmethod
+    def wrap(cls, opt: ZeroOptimizer, moe: MoETraining) -> "MoEZeroOptimizer":
+        out = cls.__new__(cls)
+        out.__dict__.update(opt.__dict__)
+        out.moe = moe
+        out._expert_sets = [moe.expert_groups_of(g.params) for g in opt.groups]
+        return out
+
+    def gather_group(self, grp: ShardedGroup) -> Any:
+        eg = self._expert_sets[self.groups.index(grp)]
+        return self.dp_group if eg is None else eg.edp_group
+
+    def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
+        local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        return comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        dev = comm.device_for_backend(self.dp_group)
+        dense = torch.zeros(1, dtype=torch.float32, device=dev)
+        experts: dict[str, torch.Tensor] = {}
+        for grp, g, eg in zip(self.groups, grads, self._expert_sets):
+            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square().to(dev)
+            if eg is None:
+                dense += sq
+            else:
+                experts.setdefault(eg.name, torch.zeros(1, dtype=torch.float32, device=dev)).add_(sq)
+        if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
+            comm.all_reduce(dense, group=self.dp_group)
+        total = float(dense)
+        for name in sorted(self.moe.registry):
+            eg = self.moe.registry[name]
+            sq = experts.get(name, torch.zeros(1, dtype=torch.float32, device=dev))
+            if any(g.num_partitions > 1 for g, e in zip(self.groups, self._expert_sets) if e is eg):
+                comm.all_reduce(sq, group=eg.edp_group)  # shards of the same experts
+            if eg.ep_size > 1:
+                comm.all_reduce(sq, group=eg.ep_group)   # different experts
+            total += float(sq)
+        return math.sqrt(total)
