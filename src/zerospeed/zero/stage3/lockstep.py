@@ -109,7 +109,8 @@ class Lockstep:
         except RanksDivergedError:
             raise
         except comm.CollectiveError as exc:
-            if "closed by peer" in str(exc).lower():
+            text = str(exc).lower()
+            if "closed by peer" in text or "connection reset" in text:
                 raise  # a peer abandoned the step (or died): the plain collective error says so
             raise RanksDivergedError(
                 f"rank {self.rank}: ZeRO-3 rank {self.rank} was at {self.describe(row)} when its peers did not "
