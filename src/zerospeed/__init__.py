@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import _aliases
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -24,8 +26,12 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
+_aliases.install()  # DeepSpeed import paths (zerospeed.pipe, zerospeed.runtime.pipe.schedule, ...)
+
 
 def __getattr__(name: str) -> Any:
+    if f"zerospeed.{name}" in _aliases.ALIASES:
+        return importlib.import_module(f"zerospeed.{name}")
     if name not in _LAZY:
         raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
     module_name, attr = _LAZY[name]

@@ -81,8 +81,8 @@ def test_wrong_types_name_the_key() -> None:
 
 
 def test_unimplemented_deepspeed_keys_are_not_ignored() -> None:
-    with pytest.raises(NotSupportedYetError, match=r"'pipeline'.*not supported yet"):
-        load_config({"train_batch_size": 8, "pipeline": {"stages": 2}}, 2)
+    with pytest.raises(NotSupportedYetError, match=r"'compression_training'.*not supported yet"):
+        load_config({"train_batch_size": 8, "compression_training": {"weight_quantization": {}}}, 2)
     with pytest.raises(NotSupportedYetError, match=r"'zero_optimization.zero_quantized_gradients'"):
         load_config({"train_batch_size": 8, "zero_optimization": {"zero_quantized_gradients": True}}, 2)
     # switched off is honoured, not an error
@@ -229,3 +229,8 @@ def test_number_checkpoints_bounds_contiguous_checkpoints() -> None:
             run(3)
     finally:
         checkpointing.reset()
+def test_pipeline_section_has_deepspeeds_keys() -> None:
+    cfg = load_config({"train_batch_size": 8, "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}, 2)
+    assert cfg.pipeline.activation_checkpoint_interval == 1 and cfg.pipeline.partition == "best"
+    with pytest.raises(ConfigError, match=r"pipeline.*unknown key"):
+        load_config({"train_batch_size": 8, "pipeline": {"stagez": 2}}, 2)

@@ -23,6 +23,7 @@ from .monitoring import (
     WandbConfig,
 )
 from .optimizer import OptimizerConfig, SchedulerConfig
+from .pipeline import PipelineConfig
 from .precision import Bf16Config, Fp16Config
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
 from .zero import ZeroConfig
@@ -74,6 +75,7 @@ class ZeroSpeedConfig(Section):
     seed: int | None = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""

@@ -154,7 +154,7 @@ def _sync_module(module: nn.Module, group: comm.Group | None) -> None:
     """Every rank starts from rank 0's parameters and buffers."""
     if comm.get_world_size(group) == 1:
         return
-    src = 0
+    src = comm.global_rank_of(group, 0)
     for t in [*module.parameters(), *module.buffers()]:
         comm.broadcast(t.data, src=src, group=group)
 
@@ -245,6 +245,28 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     return zero_opt
 
 
+def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
+    """The process grid when the model is a PipelineModule (its own grid) or an ``mpu`` is given, else None."""
+    from ..parallel.pipeline.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        if mpu is not None and mpu is not model.mpu():
+            raise ValueError("initialize(mpu=...) with a PipelineModule: the module already defines the grid "
+                             "(pass topology= to PipelineModule instead)")
+        return model.mpu()
+    if mpu is None:
+        return None
+    for name in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank"):
+        if not callable(getattr(mpu, name, None)):
+            raise ValueError(f"initialize(mpu=...): the object has no {name}() (expected an mpu such as "
+                             "zerospeed.runtime.pipe.topology.PipelineParallelGrid)")
+    tp = getattr(mpu, "get_model_parallel_world_size", lambda: 1)()
+    if tp != 1:
+        raise NotSupportedYetError("mpu", f"model parallelism through mpu (model-parallel world size {tp}) is not "
+                                   "supported yet by zerospeed; only data-parallel groups from an mpu are")
+    return mpu
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
@@ -253,8 +275,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """DeepSpeed's contract: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
-    if mpu is not None:
-        raise NotSupportedYetError("mpu", "model parallelism (mpu) is not supported yet by zerospeed")
     if kwargs:
         raise TypeError(f"initialize() got unexpected arguments: {sorted(kwargs)}")
     if optimizer is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -262,9 +282,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     raw_config = _config_from(args, config, config_params)
     early = load_config(raw_config)  # validated before any process group exists; batch sizes checked below
     _join(dist_init_required, distributed_port, early.comms_timeout_s)
-    dp_group = comm.world_group()
+    grid = _parallel_grid(model, mpu)
+    dp_group = comm.world_group() if grid is None else grid.get_data_parallel_group()
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
     cfg = load_config(early, dp_size)
+    pipelined = grid is not None and grid is getattr(model, "_grid", None)
+    if pipelined and cfg.zero_stage >= 2:
+        raise ConfigError("zero_optimization.stage", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism "
+                          f"(got stage {cfg.zero_stage}); use stage 0 or 1")
     if cfg.comms_timeout_s is not None:
         comm.set_timeout(cfg.comms_timeout_s, dp_group)
     batch = cfg.batch(dp_size)
@@ -278,6 +303,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     base = _build_base_optimizer(cfg, optimizer, groups, options)
     zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
                                                                dp_rank)
+    if pipelined and zero_opt is not None:  # one grad norm / overflow verdict over every stage
+        from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
+
+        zero_opt = PipelineZeroOptimizer.wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
@@ -285,7 +314,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, dp_rank, dp_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
-    engine = Engine(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
+    engine_cls: type[Engine] = Engine
+    if pipelined:
+        from ..parallel.pipeline.engine import PipelineEngine
+
+        engine_cls = PipelineEngine
+    engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)

@@ -1,0 +1,202 @@
+"""Pipeline parallelism: zerospeed's PipelineEngine vs DeepSpeed's on the same layer list, in the same run.
+
+Contenders (each in its own forked Gloo ranks, same layers, same data, same seeds):
+  zerospeed pp=2, zerospeed pp=2 x dp=2, and DeepSpeed's PipelineEngine at the same shapes when
+  ``deepspeed`` is importable (run with its venv: ``/tmp/dsvenv/bin/python``; ``DS_ACCELERATOR=cpu``).
+Reported per contender: median wall seconds per ``train_batch`` (max over ranks), peak RSS per rank, the
+last loss (a sanity check), and for zerospeed the *measured* bubble fraction (1 - compute / pipelined time,
+mean over ranks, from the engine's own per-step accounting) next to the theoretical (p-1)/(m+p-1) and to
+the bubble 1F1B implies for the measured per-stage forward/backward times (``simulate``: stage imbalance
+included, machine noise excluded), and the p2p bytes per step. Layers: a GPT (tied embedding/head) split by ``type:Block`` so stages are balanced.
+
+    python benchmarks/bench_pipeline.py [--micro-batches 8] [--steps 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zerospeed.models.gpt import Block, GPTConfig  # noqa: E402
+from zerospeed.profiling.memory import peak_rss_bytes  # noqa: E402
+from zerospeed.testing import run_distributed  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, block: int, dim: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+def head(embed: Embed, x: torch.Tensor) -> torch.Tensor:
+    return x @ embed.wte.weight.t()
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def layers(api: Any, cfg: GPTConfig) -> list[Any]:
+    tie = dict(tied_weight_attr=["wte.weight"])
+    return [api.TiedLayerSpec("embed", Embed, cfg.vocab_size, cfg.block_size, cfg.n_embd, **tie),
+            *[api.LayerSpec(Block, cfg) for _ in range(cfg.n_layer)],
+            api.LayerSpec(nn.LayerNorm, cfg.n_embd),
+            api.TiedLayerSpec("embed", Embed, cfg.vocab_size, cfg.block_size, cfg.n_embd, forward_fn=head, **tie)]
+
+
+def _data(cfg: GPTConfig, micro: int, count: int, steps: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, cfg.vocab_size, (steps, count, micro, cfg.block_size + 1), generator=g)
+
+
+def _seed(seed: Any) -> None:
+    torch.manual_seed(int(seed))  # DeepSpeed hands numpy integers here (its random.seed path rejects them)
+
+
+def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int) -> dict:
+    world = int(os.environ["WORLD_SIZE"])
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    if framework == "deepspeed":
+        import warnings
+
+        import deepspeed
+        import deepspeed.ops
+        import deepspeed.pipe as api
+
+        warnings.filterwarnings("ignore")
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        config["optimizer"]["params"]["torch_adam"] = True
+        deepspeed.init_distributed(dist_backend="gloo")
+        init = deepspeed.initialize
+    else:
+        import zerospeed
+        import zerospeed.pipe as api
+
+        init = zerospeed.initialize
+    model = api.PipelineModule(layers(api, cfg), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
+                               seed_fn=_seed, partition_method="type:Block")
+    engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                      config=config)
+    dp_rank, dp = engine.grid.get_data_parallel_rank(), world // pp
+    data = _data(cfg, micro, gas * dp, warmup + steps)
+
+    def it():
+        for s in range(data.shape[0]):
+            for j in range(gas):
+                w = data[s, dp_rank * gas + j]
+                yield w[:, :-1], w[:, 1:]
+
+    source = it()
+    times, bubbles, p2p, fwd, bwd = [], [], [], [], []
+    loss = 0.0
+    for s in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = float(engine.train_batch(source))
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+            st = getattr(engine, "last_step_stats", None)
+            if st is not None:
+                bubbles.append(st.bubble_fraction)
+                p2p.append(st.p2p_bytes_sent + st.p2p_bytes_received)
+                fwd.append(st.forward_seconds / gas)
+                bwd.append(st.backward_seconds / gas)
+    stage = engine.grid.get_pipe_parallel_rank()
+    return {"times": times, "bubble": statistics.median(bubbles) if bubbles else None, "stage": stage,
+            "fwd": statistics.median(fwd) if fwd else None, "bwd": statistics.median(bwd) if bwd else None,
+            "p2p": statistics.median(p2p) if p2p else None, "rss": peak_rss_bytes(), "loss": loss}
+
+
+def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int) -> dict:
+    ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, timeout=3600)
+    per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
+    bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
+    simulated = None
+    if bubbles:  # the bubble 1F1B implies for the measured per-stage forward/backward times (dp replica 0)
+        from zerospeed.parallel.pipeline.schedule import TrainSchedule
+        from zerospeed.parallel.pipeline.simulate import simulate
+
+        by_stage = {r["stage"]: r for r in ranks}
+        fwd = [by_stage[s]["fwd"] for s in range(pp)]
+        bwd = [by_stage[s]["bwd"] for s in range(pp)]
+        simulated = statistics.mean(simulate([TrainSchedule(gas, pp, s) for s in range(pp)], fwd, bwd).bubble)
+    return {"contender": f"{framework} pp={pp} x dp={dp}", "pp": pp, "dp": dp, "micro_batches": gas,
+            "s_per_step": statistics.median(per_step), "peak_rss_mib": max(r["rss"] for r in ranks) / MiB,
+            "bubble_measured": statistics.mean(bubbles) if bubbles else None,
+            "bubble_per_rank": [round(b, 3) for b in bubbles], "bubble_simulated": simulated,
+            "bubble_theory": (pp - 1) / (gas + pp - 1),
+            "p2p_mib_per_step": (max(r["p2p"] for r in ranks) / MiB) if bubbles else None, "last_loss": ranks[0]["loss"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--micro-batches", type=int, default=8, help="gradient_accumulation_steps (m)")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--no-dp", action="store_true", help="skip the pp=2 x dp=2 runs (4 ranks)")
+    p.add_argument("--repeat", type=int, default=1, help="run the contenders this many times, alternating order")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
+    shapes = [(2, 1)] + ([] if args.no_dp else [(2, 2)])
+    frameworks = ["zerospeed"]
+    if not args.no_deepspeed:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            import deepspeed  # noqa: F401
+            frameworks.append("deepspeed")
+        except Exception as exc:  # noqa: BLE001
+            print(f"DeepSpeed: not importable here ({type(exc).__name__}); zerospeed only", file=sys.stderr)
+    rows = []
+    for pp, dp in shapes:
+        rounds: dict[str, list[dict]] = {}
+        for i in range(args.repeat):  # alternate who goes first: load on a shared machine drifts
+            for fw in (frameworks if i % 2 == 0 else frameworks[::-1]):
+                rounds.setdefault(fw, []).append(run(fw, pp, dp, cfg, args.micro_batch, args.micro_batches,
+                                                     args.warmup, args.steps))
+        for fw in frameworks:  # the round with the median step time
+            rows.append(sorted(rounds[fw], key=lambda r: r["s_per_step"])[len(rounds[fw]) // 2])
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"GPT {args.layers} blocks, n_embd {args.embd}, seq {args.seq}, micro-batch {args.micro_batch}, "
+          f"m={args.micro_batches} micro-batches, fp32, ZeRO-1, 1 thread/rank")
+    print(f"{'contender':<26}{'s/step':>9}{'peak RSS MiB':>14}{'bubble meas.':>14}{'simulated':>11}{'theory':>9}"
+          f"{'p2p MiB':>10}"
+          f"{'loss':>9}  bubble per rank")
+    for r in rows:
+        meas = f"{r['bubble_measured']:.3f}" if r["bubble_measured"] is not None else "-"
+        p2p = f"{r['p2p_mib_per_step']:.2f}" if r["p2p_mib_per_step"] is not None else "-"
+        sim = f"{r['bubble_simulated']:.3f}" if r["bubble_simulated"] is not None else "-"
+        print(f"{r['contender']:<26}{r['s_per_step']:>9.3f}{r['peak_rss_mib']:>14.0f}{meas:>14}{sim:>11}"
+              f"{r['bubble_theory']:>9.3f}{p2p:>10}{r['last_loss']:>9.4f}  {r['bubble_per_rank'] or ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

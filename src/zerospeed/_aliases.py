@@ -1,0 +1,64 @@
+"""DeepSpeed's import paths, served under ``zerospeed`` from this one table.
+
+``from zerospeed.pipe import PipelineModule`` works like ``from deepspeed.pipe import PipelineModule``: each
+alias below is a thin module, made on first import, that re-exports the public names of the module where
+the code really lives (the layout in DESIGN.md). Add a line here to expose a new DeepSpeed path; nothing
+else in the tree should re-export for compatibility. Importing this file does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any
+
+# DeepSpeed path (with deepspeed -> zerospeed)   ->  where the code lives
+ALIASES: dict[str, str] = {
+    "zerospeed.pipe": "zerospeed.parallel.pipeline",
+    "zerospeed.runtime.pipe": "zerospeed.parallel.pipeline",
+    "zerospeed.runtime.pipe.module": "zerospeed.parallel.pipeline.module",
+    "zerospeed.runtime.pipe.engine": "zerospeed.parallel.pipeline.engine",
+    "zerospeed.runtime.pipe.topology": "zerospeed.parallel.topology",
+    "zerospeed.runtime.pipe.schedule": "zerospeed.parallel.pipeline.schedule",
+    "zerospeed.runtime.utils": "zerospeed.parallel.pipeline.partition",
+    "zerospeed.utils": "zerospeed.data.repeating",
+}
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # a fresh, empty module
+
+    def exec_module(self, module: ModuleType) -> None:
+        real = importlib.import_module(self.target)
+        names = getattr(real, "__all__", None) or [n for n in vars(real) if not n.startswith("_")]
+        for name in names:
+            setattr(module, name, getattr(real, name))
+        module.__all__ = list(names)  # type: ignore[attr-defined]
+        module.__doc__ = f"DeepSpeed-path alias of :mod:`{self.target}` (see zerospeed/_aliases.py)."
+        module.__path__ = []  # type: ignore[attr-defined]  # may be the parent of other aliases
+
+        def __getattr__(name: str) -> Any:  # noqa: N807 - module-level attribute fallback
+            return getattr(real, name)
+
+        module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        real = ALIASES.get(fullname)
+        if real is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real), is_package=True)
+
+
+def install() -> None:
+    """Put the alias finder first on ``sys.meta_path`` (idempotent)."""
+    if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AliasFinder())
