@@ -32,6 +32,12 @@ SRC = Path(zerospeed.__file__).parent
 # TEMPORARY: keys implemented concurrently on other helpers' branches (issue 10). The lead deletes this set
 # at merge; from then on every key must be read by code or be in ACCEPTED_HINTS.
 _IMPLEMENTED_ON_OTHER_BRANCHES = {
+    "pipeline.grad_partitioned",  # pipe (lead resolves at merge)
+    "pipeline.partition",  # pipe (lead resolves at merge)
+    "pipeline.pipe_partitioned",  # pipe (lead resolves at merge)
+    "pipeline.seed_layers",  # pipe (lead resolves at merge)
+    "pipeline.stages",  # pipe (lead resolves at merge)
+    "pipeline.use_reentrant",  # pipe (lead resolves at merge)
     "zero_optimization.ignore_unused_parameters",  # reducer / stage3
     "zero_optimization.stage3_model_persistence_threshold",  # stage3
     "zero_optimization.stage3_max_reuse_distance",  # stage3
