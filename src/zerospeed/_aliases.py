@@ -25,6 +25,9 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.pipe.schedule": "zerospeed.parallel.pipeline.schedule",
     "zerospeed.runtime.utils": "zerospeed.parallel.pipeline.partition",
     "zerospeed.utils": "zerospeed.data.repeating",
+    "zerospeed.runtime.fp16": "zerospeed.optim.onebit",
+    "zerospeed.runtime.fp16.onebit": "zerospeed.optim.onebit",
+    "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
 }
 
 

@@ -27,11 +27,13 @@ PATH = "optimizer.params"
 _TORCH_PASSTHROUGH = ("SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD", "Rprop", "Adafactor")
 _TORCH_OPTIMIZERS = {n.lower(): n for n in _TORCH_PASSTHROUGH if hasattr(torch.optim, n)}
 
-OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *_TORCH_OPTIMIZERS.values())
+# DeepSpeed's 1-bit optimizers (zerospeed.optim.onebit): they exchange compressed momentum themselves.
+ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam",)
+
+OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *ONEBIT_NAMES, *_TORCH_OPTIMIZERS.values())
 
 # DeepSpeed optimizer types zerospeed does not implement yet.
 _NOT_YET = {
-    "onebitadam": "OneBitAdam",
     "onebitlamb": "OneBitLamb",
     "zerooneadam": "ZeroOneAdam",
     "lion": "Lion",
@@ -86,6 +88,24 @@ class LambParams(Section):
     _betas = field_validator("betas")(_check_betas)
 
 
+class OneBitAdamParams(Section):
+    """DeepSpeed's OnebitAdam parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
+    ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
+
+    lr: float = Field(1e-3, ge=0)
+    freeze_step: int = Field(100000, ge=0)
+    bias_correction: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    amsgrad: bool = False
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+    _betas = field_validator("betas")(_check_betas)
+
+
 def build_optimizer(
     type_name: str, params: dict[str, Any], param_groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
@@ -103,6 +123,8 @@ def build_optimizer(
         return _build_adam(canonical, params, groups)
     if canonical == "Lamb":
         return _build_lamb(params, groups)
+    if canonical in ONEBIT_NAMES:
+        return _build_onebit(canonical, params, groups)
     return _build_torch(getattr(torch.optim, canonical), params, groups)
 
 
@@ -157,6 +179,19 @@ def _build_lamb(params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.o
         raise ConfigError(f"{PATH}.min_coeff", f"must be <= max_coeff ({p.max_coeff}), got {p.min_coeff}")
     kwargs = p.model_dump(exclude={"amsgrad"})
     return Lamb(groups, **kwargs)
+
+
+def _build_onebit(canonical: str, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A 1-bit optimizer; the engine builder binds its data-parallel group (``bind``)."""
+    from .onebit import OnebitAdam
+
+    p = parse_params(OneBitAdamParams, params, PATH)
+    if p.amsgrad:
+        raise ConfigError(f"{PATH}.amsgrad", "1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
+    try:
+        return OnebitAdam(groups, **p.model_dump(exclude={"amsgrad"}))
+    except ValueError as exc:
+        raise ConfigError(PATH, str(exc)) from None
 
 
 def _build_torch(

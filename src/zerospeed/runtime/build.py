@@ -245,6 +245,16 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     return zero_opt
 
 
+def _check_compressing(cfg: ZeroSpeedConfig, base: Any) -> bool:
+    """Whether ``base`` is a 1-bit optimizer (it averages compressed momentum itself); DeepSpeed forbids ZeRO."""
+    if not getattr(base, "compresses_communication", False):
+        return False
+    if cfg.zero_stage > 0:
+        raise ConfigError("zero_optimization.stage", f"{base.deepspeed_name} is not compatible with ZeRO (as in "
+                          f"DeepSpeed; got stage {cfg.zero_stage}): use stage 0")
+    return True
+
+
 def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
     """The process grid when the model is a PipelineModule (its own grid) or an ``mpu`` is given, else None."""
     from ..parallel.pipeline.module import PipelineModule
@@ -301,8 +311,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank)
     live = [g for g in groups if g is not None]
     base = _build_base_optimizer(cfg, optimizer, groups, options)
+    compressing = _check_compressing(cfg, base)
     zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
                                                                dp_rank)
+    if compressing and zero_opt is not None:  # the optimizer decides when the engine all-reduces gradients
+        base.bind(dp_group)  # type: ignore[union-attr]
+        zero_opt.reducer.allreduce_gate = base.wants_backward_allreduce  # type: ignore[union-attr]
     if pipelined and zero_opt is not None:  # one grad norm / overflow verdict over every stage
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 

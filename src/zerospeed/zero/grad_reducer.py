@@ -19,6 +19,7 @@ transient bucket buffers stay bounded (about two buckets) instead of adding up t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +46,9 @@ class ReduceSettings:
 
 
 class _Pending:
-    def __init__(self, g: int, b: int, handle: comm.Handle | None, send: torch.Tensor, out: torch.Tensor | None) -> None:
-        self.g, self.b, self.handle, self.send, self.out = g, b, handle, send, out
+    def __init__(self, g: int, b: int, handle: comm.Handle | None, send: torch.Tensor, out: torch.Tensor | None,
+                 local: bool = False) -> None:
+        self.g, self.b, self.handle, self.send, self.out, self.local = g, b, handle, send, out, local
 
 
 class GradReducer:
@@ -62,6 +64,9 @@ class GradReducer:
         self.pending: list[_Pending] = []
         self.communicate = True
         self.first_micro_step = True
+        # DeepSpeed's ``enable_backward_allreduce``: when this returns False (a 1-bit optimizer in its
+        # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
+        self.allreduce_gate: Callable[[], bool] | None = None
         dev = groups[0].device if groups else torch.device("cpu")
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
@@ -145,6 +150,10 @@ class GradReducer:
         if self.s.dp_size == 1:
             self.pending.append(_Pending(g, b, None, self._bucket_buffer(g, b), None))
             return
+        if self.allreduce_gate is not None and not self.allreduce_gate():
+            assert self.groups[g].num_partitions == 1, "local gradients need one partition (stage 0)"
+            self.pending.append(_Pending(g, b, None, self._bucket_buffer(g, b), None, local=True))
+            return
         buf = self._bucket_buffer(g, b)
         send = buf if buf.dtype == self.s.comm_dtype else buf.to(self.s.comm_dtype)
         pre, _ = self._scales()
@@ -169,7 +178,7 @@ class GradReducer:
         if grp.num_partitions == 1:
             if item.send is not buf:
                 buf.copy_(item.send)
-            if post != 1.0 and self.s.dp_size > 1:
+            if post != 1.0 and self.s.dp_size > 1 and not item.local:
                 buf.mul_(post)
             return
         if item.out is None:  # all-reduce then keep this rank's chunk
