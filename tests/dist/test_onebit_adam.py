@@ -142,3 +142,57 @@ def test_converges_like_adam() -> None:
     tail_1bit, tail_adam = sum(onebit[-10:]) / 10, sum(adam[-10:]) / 10
     assert tail_1bit < onebit[0] / 5
     assert tail_1bit <= 1.25 * tail_adam, (tail_1bit, tail_adam)
+
+
+def _masked_engine(freeze_step: int) -> Any:
+    import zerospeed
+
+    model = Wide()
+    mask = torch.ones_like(model.a.weight)
+    mask[-4:] = 0.0  # rows whose momentum must stay exactly zero
+    groups = [{"params": [model.a.weight], "exp_avg_mask": mask}, {"params": [model.b.weight]}]
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "optimizer": {"type": "OneBitAdam", "params": {"lr": 3e-3, "freeze_step": freeze_step}}}
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=groups, config=config)
+    return engine
+
+
+def _train(engine: Any, steps: int, start: int) -> None:
+    from zerospeed import comm
+
+    for step in range(start, start + steps):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + comm.get_rank()))
+        engine.backward(engine(x))
+        engine.step()
+
+
+def run_checkpoint(path: str) -> dict[str, Any]:
+    from zerospeed import comm
+
+    engine = _masked_engine(2)
+    _train(engine, 5, 0)
+    opt = engine.optimizer.optimizer
+    saved = {id_: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+             for id_, p in enumerate(opt.param_groups[0]["params"] + opt.param_groups[1]["params"])}
+    errors_before = float(opt.error_buffers(opt.param_groups[0]["params"][0])[0].abs().sum())
+    engine.save_checkpoint(path)
+    fresh = _masked_engine(2)
+    fresh.load_checkpoint(path)
+    new = fresh.optimizer.optimizer
+    params = new.param_groups[0]["params"] + new.param_groups[1]["params"]
+    same_state = all(torch.equal(new.state[p][k], saved[i][k]) for i, p in enumerate(params) for k in saved[i])
+    errors_after = float(new.error_buffers(params[0])[0].abs().sum())
+    comm.COMMS_LOGGER.reset()
+    _train(fresh, 1, 5)
+    return {"same_state": same_state, "errors_before": errors_before, "errors_after": errors_after,
+            "step": int(new.state[params[0]]["step"]), "mask_kept": "exp_avg_mask" in new.param_groups[0],
+            "masked_rows": new.state[params[0]]["exp_avg"][-4:].abs().sum().item(),
+            "all_reduce": comm.COMMS_LOGGER.snapshot().get("all_reduce")}
+
+
+def test_checkpoint_round_trip_keeps_masks_and_resets_errors(tmp_path: Any) -> None:
+    for r in run_distributed(run_checkpoint, 2, str(tmp_path), timeout=120):
+        assert r["same_state"] and r["mask_kept"] and r["step"] == 6
+        assert r["errors_before"] > 0 and r["errors_after"] == 0.0  # read before the next step: reset by load
+        assert r["masked_rows"] == 0.0
+        assert r["all_reduce"] is None  # resumed in the compression phase: no gradient all-reduce
