@@ -28,6 +28,7 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.fp16": "zerospeed.optim.onebit",
     "zerospeed.runtime.fp16.onebit": "zerospeed.optim.onebit",
     "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
+    "zerospeed.runtime.fp16.onebit.zoadam": "zerospeed.optim.onebit.zoadam",
 }
 
 

@@ -127,3 +127,56 @@ def test_exp_avg_mask_kept_on_load_and_error_buffers_reset() -> None:
     assert opt.adam_freeze_key, "the phase follows the loaded step count"
     opt.state[ps[0]] = dict(opt.state[ps[0]])  # the engine's checkpoint load replaces state dicts
     assert opt.error_buffers(ps[0])[0].abs().sum() == 0
+
+
+def test_zero_one_adam_by_name_and_path() -> None:
+    from zerospeed.optim.onebit import ZeroOneAdam
+    from zerospeed.runtime.fp16.onebit import ZeroOneAdam as A
+    from zerospeed.runtime.fp16.onebit.zoadam import ZeroOneAdam as B
+
+    opt = build_optimizer("zerooneadam", {"var_freeze_step": 5, "var_update_scaler": 2, "local_step_clipper": 4},
+                          [{"params": params()}])
+    assert type(opt) is ZeroOneAdam and A is ZeroOneAdam and B is ZeroOneAdam
+    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (5, 2, 32678, 4)
+
+
+def test_zero_one_adam_variance_interval_doubles() -> None:
+    """DeepSpeed's rule: the engine all-reduces before a step iff it updates the variance (step % interval
+    == 0); every var_update_scaler variance updates the interval doubles (1, 2, 4, ...)."""
+    from zerospeed.optim.onebit import ZeroOneAdam
+
+    ps = params()
+    opt = ZeroOneAdam(ps, lr=0.01, var_update_scaler=2)
+    gates, v_moved = [], []
+    for step in range(12):
+        gates.append(opt.wants_backward_allreduce())
+        before = opt.state[ps[0]]["exp_avg_sq"].clone() if ps[0] in opt.state else None
+        grads(step, ps)
+        opt.step()
+        v_moved.append(before is not None and not torch.equal(before, opt.state[ps[0]]["exp_avg_sq"]))
+    assert gates == [True, True, True, True, False, True, False, True, False, False, False, True]
+    assert v_moved == [False] + gates[1:]  # the first call only initialises
+    assert opt.state[ps[0]]["var_interval"] == 8
+
+
+def test_zero_one_adam_local_steps_after_var_freeze_step() -> None:
+    from zerospeed.optim.onebit import ZeroOneAdam
+
+    ps = params()
+    opt = ZeroOneAdam(ps, lr=0.01, var_freeze_step=3, local_step_scaler=2, local_step_clipper=4)
+    for step in range(4):
+        grads(step, ps)
+        opt.step()
+    assert opt.freeze_key and not opt.wants_backward_allreduce()
+    v = opt.state[ps[0]]["exp_avg_sq"].clone()
+    intervals, pending = [], []
+    for step in range(4, 14):
+        grads(step, ps)
+        opt.step()
+        st = opt.state[ps[0]]
+        intervals.append(st["local_step_interval"])
+        pending.append(bool(st["momentum_accumulator"].abs().sum() > 0))
+    assert torch.equal(opt.state[ps[0]]["exp_avg_sq"], v), "variance frozen"
+    assert intervals == [1, 2, 2, 4, 4, 4, 4, 4, 4, 4]  # doubles every 2 local steps, clipped at 4
+    # the accumulated local change is synchronised (and cleared) on steps that are multiples of the interval
+    assert pending == [False, False, True, False, True, True, True, False, True, True]

@@ -28,14 +28,13 @@ _TORCH_PASSTHROUGH = ("SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", 
 _TORCH_OPTIMIZERS = {n.lower(): n for n in _TORCH_PASSTHROUGH if hasattr(torch.optim, n)}
 
 # DeepSpeed's 1-bit optimizers (zerospeed.optim.onebit): they exchange compressed momentum themselves.
-ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam",)
+ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam")
 
 OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *ONEBIT_NAMES, *_TORCH_OPTIMIZERS.values())
 
 # DeepSpeed optimizer types zerospeed does not implement yet.
 _NOT_YET = {
     "onebitlamb": "OneBitLamb",
-    "zerooneadam": "ZeroOneAdam",
     "lion": "Lion",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
@@ -99,6 +98,27 @@ class OneBitAdamParams(Section):
     eps: float = Field(1e-8, ge=0)
     eps_inside_sqrt: bool = False
     weight_decay: float = Field(0.0, ge=0)
+    amsgrad: bool = False
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+    _betas = field_validator("betas")(_check_betas)
+
+
+class ZeroOneAdamParams(Section):
+    """DeepSpeed's ZeroOneAdam parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
+    ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
+
+    lr: float = Field(1e-3, ge=0)
+    bias_correction: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    var_freeze_step: int = Field(100000, ge=0)
+    var_update_scaler: int = Field(16, ge=1)
+    local_step_scaler: int = Field(32678, ge=1)
+    local_step_clipper: int = Field(16, ge=1)
     amsgrad: bool = False
     cuda_aware: bool = False
     comm_backend_name: str = "nccl"
@@ -183,13 +203,14 @@ def _build_lamb(params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.o
 
 def _build_onebit(canonical: str, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """A 1-bit optimizer; the engine builder binds its data-parallel group (``bind``)."""
-    from .onebit import OnebitAdam
+    from .onebit import OnebitAdam, ZeroOneAdam
 
-    p = parse_params(OneBitAdamParams, params, PATH)
+    model, cls = {"OneBitAdam": (OneBitAdamParams, OnebitAdam), "ZeroOneAdam": (ZeroOneAdamParams, ZeroOneAdam)}[canonical]
+    p = parse_params(model, params, PATH)  # type: ignore[arg-type]
     if p.amsgrad:
-        raise ConfigError(f"{PATH}.amsgrad", "1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
+        raise ConfigError(f"{PATH}.amsgrad", f"{canonical} does not support the AMSGrad variant (as in DeepSpeed)")
     try:
-        return OnebitAdam(groups, **p.model_dump(exclude={"amsgrad"}))
+        return cls(groups, **p.model_dump(exclude={"amsgrad"}))
     except ValueError as exc:
         raise ConfigError(PATH, str(exc)) from None
 

@@ -5,5 +5,6 @@ Also importable as ``zerospeed.runtime.fp16.onebit`` (DeepSpeed's path; see ``ze
 
 from .adam import OnebitAdam
 from .base import CompressedOptimizer
+from .zoadam import ZeroOneAdam
 
-__all__ = ["CompressedOptimizer", "OnebitAdam"]
+__all__ = ["CompressedOptimizer", "OnebitAdam", "ZeroOneAdam"]
