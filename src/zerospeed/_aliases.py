@@ -29,6 +29,7 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.fp16.onebit": "zerospeed.optim.onebit",
     "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
     "zerospeed.runtime.fp16.onebit.zoadam": "zerospeed.optim.onebit.zoadam",
+    "zerospeed.runtime.fp16.onebit.lamb": "zerospeed.optim.onebit.lamb",
 }
 
 

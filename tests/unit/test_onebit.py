@@ -180,3 +180,71 @@ def test_zero_one_adam_local_steps_after_var_freeze_step() -> None:
     assert intervals == [1, 2, 2, 4, 4, 4, 4, 4, 4, 4]  # doubles every 2 local steps, clipped at 4
     # the accumulated local change is synchronised (and cleared) on steps that are multiples of the interval
     assert pending == [False, False, True, False, True, True, True, False, True, True]
+
+
+def lamb_warmup(ps: list[torch.nn.Parameter], steps: int, lr: float, wd: float) -> tuple[list[torch.Tensor], list[float]]:
+    """DeepSpeed's OnebitLamb before freeze_step, written out: LAMB without bias correction, trust ratio
+    clamped to [0.01, 10], the first step only initialises. Returns weights and the EMA of the ratios."""
+    ps = [p.detach().clone() for p in ps]
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    ema = [0.0 for _ in ps]
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        gs = [torch.randn(p.shape, generator=gen) for p in ps]
+        if step == 0:
+            continue
+        for i, (p, g) in enumerate(zip(ps, gs)):
+            m[i].mul_(0.9).add_(g, alpha=0.1)
+            v[i].mul_(0.999).addcmul_(g, g, value=0.001)
+            u = m[i] / (v[i].sqrt() + 1e-8) + wd * p
+            ratio = min(max((p.norm() / u.norm()).item(), 0.01), 10.0)
+            ema[i] = 0.9 * ema[i] + 0.1 * ratio
+            p.sub_(lr * ratio * u)
+    return ps, ema
+
+
+def test_onebit_lamb_by_name_path_and_warmup() -> None:
+    from zerospeed.optim.onebit import OnebitLamb
+    from zerospeed.runtime.fp16.onebit import OnebitLamb as A
+    from zerospeed.runtime.fp16.onebit.lamb import OnebitLamb as B
+
+    ps = params()
+    start = [p.detach().clone() for p in ps]
+    opt = build_optimizer("OneBitLamb", {"lr": 0.01, "weight_decay": 0.1, "freeze_step": 100, "factor_max": 3.0},
+                          [{"params": ps}])
+    assert type(opt) is OnebitLamb and A is OnebitLamb and B is OnebitLamb and opt.factor_max == 3.0
+    for step in range(6):
+        grads(step, ps)
+        opt.step()
+    want, ema = lamb_warmup(start, 6, 0.01, 0.1)
+    for p, w, e in zip(ps, want, ema):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-6, atol=0)
+        assert abs(opt.state[p]["lamb_coeff_freeze"] - e) < 1e-6
+    assert len(opt.get_lamb_coeffs()) == 2
+
+
+def test_onebit_lamb_compression_phase_freezes_ratio_and_clamps_factor() -> None:
+    from zerospeed.optim.onebit import OnebitLamb
+
+    ps = params()
+    opt = OnebitLamb(ps, lr=0.01, freeze_step=4, factor_threshold=0.1)
+    for step in range(4):
+        grads(step, ps)
+        opt.step()
+    assert opt.lamb_freeze_key and not opt.wants_backward_allreduce()
+    frozen = {p: opt.state[p]["lamb_coeff_freeze"] for p in ps}
+    v = [opt.state[p]["exp_avg_sq"].clone() for p in ps]
+    assert all(torch.equal(opt.state[p]["exp_avg_sq_fresh"], v_) for p, v_ in zip(ps, v)), "fresh = v at freeze_step"
+    last = {p: 1.0 for p in ps}
+    for step in range(4, 9):
+        grads(step, ps)
+        opt.step()
+        for p, coeff in zip(ps, opt.get_lamb_coeffs()):
+            factor = opt.state[p]["last_factor"]
+            assert 0.9 * last[p] - 1e-12 <= factor <= 1.1 * last[p] + 1e-12 and 0.5 <= factor <= 4.0
+            assert coeff == pytest.approx(frozen[p] * factor)
+            last[p] = factor
+    assert all(torch.equal(opt.state[p]["exp_avg_sq"], v_) for p, v_ in zip(ps, v)), "variance frozen"
+    assert not any(torch.equal(opt.state[p]["exp_avg_sq_fresh"], v_) for p, v_ in zip(ps, v)), "fresh one moves"
+    assert all(opt.state[p]["scaling_coeff"] > 0 for p in ps)

@@ -28,13 +28,12 @@ _TORCH_PASSTHROUGH = ("SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", 
 _TORCH_OPTIMIZERS = {n.lower(): n for n in _TORCH_PASSTHROUGH if hasattr(torch.optim, n)}
 
 # DeepSpeed's 1-bit optimizers (zerospeed.optim.onebit): they exchange compressed momentum themselves.
-ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam")
+ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *ONEBIT_NAMES, *_TORCH_OPTIMIZERS.values())
 
 # DeepSpeed optimizer types zerospeed does not implement yet.
 _NOT_YET = {
-    "onebitlamb": "OneBitLamb",
     "lion": "Lion",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
@@ -126,6 +125,30 @@ class ZeroOneAdamParams(Section):
     _betas = field_validator("betas")(_check_betas)
 
 
+class OneBitLambParams(Section):
+    """DeepSpeed's OnebitLamb parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
+    ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
+
+    lr: float = Field(1e-3, ge=0)
+    freeze_step: int = Field(100000, ge=0)
+    bias_correction: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    max_coeff: float = Field(10.0, ge=0)
+    min_coeff: float = Field(0.01, ge=0)
+    amsgrad: bool = False
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+    coeff_beta: float = Field(0.9, ge=0, le=1)
+    factor_max: float = Field(4.0, gt=0)
+    factor_min: float = Field(0.5, gt=0)
+    factor_threshold: float = Field(0.1, ge=0)
+
+    _betas = field_validator("betas")(_check_betas)
+
+
 def build_optimizer(
     type_name: str, params: dict[str, Any], param_groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
@@ -203,9 +226,10 @@ def _build_lamb(params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.o
 
 def _build_onebit(canonical: str, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """A 1-bit optimizer; the engine builder binds its data-parallel group (``bind``)."""
-    from .onebit import OnebitAdam, ZeroOneAdam
+    from .onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-    model, cls = {"OneBitAdam": (OneBitAdamParams, OnebitAdam), "ZeroOneAdam": (ZeroOneAdamParams, ZeroOneAdam)}[canonical]
+    model, cls = {"OneBitAdam": (OneBitAdamParams, OnebitAdam), "ZeroOneAdam": (ZeroOneAdamParams, ZeroOneAdam),
+                  "OneBitLamb": (OneBitLambParams, OnebitLamb)}[canonical]
     p = parse_params(model, params, PATH)  # type: ignore[arg-type]
     if p.amsgrad:
         raise ConfigError(f"{PATH}.amsgrad", f"{canonical} does not support the AMSGrad variant (as in DeepSpeed)")

@@ -5,6 +5,7 @@ Also importable as ``zerospeed.runtime.fp16.onebit`` (DeepSpeed's path; see ``ze
 
 from .adam import OnebitAdam
 from .base import CompressedOptimizer
+from .lamb import OnebitLamb
 from .zoadam import ZeroOneAdam
 
-__all__ = ["CompressedOptimizer", "OnebitAdam", "ZeroOneAdam"]
+__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitLamb", "ZeroOneAdam"]

@@ -61,12 +61,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     return int(state["step"])
         return 0
 
-    def error_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(worker_error, server_error) of ``p``: zeros when new or when p's state was replaced."""
+    def error_buffers(self, p: torch.Tensor, numel: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(worker_error, server_error) kept for ``p`` (of ``numel`` elements, default p's): zeros when new
+        or when p's state was replaced."""
         state = self.state[p]
         held = self._errors.get(p)
-        if held is None or held[0] is not state:
-            we, se = comm.error_buffers(p.numel(), self.world_size(), p.device)
+        numel = p.numel() if numel is None else numel
+        if held is None or held[0] is not state or comm.padded_numel(numel, self.world_size()) != held[1].numel():
+            we, se = comm.error_buffers(numel, self.world_size(), p.device)
             held = (state, we, se)
             self._errors[p] = held
         return held[1], held[2]
