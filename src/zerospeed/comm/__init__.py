@@ -35,12 +35,14 @@ from .collectives import (
 )
 from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_signs, padded_numel, unpack_signs
 from .logger import COMMS_LOGGER, CommsLogger, OpStats
+from .sparse import sparse_all_reduce, topk_count
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
 
 __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
     "P2P", "P2PHandle", "device_mesh", "exchange", "global_rank_of",
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
+    "sparse_all_reduce", "topk_count",
     "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_object", "all_reduce", "all_reduce_max_flag", "backend_name",
     "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "file_store", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "set_timeout", "world_group",

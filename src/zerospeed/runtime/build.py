@@ -230,7 +230,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
-                              gradient_predivide_factor=cfg.gradient_predivide_factor)
+                              gradient_predivide_factor=cfg.gradient_predivide_factor, **_topk(cfg, base))
     reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
@@ -243,6 +243,20 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
         zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
                                           dp_rank)
     return zero_opt
+
+
+def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
+    """``gradient_compression`` (zerospeed only): top-k sparsified gradient averaging, stages 0 and 1."""
+    gc = cfg.gradient_compression
+    if gc.type == "none":
+        return {}
+    if cfg.zero_stage > 1:
+        raise ConfigError("gradient_compression", f"top-k gradient compression works with ZeRO stages 0 and 1, "
+                          f"got stage {cfg.zero_stage}")
+    if getattr(base, "compresses_communication", False):
+        raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication; "
+                          "remove gradient_compression")
+    return {"topk_ratio": gc.ratio, "topk_error_feedback": gc.error_feedback}
 
 
 def _check_compressing(cfg: ZeroSpeedConfig, base: Any) -> bool:

@@ -43,6 +43,8 @@ class ReduceSettings:
     overlap_comm: bool = True
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
+    topk_error_feedback: bool = True
 
 
 class _Pending:
@@ -67,6 +69,7 @@ class GradReducer:
         # DeepSpeed's ``enable_backward_allreduce``: when this returns False (a 1-bit optimizer in its
         # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
         self.allreduce_gate: Callable[[], bool] | None = None
+        self.residual: dict[tuple[int, int], torch.Tensor] = {}  # top-k error feedback, per bucket
         dev = groups[0].device if groups else torch.device("cpu")
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
@@ -160,6 +163,13 @@ class GradReducer:
         if pre != 1.0:
             send.mul_(pre)
         grp = self.groups[g]
+        if self.s.topk_ratio > 0:  # every rank gets the dense sum of the sparse parts, as from an all-reduce
+            residual = None
+            if self.s.topk_error_feedback:
+                residual = self.residual.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
+            comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group)
+            self.pending.append(_Pending(g, b, None, send, None))
+            return
         if grp.num_partitions == 1 or not self.s.reduce_scatter:
             handle = comm.all_reduce(send, group=self.dp_group, async_op=True)
             self.pending.append(_Pending(g, b, handle, send, None))
