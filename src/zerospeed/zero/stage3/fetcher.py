@@ -82,7 +82,7 @@ class Fetcher:
             s.holders.add(unit)
         if track:
             self._record_and_prefetch(unit, reason)
-        ensure_gathered(unit.shards)
+        ensure_gathered(unit.shards, quantize=True)
 
     def release(self, unit: Unit, reason: str) -> None:
         if reason not in unit.reasons:
@@ -160,7 +160,7 @@ class Fetcher:
             ahead += cost
             if todo:
                 live += cost
-                self.inflight.extend(start_gather(todo, async_op=True))
+                self.inflight.extend(start_gather(todo, async_op=True, quantize=True))
                 self.prefetched_numel += sum(s.numel for s in todo)
 
     def _read_ahead(self, trace: list[int], pos: int) -> None:

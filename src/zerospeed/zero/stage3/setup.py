@@ -85,6 +85,9 @@ class Stage3Runtime:
         self.param_home = param_home
         self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg.stage3_param_persistence_threshold,
                                param_home)
+        for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
+            s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
+                                 else zcfg.zero_quantized_nontrainable_weights)
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():
