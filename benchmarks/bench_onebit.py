@@ -1,4 +1,4 @@
-"""1-bit optimizers vs their full-precision twins: the demo GPT, same data and seed, on forked Gloo ranks.
+"""1-bit optimizers and top-k vs their full-precision twins: the demo GPT, same data and seed, forked Gloo ranks.
 
     python benchmarks/bench_onebit.py --steps 300 --world 2 [--json] [--only OneBitAdam,Adam]
 
@@ -7,7 +7,8 @@ optimizers refuse ZeRO, as in DeepSpeed), micro-batch 8 x seq 128 per rank, with
 from the bundled corpus by a seeded generator, so every contender sees identical data. Reported per
 contender: first loss, mean loss of the last 20 steps, the ratio of that to its baseline's, communication
 per step counted by the comms logger (ring volume in bytes: all-reduce = 2 x message) in the warm-up
-phase (step 2) and in the last step, and wall seconds per step. A benchmark prints figures; it asserts
+phase (step 2; for top-k, which compresses from the start, the dense baseline's) and in the last step,
+and wall seconds per step. A benchmark prints figures; it asserts
 nothing.
 """
 
@@ -29,10 +30,11 @@ LR = 1e-3
 
 
 def contenders(steps: int) -> dict[str, tuple[dict[str, Any], str]]:
-    """name -> (optimizer section, the baseline it is compared with). Compression starts at 20 % of the run."""
+    """name -> (config extras, the baseline it is compared with). Compression starts at 20 % of the run."""
     freeze = max(2, steps // 5)
-    return {
-        "Adam": ({"type": "Adam", "params": {"lr": LR}}, "Adam"),
+    adam = {"type": "Adam", "params": {"lr": LR}}
+    table = {
+        "Adam": (adam, "Adam"),
         "OneBitAdam": ({"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze}}, "Adam"),
         "ZeroOneAdam": ({"type": "ZeroOneAdam", "params": {"lr": LR, "var_freeze_step": freeze,
                                                             "var_update_scaler": 16, "local_step_scaler": 32,
@@ -40,6 +42,10 @@ def contenders(steps: int) -> dict[str, tuple[dict[str, Any], str]]:
         "Lamb": ({"type": "Lamb", "params": {"lr": 1e-2}}, "Lamb"),
         "OneBitLamb": ({"type": "OneBitLamb", "params": {"lr": 1e-2, "freeze_step": freeze}}, "Lamb"),
     }
+    out = {name: ({"optimizer": opt}, base) for name, (opt, base) in table.items()}
+    out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
+    out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
+    return out
 
 
 def batch(data: ByteDataset, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +54,7 @@ def batch(data: ByteDataset, step: int, rank: int, world: int) -> tuple[torch.Te
     return torch.stack([data[i][0] for i in idx]), torch.stack([data[i][1] for i in idx])
 
 
-def run(optimizer: dict[str, Any], steps: int) -> dict[str, Any]:
+def run(extras: dict[str, Any], steps: int) -> dict[str, Any]:
     import zerospeed
     from zerospeed import comm
 
@@ -57,7 +63,7 @@ def run(optimizer: dict[str, Any], steps: int) -> dict[str, Any]:
     model = GPT(cfg, seed=0)
     data = ByteDataset(cfg.block_size, "train")
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "gradient_clipping": 0.0, "optimizer": optimizer, "zero_optimization": {"stage": 0}}
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, **extras}
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses, volumes, t0 = [], [], 0.0
     for step in range(steps):
@@ -75,11 +81,17 @@ def run(optimizer: dict[str, Any], steps: int) -> dict[str, Any]:
     return {"losses": losses, "volumes": volumes, "s_per_step": (time.perf_counter() - t0) / max(1, steps - 1)}
 
 
+def _tail(losses: list[float], n: int = 20) -> float:
+    tail = losses[-n:]
+    return sum(tail) / len(tail)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--only", default="", help="comma-separated contender names (default: all)")
+    p.add_argument("--only", default="", help="comma-separated contender names (default: all; a compressed one "
+                                              "is compared with its baseline only when that runs first)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     table = contenders(args.steps)
@@ -90,13 +102,15 @@ def main() -> None:
     print(f"{'optimizer':<12}{'first':>8}{'last20':>9}{'vs base':>9}{'warm B/step':>14}{'last B/step':>14}"
           f"{'ratio':>8}{'s/step':>8}")
     for name in names:
-        optimizer, base = table[name]
-        r = run_distributed(run, args.world, optimizer, args.steps, timeout=6 * 3600)[0]
+        extras, base = table[name]
+        r = run_distributed(run, args.world, extras, args.steps, timeout=6 * 3600)[0]
         results[name] = r
-        last20 = sum(r["losses"][-20:]) / 20
+        last20 = _tail(r["losses"])
         base_r = results.get(base)
-        vs = last20 / (sum(base_r["losses"][-20:]) / 20) if base_r else float("nan")
+        vs = last20 / _tail(base_r["losses"]) if base_r else float("nan")
         warm, last = r["volumes"][1], r["volumes"][-1]
+        if name.startswith("TopK") and base_r:  # compressed from the first step: compare with the dense baseline
+            warm = base_r["volumes"][1]
         row = {"optimizer": name, "world": args.world, "steps": args.steps, "first_loss": r["losses"][0],
                "last20_loss": last20, "vs_baseline": vs, "baseline": base, "warm_bytes_per_step": warm,
                "last_bytes_per_step": last, "bytes_ratio": last / warm if warm else None,
