@@ -29,9 +29,9 @@ MICRO = 8
 LR = 1e-3
 
 
-def contenders(steps: int) -> dict[str, tuple[dict[str, Any], str]]:
-    """name -> (config extras, the baseline it is compared with). Compression starts at 20 % of the run."""
-    freeze = max(2, steps // 5)
+def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str, Any], str]]:
+    """name -> (config extras, the baseline it is compared with). Compression starts at ``freeze_frac``."""
+    freeze = max(2, int(steps * freeze_frac))
     adam = {"type": "Adam", "params": {"lr": LR}}
     table = {
         "Adam": (adam, "Adam"),
@@ -99,9 +99,10 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated contender names (default: all; a compressed one "
                                               "is compared with its baseline only when that runs first)")
+    p.add_argument("--freeze-frac", type=float, default=0.2, help="share of the steps before compression starts")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    table = contenders(args.steps)
+    table = contenders(args.steps, args.freeze_frac)
     names = [n for n in table if not args.only or n in args.only.split(",")]
     results: dict[str, dict[str, Any]] = {}
     n_params = GPT(PRESETS["demo"](), seed=0).num_params()
