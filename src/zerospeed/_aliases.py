@@ -30,6 +30,11 @@ ALIASES: dict[str, str] = {
     "zerospeed.moe.sharded_moe": "zerospeed.parallel.expert",
     "zerospeed.moe.experts": "zerospeed.parallel.expert.experts",
     "zerospeed.moe.utils": "zerospeed.parallel.expert.utils",
+    "zerospeed.runtime.fp16": "zerospeed.optim.onebit",
+    "zerospeed.runtime.fp16.onebit": "zerospeed.optim.onebit",
+    "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
+    "zerospeed.runtime.fp16.onebit.zoadam": "zerospeed.optim.onebit.zoadam",
+    "zerospeed.runtime.fp16.onebit.lamb": "zerospeed.optim.onebit.lamb",
 }
 
 

@@ -81,3 +81,19 @@ def test_inference_does_not_reach_training_transitively() -> None:
 def test_files_stay_small() -> None:
     big = [f"{p.relative_to(SRC)}: {n}" for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600]
     assert not big, big
+
+
+def test_comm_resolves_every_group_it_hands_to_torch() -> None:
+    """The engine's group is a RecoverableGroup: every torch.distributed call in comm/ must resolve() it
+    (a raw pass-through works for plain groups and fails only once a recoverable one reaches it)."""
+    import re
+    from pathlib import Path
+
+    import zerospeed.comm
+
+    bad = []
+    for path in Path(zerospeed.comm.__file__).parent.glob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"dist\.\w+\(.*\bgroup=group\b", line):
+                bad.append(f"{path.name}:{n}: {line.strip()}")
+    assert not bad, "torch.distributed called with an unresolved group:\n" + "\n".join(bad)

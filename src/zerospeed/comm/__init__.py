@@ -35,7 +35,10 @@ from .collectives import (
     exchange_ints,
     reduce_scatter,
 )
+from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_signs, padded_numel, unpack_signs
 from .logger import COMMS_LOGGER, CommsLogger, OpStats
+from .quantized import QuantizedGather, dequantize_int8, quant_groups, quantize_int8, quantized_all_gather
+from .sparse import sparse_all_reduce, topk_count
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
 from .recoverable import RecoverableGroup, resolve
 
@@ -45,4 +48,7 @@ __all__ = [
     "RecoverableGroup", "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_object", "all_reduce", "all_reduce_max_flag", "all_to_all_single", "backend_name",
     "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "exchange_ints", "file_store", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
+    "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
+    "sparse_all_reduce", "topk_count",
+    "QuantizedGather", "dequantize_int8", "quant_groups", "quantize_int8", "quantized_all_gather",
 ]

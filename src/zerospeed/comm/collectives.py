@@ -125,7 +125,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     n = _nbytes(input)
     return _run(
         "all_to_all_single", group, n, n, async_op,
-        lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+        lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=resolve(group),
                                        async_op=async_op),
     )
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from .base import Section, known_keys
+from .compression import GradientCompressionConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError, UnknownKeyError
@@ -84,6 +85,8 @@ class ZeroSpeedConfig(Section):
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""
     zerospeed: ZerospeedOptions = Field(default_factory=ZerospeedOptions)
+    gradient_compression: GradientCompressionConfig = Field(default_factory=GradientCompressionConfig)
+    """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod

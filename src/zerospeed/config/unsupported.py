@@ -49,8 +49,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow": "ZenFlow",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
-    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized non-trainable weights",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",

@@ -38,6 +38,10 @@ class ZeroConfig(Section):
     reduce_scatter: bool = True
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     contiguous_gradients: bool = True
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): the forward/backward parameter all-gathers move block-wise int8 (comm/quantized.py)."""
+    zero_quantized_nontrainable_weights: bool = False
+    """ZeRO++: the same for parameters with ``requires_grad=False``."""
     round_robin_gradients: bool = False
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False

@@ -27,13 +27,13 @@ PATH = "optimizer.params"
 _TORCH_PASSTHROUGH = ("SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD", "Rprop", "Adafactor")
 _TORCH_OPTIMIZERS = {n.lower(): n for n in _TORCH_PASSTHROUGH if hasattr(torch.optim, n)}
 
-OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *_TORCH_OPTIMIZERS.values())
+# DeepSpeed's 1-bit optimizers (zerospeed.optim.onebit): they exchange compressed momentum themselves.
+ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+
+OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *ONEBIT_NAMES, *_TORCH_OPTIMIZERS.values())
 
 # DeepSpeed optimizer types zerospeed does not implement yet.
 _NOT_YET = {
-    "onebitadam": "OneBitAdam",
-    "onebitlamb": "OneBitLamb",
-    "zerooneadam": "ZeroOneAdam",
     "lion": "Lion",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
@@ -86,6 +86,69 @@ class LambParams(Section):
     _betas = field_validator("betas")(_check_betas)
 
 
+class OneBitAdamParams(Section):
+    """DeepSpeed's OnebitAdam parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
+    ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
+
+    lr: float = Field(1e-3, ge=0)
+    freeze_step: int = Field(100000, ge=0)
+    bias_correction: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    amsgrad: bool = False
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+    _betas = field_validator("betas")(_check_betas)
+
+
+class ZeroOneAdamParams(Section):
+    """DeepSpeed's ZeroOneAdam parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
+    ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
+
+    lr: float = Field(1e-3, ge=0)
+    bias_correction: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    var_freeze_step: int = Field(100000, ge=0)
+    var_update_scaler: int = Field(16, ge=1)
+    local_step_scaler: int = Field(32678, ge=1)
+    local_step_clipper: int = Field(16, ge=1)
+    amsgrad: bool = False
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+    _betas = field_validator("betas")(_check_betas)
+
+
+class OneBitLambParams(Section):
+    """DeepSpeed's OnebitLamb parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
+    ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
+
+    lr: float = Field(1e-3, ge=0)
+    freeze_step: int = Field(100000, ge=0)
+    bias_correction: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    max_coeff: float = Field(10.0, ge=0)
+    min_coeff: float = Field(0.01, ge=0)
+    amsgrad: bool = False
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+    coeff_beta: float = Field(0.9, ge=0, le=1)
+    factor_max: float = Field(4.0, gt=0)
+    factor_min: float = Field(0.5, gt=0)
+    factor_threshold: float = Field(0.1, ge=0)
+
+    _betas = field_validator("betas")(_check_betas)
+
+
 def build_optimizer(
     type_name: str, params: dict[str, Any], param_groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
@@ -103,6 +166,8 @@ def build_optimizer(
         return _build_adam(canonical, params, groups)
     if canonical == "Lamb":
         return _build_lamb(params, groups)
+    if canonical in ONEBIT_NAMES:
+        return _build_onebit(canonical, params, groups)
     return _build_torch(getattr(torch.optim, canonical), params, groups)
 
 
@@ -157,6 +222,21 @@ def _build_lamb(params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.o
         raise ConfigError(f"{PATH}.min_coeff", f"must be <= max_coeff ({p.max_coeff}), got {p.min_coeff}")
     kwargs = p.model_dump(exclude={"amsgrad"})
     return Lamb(groups, **kwargs)
+
+
+def _build_onebit(canonical: str, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A 1-bit optimizer; the engine builder binds its data-parallel group (``bind``)."""
+    from .onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+    model, cls = {"OneBitAdam": (OneBitAdamParams, OnebitAdam), "ZeroOneAdam": (ZeroOneAdamParams, ZeroOneAdam),
+                  "OneBitLamb": (OneBitLambParams, OnebitLamb)}[canonical]
+    p = parse_params(model, params, PATH)  # type: ignore[arg-type]
+    if p.amsgrad:
+        raise ConfigError(f"{PATH}.amsgrad", f"{canonical} does not support the AMSGrad variant (as in DeepSpeed)")
+    try:
+        return cls(groups, **p.model_dump(exclude={"amsgrad"}))
+    except ValueError as exc:
+        raise ConfigError(PATH, str(exc)) from None
 
 
 def _build_torch(

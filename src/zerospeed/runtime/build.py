@@ -235,7 +235,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
-                              gradient_predivide_factor=cfg.gradient_predivide_factor)
+                              gradient_predivide_factor=cfg.gradient_predivide_factor, **_topk(cfg, base))
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
         reducer = moe.make_reducer(live, settings)
     else:
@@ -265,6 +265,30 @@ def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group |
         return None
     return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled,
                        cfg.use_data_before_expert_parallelism)
+
+
+def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
+    """``gradient_compression`` (zerospeed only): top-k sparsified gradient averaging, stages 0 and 1."""
+    gc = cfg.gradient_compression
+    if gc.type == "none":
+        return {}
+    if cfg.zero_stage > 1:
+        raise ConfigError("gradient_compression", f"top-k gradient compression works with ZeRO stages 0 and 1, "
+                          f"got stage {cfg.zero_stage}")
+    if getattr(base, "compresses_communication", False):
+        raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication; "
+                          "remove gradient_compression")
+    return {"topk_ratio": gc.ratio, "topk_error_feedback": gc.error_feedback}
+
+
+def _check_compressing(cfg: ZeroSpeedConfig, base: Any) -> bool:
+    """Whether ``base`` is a 1-bit optimizer (it averages compressed momentum itself); DeepSpeed forbids ZeRO."""
+    if not getattr(base, "compresses_communication", False):
+        return False
+    if cfg.zero_stage > 0:
+        raise ConfigError("zero_optimization.stage", f"{base.deepspeed_name} is not compatible with ZeRO (as in "
+                          f"DeepSpeed; got stage {cfg.zero_stage}): use stage 0")
+    return True
 
 
 def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
@@ -331,8 +355,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank, moe)
     live = [g for g in groups if g is not None]
     base = _build_base_optimizer(cfg, optimizer, groups, options)
+    compressing = _check_compressing(cfg, base)
     zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
                                                                dp_rank, moe)
+    if compressing and zero_opt is not None:  # the optimizer decides when the engine all-reduces gradients
+        if moe is not None:
+            raise NotSupportedYetError("optimizer", f"{type(base).__name__} with Mixture-of-Experts layers is not "
+                                       "supported yet by zerospeed")
+        base.bind(dp_group)  # type: ignore[union-attr]
+        zero_opt.reducer.allreduce_gate = base.wants_backward_allreduce  # type: ignore[union-attr]
     if pipelined and zero_opt is not None:  # one grad norm / overflow verdict over every stage
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 

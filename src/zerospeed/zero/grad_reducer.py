@@ -29,6 +29,7 @@ and raises instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,14 @@ class ReduceSettings:
     overlap_comm: bool = True
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
+    topk_error_feedback: bool = True
 
 
 class _Pending:
-    def __init__(self, g: int, b: int, handle: comm.Handle | None, send: torch.Tensor, out: torch.Tensor | None) -> None:
-        self.g, self.b, self.handle, self.send, self.out = g, b, handle, send, out
+    def __init__(self, g: int, b: int, handle: comm.Handle | None, send: torch.Tensor, out: torch.Tensor | None,
+                 local: bool = False) -> None:
+        self.g, self.b, self.handle, self.send, self.out, self.local = g, b, handle, send, out, local
 
 
 class GradReducer:
@@ -72,6 +76,10 @@ class GradReducer:
         self.pending: list[_Pending] = []
         self.communicate = True
         self.first_micro_step = True
+        # DeepSpeed's ``enable_backward_allreduce``: when this returns False (a 1-bit optimizer in its
+        # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
+        self.allreduce_gate: Callable[[], bool] | None = None
+        self.residual: dict[tuple[int, int], torch.Tensor] = {}  # top-k error feedback, per bucket
         dev = groups[0].device if groups else torch.device("cpu")
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
@@ -250,12 +258,23 @@ class GradReducer:
         if self.s.dp_size == 1:
             self.pending.append(_Pending(g, b, None, self._bucket_buffer(g, b), None))
             return
+        if self.allreduce_gate is not None and not self.allreduce_gate():
+            assert self.groups[g].num_partitions == 1, "local gradients need one partition (stage 0)"
+            self.pending.append(_Pending(g, b, None, self._bucket_buffer(g, b), None, local=True))
+            return
         buf = self._bucket_buffer(g, b)
         send = buf if buf.dtype == self.s.comm_dtype else buf.to(self.s.comm_dtype)
         pre, _ = self._scales()
         if pre != 1.0:
             send.mul_(pre)
         grp = self.groups[g]
+        if self.s.topk_ratio > 0:  # every rank gets the dense sum of the sparse parts, as from an all-reduce
+            residual = None
+            if self.s.topk_error_feedback:
+                residual = self.residual.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
+            comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group)
+            self.pending.append(_Pending(g, b, None, send, None))
+            return
         if grp.num_partitions == 1 or not self.s.reduce_scatter:
             handle = comm.all_reduce(send, group=self.dp_group, async_op=True)
             self.pending.append(_Pending(g, b, handle, send, None))
@@ -274,7 +293,7 @@ class GradReducer:
         if grp.num_partitions == 1:
             if item.send is not buf:
                 buf.copy_(item.send)
-            if post != 1.0 and self.s.dp_size > 1:
+            if post != 1.0 and self.s.dp_size > 1 and not item.local:
                 buf.mul_(post)
             return
         if item.out is None:  # all-reduce then keep this rank's chunk

@@ -100,7 +100,7 @@ class Fetcher:
             self.lockstep.unit = unit.index
         if track:
             self._record_and_prefetch(unit, reason)
-        ensure_gathered(unit.shards)
+        ensure_gathered(unit.shards, quantize=True)
 
     def release(self, unit: Unit, reason: str) -> None:
         if reason not in unit.reasons:
@@ -244,7 +244,7 @@ class Fetcher:
             live += cost
             todo.update((id(s), s) for s in nxt if s.state is ShardState.SHARDED)
         if todo:
-            self.inflight.extend(start_gather(todo.values(), async_op=True))
+            self.inflight.extend(start_gather(todo.values(), async_op=True, quantize=True))
             self.prefetched_numel += sum(s.numel for s in todo.values())
 
     def _read_ahead(self, trace: list[int], pos: int) -> None:

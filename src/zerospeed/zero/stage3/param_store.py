@@ -85,6 +85,7 @@ class ParamShard:
         self._full: torch.Tensor | None = None
         # Called after the full value changed outside training (GatheredParameters with a modifier).
         self.on_modified: list[object] = []
+        self.quantize_gather = False  # ZeRO++ qwZ: the fetcher's gathers move int8 blocks (comm/quantized.py)
 
     @property
     def param(self) -> nn.Parameter:
@@ -248,7 +249,7 @@ def partition(param: nn.Parameter, group: comm.Group | None, persistent: bool) -
 class GatherOp:
     """One all-gather bringing in several parameters (same dtype, device and group): a single collective."""
 
-    def __init__(self, shards: Sequence[ParamShard], async_op: bool) -> None:
+    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: bool = False) -> None:
         for s in shards:
             s._expect(ShardState.SHARDED, action="start a gather")
             assert s.local is not None
@@ -268,7 +269,8 @@ class GatherOp:
         send = torch.cat([s.local for s in self.shards]) if len(self.shards) > 1 else first.local
         self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
         self.send: torch.Tensor | None = send  # kept alive while the collective runs
-        self.handle = comm.all_gather(self.out, send, group=first.group, async_op=async_op)
+        gather = comm.quantized_all_gather if quantize else comm.all_gather
+        self.handle = gather(self.out, send, group=first.group, async_op=async_op)
         for s in self.shards:
             s.state = ShardState.GATHERING
             s.pending = self
@@ -308,21 +310,22 @@ def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
     return out
 
 
-def start_gather(shards: Iterable[ParamShard], async_op: bool) -> list[GatherOp]:
-    """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group)."""
-    buckets: dict[tuple[torch.dtype, torch.device, int], list[ParamShard]] = {}
+def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = False) -> list[GatherOp]:
+    """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group);
+    with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go int8."""
+    buckets: dict[tuple[torch.dtype, torch.device, int, bool], list[ParamShard]] = {}
     seen: set[int] = set()
     for s in shards:
         if s.state is ShardState.SHARDED and id(s) not in seen:
             seen.add(id(s))
-            buckets.setdefault((s.dtype, s.device, id(s.group)), []).append(s)
-    return [GatherOp(b, async_op) for b in buckets.values()]
+            buckets.setdefault((s.dtype, s.device, id(s.group), quantize and s.quantize_gather), []).append(s)
+    return [GatherOp(b, async_op, key[3]) for key, b in buckets.items()]
 
 
-def ensure_gathered(shards: Iterable[ParamShard]) -> None:
+def ensure_gathered(shards: Iterable[ParamShard], quantize: bool = False) -> None:
     """Block until every shard is GATHERED (finishing prefetches, gathering the rest now)."""
     shards = list(shards)
-    for op in start_gather(shards, async_op=False):
+    for op in start_gather(shards, async_op=False, quantize=quantize):
         op.finish()
     for s in shards:
         if s.state is ShardState.GATHERING and s.pending is not None:

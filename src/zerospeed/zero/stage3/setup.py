@@ -104,6 +104,9 @@ class Stage3Runtime:
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
         self.param_home = param_home
         self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home)
+        for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
+            s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
+                                 else zcfg.zero_quantized_nontrainable_weights)
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():

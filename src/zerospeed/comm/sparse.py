@@ -1,0 +1,48 @@
+"""Top-k sparsified all-reduce with error feedback: each rank sends only its k largest gradient entries.
+
+    r = residual + x                      (error feedback: what earlier calls did not send)
+    S = indices of the k = ceil(ratio * n) largest |r|;  send (S, r[S]);  residual = r with r[S] = 0
+    all-gather of every rank's k indices (int32) and k values  ->  sum = scatter-add of all of them
+
+Every rank ends with the same dense sum of the sparse contributions. On the wire a rank's message is
+``8k`` bytes (4 for an index, 4 for an fp32 value) against ``4n`` for a dense fp32 all-reduce, gathered
+from every rank: the all-gather output is ``world * 8k`` bytes, a ring all-reduce moves ``2 * 4n``.
+Without error feedback (``residual`` None) unsent entries are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backend import Group, get_world_size
+from .collectives import all_gather
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """Entries each rank sends: ``ceil(ratio * numel)``, at least 1 (0 for an empty buffer)."""
+    return 0 if numel == 0 else min(numel, max(1, math.ceil(ratio * numel)))
+
+
+@torch.no_grad()
+def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor | None = None,
+                      group: Group | None = None) -> None:
+    """Replace the flat ``buffer`` by the sum over ranks of each rank's top-k of ``buffer + residual``."""
+    n = buffer.numel()
+    k = topk_count(n, ratio)
+    if k == 0:
+        return
+    acc = buffer.float() if residual is None else residual.add_(buffer.float())
+    idx = torch.topk(acc.abs(), k, sorted=False).indices
+    values = acc[idx]
+    if residual is not None:
+        residual.index_fill_(0, idx, 0.0)
+    world = get_world_size(group)
+    all_idx = torch.empty(world * k, dtype=torch.int32, device=buffer.device)
+    all_val = torch.empty(world * k, dtype=values.dtype, device=buffer.device)
+    all_gather(all_idx, idx.to(torch.int32), group)
+    all_gather(all_val, values, group)
+    dense = torch.zeros(n, dtype=values.dtype, device=buffer.device)
+    dense.index_add_(0, all_idx.long(), all_val)
+    buffer.copy_(dense)
