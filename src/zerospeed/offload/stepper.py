@@ -110,7 +110,8 @@ class OffloadStepper:
         jobs = [sg for sgs in self.subgroups for sg in sgs]
         need = sum(state_layout(sg, self.keys[sg.gi])[0] for sg in jobs)
         root = check_nvme_path(self.cfg.nvme_path, need, f"{KEY}.nvme_path")
-        self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism, prefix=f"zerospeed_rank{rank}_")
+        self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism, prefix=f"zerospeed_rank{rank}_",
+                                    queue_depth=aio.queue_depth)
         biggest = max((state_layout(sg, self.keys[sg.gi])[0] for sg in jobs), default=4096)
         self.buffers = [aligned_empty(biggest, pin=self.cfg.pin_memory) for _ in range(self.cfg.buffer_count)]
         self.swapped = SwappedState(self.groups, self.subgroups, self.kernel, self.swapper, self.steps,
