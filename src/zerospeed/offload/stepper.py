@@ -29,6 +29,7 @@ from ..config import ConfigError
 from ..config.offload import AioConfig, OffloadOptimizerConfig
 from ..zero import ShardedGroup
 from .cpu_adam import kernel_for
+from .grad_sink import GRAD, SwappedGrads
 from .master_home import MASTER, SwappedMaster
 from .preflight import check_nvme_path
 from .state_store import HostStore, SwappedState, state_layout, state_views
@@ -73,7 +74,8 @@ class OffloadStepper:
     """Steps the master shards of ``groups`` on the host, with state in memory or in swap files."""
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, cfg: OffloadOptimizerConfig,
-                 aio: AioConfig, sub_group_size: int, dp_group: comm.Group | None, rank: int = 0) -> None:
+                 aio: AioConfig, sub_group_size: int, dp_group: comm.Group | None, rank: int = 0,
+                 stream_grads: bool = False) -> None:
         self.groups, self.optimizer, self.cfg, self.dp_group = groups, optimizer, cfg, dp_group
         self.kernel = kernel_for(optimizer)
         for g in groups:
@@ -95,6 +97,8 @@ class OffloadStepper:
         self.host: HostStore | None = None
         self.swapped: SwappedState | None = None
         self.last_stats: dict[str, float] = {}
+        self.sink: SwappedGrads | None = None  # nvme, stages 2-3: the reduced gradients go to the swap files
+        self.stream_grads = stream_grads
         if cfg.device == "cpu":
             if self.kernel is not None:
                 self.host = HostStore(groups, optimizer, self.kernel, self.steps)
@@ -106,7 +110,8 @@ class OffloadStepper:
             raise ConfigError(KEY, f"device 'nvme' streams the state of Adam, AdamW and Adagrad; "
                                    f"{type(self.optimizer).__name__} has no flat kernel: use device 'cpu'")
         # A group with its own fp32 master swaps it too (one more region per file); an aliased one cannot.
-        self.keys = [self.kernel.state_keys + (() if g.alias else (MASTER,)) for g in self.groups]
+        grad = (GRAD,) if self.stream_grads else ()
+        self.keys = [self.kernel.state_keys + (() if g.alias else (MASTER,)) + grad for g in self.groups]
         jobs = [sg for sgs in self.subgroups for sg in sgs]
         need = sum(state_layout(sg, self.keys[sg.gi])[0] for sg in jobs)
         root = check_nvme_path(self.cfg.nvme_path, need, f"{KEY}.nvme_path")
@@ -119,9 +124,13 @@ class OffloadStepper:
         for gi, g in enumerate(self.groups):
             if g.alias or g.master_home is not None:
                 continue
-            for sg in self.subgroups[gi]:  # the files start with the initial state and the current master
-                self.swapped.ensure(sg, g.master_range(sg.lo, sg.hi).detach().cpu())
+            # The files start with the initial state and the master: a master built as a placeholder
+            # (``master_deferred``) is loaded from the model straight into the files by ``park_master``.
+            for sg in self.subgroups[gi]:
+                self.swapped.ensure(sg, None if g.master_deferred else g.master_range(sg.lo, sg.hi).detach().cpu())
             g.park_master(SwappedMaster(self.subgroups[gi], self.keys[gi], self.swapper))
+        if self.stream_grads:
+            self.sink = SwappedGrads(self.subgroups, self.keys, self.swapper, self.swapped.ensure)
         self._install_mapping()
 
     def _install_mapping(self) -> None:
@@ -149,6 +158,8 @@ class OffloadStepper:
             elif self.swapper is None:
                 self._step_host(grads)
             else:
+                if self.sink is not None and self.sink.error is not None:
+                    raise self.sink.error  # a gradient read or write failed during backward
                 self._step_nvme(grads)
         except (OffloadIOError, OSError) as exc:
             error = exc
@@ -226,10 +237,13 @@ class OffloadStepper:
                 view = self.buffers[b][: state_layout(sg, self.keys[sg.gi])[0]]
                 states = state_views(view, sg, self.keys[sg.gi])
                 masters = states.pop(MASTER, sg.masters)  # the buffer's master region, or the model (aliased)
-                self.kernel.step(masters, stager.take(j, sg), states, self.steps[sg.gi],
-                                 self.optimizer.param_groups[sg.gi])
+                grad = self._file_grads(sg, states.pop(GRAD)) if self.sink else stager.take(j, sg)
+                self.kernel.step(masters, grad, states, self.steps[sg.gi], self.optimizer.param_groups[sg.gi])
                 t_read, t_compute = t_read + t1 - t0, t_compute + time.perf_counter() - t1
-                writes.append((b, sw.write(sg.name, view)))
+                if self.sink:  # the gradient region is not written back
+                    writes.append((b, sw.write(sg.name, view[: self.sink.offset(sg)], offset=0)))
+                else:
+                    writes.append((b, sw.write(sg.name, view)))
             t0 = time.perf_counter()
             while writes:
                 b, h = writes.popleft()
@@ -245,6 +259,18 @@ class OffloadStepper:
                         pass
         self.last_stats = {"read_wait_s": t_read, "compute_s": t_compute, "write_wait_s": t_write,
                            "subgroups": float(len(jobs))}
+
+    def _file_grads(self, sg: SubGroup, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradient pieces read with the state: zero if no gradient arrived this step, else unscaled and
+        clipped by the optimizer's multiplier."""
+        assert self.sink is not None
+        if not self.sink.holds(sg):
+            for p in pieces:
+                p.zero_()
+        elif self.sink.scale != 1.0:
+            for p in pieces:
+                p.mul_(self.sink.scale)
+        return pieces
 
     # --- accounting / lifecycle ----------------------------------------------------------------------
     def host_state_bytes(self) -> int:

@@ -201,10 +201,10 @@ class AsyncSwapper:
                 raise OffloadIOError(self.path(name), op, f"a {prev.op} of this file is still in flight; wait for "
                                      "its handle first (the bytes would be stale or half-written)")
 
-    def _submit(self, name: str, t: torch.Tensor, write: bool) -> Handle:
+    def _submit(self, name: str, t: torch.Tensor, write: bool, base: int = 0) -> Handle:
         op = "write" if write else "read"
         self._guard(name, op)
-        direct = self.direct and t.data_ptr() % ALIGN == 0
+        direct = self.direct and t.data_ptr() % ALIGN == 0 and base % ALIGN == 0
         fd = self._fd(name, direct)
         span = _span(t)
         body = t.nbytes // ALIGN * ALIGN if direct else t.nbytes
@@ -212,38 +212,61 @@ class AsyncSwapper:
         fn = _pwrite if write else _pread
         for off in range(0, body, self.block_size):
             piece = span[off:min(off + self.block_size, body)]
-            futures.append(self.requests.submit(fn, fd, piece, off))
+            futures.append(self.requests.submit(fn, fd, piece, base + off))
             expected.append(len(piece))
         if body < t.nbytes:  # direct: the last partial page through a bounce page, never past the tensor
-            futures.append(self.requests.submit(_bounce, fd, span[body:], body, write))
+            futures.append(self.requests.submit(_bounce, fd, span[body:], base + body, write))
             expected.append(t.nbytes - body)
         handle = Handle(self.path(name), op, futures, expected)
         self.busy.setdefault(name, []).append(handle)
         return handle
 
-    def write(self, name: str, t: torch.Tensor) -> Handle:
-        """Start writing host tensor ``t`` (contiguous) to ``name``; keep ``t`` unchanged until ``wait``."""
-        handle = self._submit(name, t, write=True)
-        self.sizes[name] = t.nbytes
+    def write(self, name: str, t: torch.Tensor, offset: int | None = None) -> Handle:
+        """Start writing host tensor ``t`` (contiguous) to ``name``: the whole file, or with ``offset`` (bytes)
+        a region of an existing file. Keep ``t`` unchanged until ``wait``."""
+        if offset is not None:
+            if name not in self.sizes or offset < 0:
+                raise OffloadIOError(self.path(name), "write", "a region can only be written into an existing file")
+            self._check_size(name, "write", self.sizes[name])  # writing would hide a truncation
+        handle = self._submit(name, t, write=True, base=offset or 0)
+        self.sizes[name] = t.nbytes if offset is None else max(self.sizes[name], offset + t.nbytes)
         self.bytes_written += t.nbytes
         return handle
 
-    def read(self, name: str, t: torch.Tensor) -> Handle:
-        """Start reading ``name`` into ``t``; ``t`` must have the size it was written with."""
+    def read(self, name: str, t: torch.Tensor, offset: int | None = None) -> Handle:
+        """Start reading ``name`` into ``t``: the whole file (``t`` must have the size it was written with), or
+        with ``offset`` (bytes) a region of it."""
         if name not in self.sizes:
             raise OffloadIOError(self.path(name), "read", "nothing was written under this name")
-        if self.sizes[name] != t.nbytes:
+        if offset is None and self.sizes[name] != t.nbytes:
             raise OffloadIOError(self.path(name), "read", f"{t.nbytes} bytes asked, {self.sizes[name]} written")
+        end = (offset or 0) + t.nbytes
+        if offset is not None and (offset < 0 or end > self.sizes[name]):
+            raise OffloadIOError(self.path(name), "read", f"bytes {offset}..{end} were never written")
         self._guard(name, "read")
+        self._check_size(name, "read", end)
+        self.bytes_read += t.nbytes
+        return self._submit(name, t, write=False, base=offset or 0)
+
+    def _check_size(self, name: str, op: str, need: int) -> None:
         try:
             on_disk = os.stat(self.path(name)).st_size
         except OSError as exc:
-            raise OffloadIOError(self.path(name), "read", f"{exc.strerror} (errno {exc.errno})") from exc
-        if on_disk < t.nbytes:
-            raise OffloadIOError(self.path(name), "read", f"file holds {on_disk} bytes, {t.nbytes} expected "
-                                 "(truncated?)")
-        self.bytes_read += t.nbytes
-        return self._submit(name, t, write=False)
+            raise OffloadIOError(self.path(name), op, f"{exc.strerror} (errno {exc.errno})") from exc
+        if on_disk < need:
+            raise OffloadIOError(self.path(name), op, f"file holds {on_disk} bytes, {need} expected (truncated?)")
+
+    def allocate(self, name: str, nbytes: int) -> None:
+        """Create ``name`` holding ``nbytes`` zero bytes without writing them (space reserved with
+        ``posix_fallocate``: a fresh optimizer state of zeros costs no I/O)."""
+        self._guard(name, "write")
+        fd = self._fd(name, False)
+        try:
+            os.ftruncate(fd, 0)
+            os.posix_fallocate(fd, 0, round_up(max(nbytes, 1)))
+        except OSError as exc:
+            raise OffloadIOError(self.path(name), "allocate", f"{exc.strerror} (errno {exc.errno})") from exc
+        self.sizes[name] = nbytes
 
     def read_range(self, name: str, byte_offset: int, out: torch.Tensor) -> None:
         """Synchronously read ``out.nbytes`` bytes at ``byte_offset`` (through the page cache)."""

@@ -164,15 +164,18 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
     partitions = 1 if cfg.zero_stage == 0 else dp_size
     groups: list[ShardedGroup | None] = []
     options: list[dict[str, Any]] = []
+    # NVMe offload: the fp32 master goes straight to the swap files (never whole in memory)
+    on_disk = cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.zero_stage > 0
     for g in raw_groups:
         trainable = [p for p in g["params"] if p.requires_grad]
         options.append({k: v for k, v in g.items() if k != "params"})
         if not trainable:
             groups.append(None)
         elif stage3 is not None:
-            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket))
+            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket, defer_master=on_disk))
         else:
-            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute))
+            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute,
+                                       defer_master=on_disk))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         if cfg.zero_stage == 0:
@@ -196,7 +199,8 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
-                              gradient_predivide_factor=cfg.gradient_predivide_factor)
+                              gradient_predivide_factor=cfg.gradient_predivide_factor,
+                              partition_sink=zcfg.offload_optimizer.device == "nvme" and cfg.zero_stage >= 2)
     reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
@@ -206,7 +210,8 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
         from ..offload import OffloadStepper
 
         zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
-                                          dp_rank)
+                                          dp_rank, stream_grads=settings.partition_sink)
+        reducer.sink = zero_opt.stepper.sink  # nvme, stages 2-3: reduced gradients stream to the swap files
     return zero_opt
 
 

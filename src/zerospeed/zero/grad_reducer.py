@@ -20,6 +20,7 @@ transient bucket buffers stay bounded (about two buckets) instead of adding up t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +43,9 @@ class ReduceSettings:
     overlap_comm: bool = True
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    # Stages 2-3: no gradient partition in memory; each bucket's reduced slice goes to ``GradReducer.sink``
+    # (NVMe offload streams it to the swap files: offload/grad_sink.py).
+    partition_sink: bool = False
 
 
 class _Pending:
@@ -50,6 +54,10 @@ class _Pending:
 
 
 class GradReducer:
+    # Where reduced slices go under ``settings.partition_sink`` (``add(g, partition_offset, values)``,
+    # ``end_micro_step()``, ``zero()``); set before the first backward.
+    sink: Any = None
+
     def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None) -> None:
         self.groups = groups
         self.s = settings
@@ -67,7 +75,7 @@ class GradReducer:
         # ones (stage 2).
         self.full: list[torch.Tensor | None] = [
             torch.zeros(g.plan.padded_numel, dtype=settings.accum_dtype, device=dev)
-            if settings.stage < 2 or g.num_partitions == 1 else None
+            if settings.stage < 2 or (g.num_partitions == 1 and not settings.partition_sink) else None
             for g in groups
         ]
         self.staging: dict[tuple[int, int], torch.Tensor] = {}
@@ -166,7 +174,7 @@ class GradReducer:
         grp = self.groups[item.g]
         bucket = grp.plan.buckets[item.b]
         buf = self._bucket_buffer(item.g, item.b)
-        if grp.num_partitions == 1:
+        if grp.num_partitions == 1 and self.sink is None:
             if item.send is not buf:
                 buf.copy_(item.send)
             if post != 1.0 and self.s.dp_size > 1:
@@ -176,9 +184,13 @@ class GradReducer:
             mine = item.send.view(grp.num_partitions, bucket.shard_numel)[grp.rank]
         else:
             mine = item.out
-        target = self.partition_buffer(item.g)[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
         if post != 1.0 and self.s.dp_size > 1:
             mine = mine * post
+        if self.sink is not None:
+            self.sink.add(item.g, bucket.partition_offset, mine)
+            self.staging.pop((item.g, item.b), None)
+            return
+        target = self.partition_buffer(item.g)[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
         if self.s.stage >= 2:
             target.add_(mine)
         else:
@@ -201,6 +213,8 @@ class GradReducer:
                 self._complete(item)
             self.pending.clear()
             self.next_launch = 0
+            if self.sink is not None:
+                self.sink.end_micro_step()
         self.arrived = [0] * len(self.order)
 
     @torch.no_grad()
@@ -217,6 +231,8 @@ class GradReducer:
             else:
                 part.zero_()
         self.staging.clear()
+        if self.sink is not None:
+            self.sink.zero()
 
     def grad_bytes(self) -> int:
         total = 0

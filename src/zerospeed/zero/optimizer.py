@@ -66,7 +66,14 @@ class ZeroOptimizer:
             g.attach_grads(None)
 
     # --- the step ---------------------------------------------------------------------------------
+    @property
+    def _sink(self) -> Any:
+        """Where the reduced gradients went instead of memory (NVMe offload), or None."""
+        return getattr(self.reducer, "sink", None)
+
     def _collect_grads(self) -> list[torch.Tensor]:
+        if self._sink is not None:  # NVMe offload: the reduced gradients are in the swap files
+            return []
         grads = []
         for gi, grp in enumerate(self.groups):
             part = self.reducer.partition_buffer(gi)
@@ -78,12 +85,16 @@ class ZeroOptimizer:
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        if self._sink is not None:
+            local = local or not self._sink.all_finite()
         return comm.all_reduce_max_flag(local, group=self.dp_group) if self.partitioned else local
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
         for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        if self._sink is not None:  # sums of squares recorded as the sub-groups were written
+            sq += self._sink.sum_sq()
         if self.partitioned:
             sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
             comm.all_reduce(sq, group=self.dp_group)
@@ -110,6 +121,8 @@ class ZeroOptimizer:
         if mult != 1.0:
             for g in grads:
                 g.mul_(mult)
+            if self._sink is not None:
+                self._sink.scale = mult  # applied by the stepper as it reads each sub-group
         if self.stepper is None:
             self.optimizer.step()
         else:
