@@ -43,7 +43,8 @@ class SwappedGrads:
         # Weak: the model's gradient hooks hold the reducer, which holds this sink; the swap files must still
         # go away with the engine (as for ``SwappedMaster``).
         self._swapper = weakref.ref(swapper)
-        self._ensure = weakref.WeakMethod(ensure)  # type: ignore[arg-type]
+        self._ensure: Callable[[], Callable[[SubGroup], None] | None] = (
+            weakref.WeakMethod(ensure) if hasattr(ensure, "__self__") else lambda: ensure)  # type: ignore[arg-type]
         self.open: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # buffer, elements added this micro-step
         self.writes: deque[tuple[Handle, torch.Tensor]] = deque()
         self.held: set[tuple[int, int]] = set()  # sub-groups whose region holds this step's gradient
