@@ -157,3 +157,40 @@ def test_sink_accumulates_flags_and_zeroes(tmp_path) -> None:
     sw.read("g0_s0", back[:1000], offset=sink.offset(sgs[0])).wait()
     assert back[:1000].abs().sum() == 0, "after zero() the next step must not accumulate onto the last one"
     sw.close()
+
+
+def _host_sink(stage: int, force: bool) -> dict[str, Any]:
+    from zerospeed.offload.grad_sink import HostGrads
+    from zerospeed.runtime import build
+
+    real, add = build._gradients_off_device, HostGrads.add
+    calls = [0]
+
+    def counted(self: HostGrads, *args: Any) -> None:
+        calls[0] += 1
+        add(self, *args)
+
+    HostGrads.add = counted  # type: ignore[method-assign]
+    if force:  # what an accelerator gets under cpu offload, on this CPU-only machine
+        build._gradients_off_device = lambda cfg, live: cfg.zero_optimization.offload_optimizer.device == "cpu"
+    try:
+        from .test_offload_parity import run
+
+        out = run(stage, 4, {"device": "cpu"})
+    finally:
+        build._gradients_off_device, HostGrads.add = real, add  # type: ignore[method-assign]
+    out["host_adds"] = calls[0]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_gradient_partitions_match_the_device_ones(stage: int) -> None:
+    """The ``HostGrads`` path (cpu offload on an accelerator: reduced buckets copied into host partitions)
+    forced on this CPU: the same losses and weights, bit for bit, as the plain partitions."""
+    plain = run_distributed(_host_sink, 2, stage, False, timeout=120)
+    sunk = run_distributed(_host_sink, 2, stage, True, timeout=120)
+    for a, b in zip(plain, sunk):
+        assert a["host_adds"] == 0 and b["host_adds"] > 0
+        assert a["losses"] == b["losses"]
+        for k, v in a["state"].items():
+            assert torch.equal(v, b["state"][k]), k

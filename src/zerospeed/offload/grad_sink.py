@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,6 +37,8 @@ MAX_WRITES = 2  # gradient writes in flight (each holds one sub-group buffer)
 
 class SwappedGrads:
     """This rank's gradient partition, sub-group by sub-group, in the ``grad`` regions of the swap files."""
+
+    resident = False  # the optimizer gets no gradient tensors: norm, flags and scale go through the sink
 
     def __init__(self, subgroups: list[list[SubGroup]], keys: list[tuple[str, ...]], swapper: AsyncSwapper,
                  ensure: Callable[[SubGroup], None]) -> None:
@@ -157,3 +160,47 @@ class SwappedGrads:
 
     def host_bytes(self) -> int:
         return sum(b.numel() * 4 for b, _ in self.open.values()) + sum(b.numel() * 4 for _, b in self.writes)
+
+
+class HostGrads:
+    """CPU offload on an accelerator: this rank's fp32 gradient partitions live on the host, where the optimizer
+    runs. Each completed bucket's reduced slice is copied off the device on a side stream into a (pinned)
+    staging tensor; at most ``MAX_COPIES`` copies are outstanding, and each is added into the host partition
+    when it has landed (all of them by the end of the micro-step). Nothing of the gradient partition stays
+    on the device. The optimizer reads the host partitions as its gradients (``partition``)."""
+
+    resident = True
+    MAX_COPIES = 4
+
+    def __init__(self, numels: list[int], pin: bool, accelerator: Any) -> None:
+        self.pin, self.acc = pin, accelerator
+        self.parts = [torch.zeros(n, dtype=torch.float32, pin_memory=pin) for n in numels]
+        self.stream = accelerator.side_stream()
+        self.copies: deque[tuple[int, int, torch.Tensor, Any]] = deque()
+
+    def partition(self, gi: int) -> torch.Tensor:
+        return self.parts[gi]
+
+    @torch.no_grad()
+    def add(self, gi: int, lo: int, values: torch.Tensor) -> None:
+        host, done = self.acc.copy_to_host(values.reshape(-1), self.pin, self.stream)
+        self.copies.append((gi, lo, host, done))
+        while len(self.copies) > self.MAX_COPIES:
+            self._land()
+
+    def _land(self) -> None:
+        gi, lo, host, done = self.copies.popleft()
+        done.synchronize()
+        self.parts[gi][lo:lo + host.numel()].add_(host)
+
+    def end_micro_step(self) -> None:
+        while self.copies:
+            self._land()
+
+    def zero(self) -> None:
+        self.end_micro_step()
+        for p in self.parts:
+            p.zero_()
+
+    def host_bytes(self) -> int:
+        return sum(p.numel() * 4 for p in self.parts)

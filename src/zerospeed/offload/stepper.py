@@ -9,8 +9,12 @@ aligned host buffers: while sub-group ``j`` is updated, ``j+1 .. j+buffer_count-
 (no storage) between and during steps; the write-back after the step reads the updated master back range
 by range (one all-gather run at a time). A group whose master *is* the model (one rank, fp32) keeps it.
 
-Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). On CUDA they are copied to host
-sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
+Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). Under ``cpu`` offload on an
+accelerator they already live on the host: the reducer hands each reduced bucket to ``HostGrads``, which
+copies it off the device on a side stream into pinned host partitions (``grad_sink.py``). Under ``nvme``
+at stages 2-3 they are in the swap files (``SwappedGrads``) and read with the state, then multiplied by the
+optimizer's unscale/clip factor. Otherwise (stage 1 under nvme on CUDA) device partitions are copied to
+host sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
 raises naming the file on every rank, *before* the updated master reaches the model (the write-back runs
 only after a successful step); the stepper then refuses further steps (the state is half-updated: reload
 a checkpoint).
@@ -29,7 +33,8 @@ from ..config import ConfigError
 from ..config.offload import AioConfig, OffloadOptimizerConfig
 from ..zero import ShardedGroup
 from .cpu_adam import kernel_for
-from .grad_sink import GRAD, SwappedGrads
+from ..accelerator import get_accelerator
+from .grad_sink import GRAD, HostGrads, SwappedGrads
 from .master_home import MASTER, SwappedMaster
 from .preflight import check_nvme_path
 from .state_store import HostStore, SwappedState, state_layout, state_views
@@ -97,11 +102,15 @@ class OffloadStepper:
         self.host: HostStore | None = None
         self.swapped: SwappedState | None = None
         self.last_stats: dict[str, float] = {}
-        self.sink: SwappedGrads | None = None  # nvme, stages 2-3: the reduced gradients go to the swap files
+        # Where the reducer puts the reduced gradients instead of device buffers: the swap files (nvme, stages
+        # 2-3) or host partitions (cpu offload on an accelerator); None on a CPU-only machine under cpu offload.
+        self.sink: SwappedGrads | HostGrads | None = None
         self.stream_grads = stream_grads
         if cfg.device == "cpu":
             if self.kernel is not None:
                 self.host = HostStore(groups, optimizer, self.kernel, self.steps)
+            if stream_grads:  # on an accelerator: the gradient partitions live on the host too
+                self.sink = HostGrads([g.plan.partition_numel for g in groups], cfg.pin_memory, get_accelerator())
         else:
             self._init_nvme(aio, rank)
 

@@ -189,6 +189,14 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
     return groups, options
 
 
+def _gradients_off_device(cfg: ZeroSpeedConfig, live: list[ShardedGroup]) -> bool:
+    """Whether the reduced gradients bypass device partition buffers: nvme offload at stages 2-3 (to the swap
+    files), cpu offload with the model on an accelerator (to host partitions)."""
+    device = cfg.zero_optimization.offload_optimizer.device
+    on_accelerator = any(g.device.type != "cpu" for g in live)
+    return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator)
+
+
 def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
                           policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int) -> ZeroOptimizer:
     if not live:
@@ -200,7 +208,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
                               gradient_predivide_factor=cfg.gradient_predivide_factor,
-                              partition_sink=zcfg.offload_optimizer.device == "nvme" and cfg.zero_stage >= 2)
+                              partition_sink=_gradients_off_device(cfg, live))
     reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
