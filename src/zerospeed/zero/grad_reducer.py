@@ -239,7 +239,7 @@ class GradReducer:
         for t in [*self.full, *self.partition, *self.staging.values()]:
             if t is not None:
                 total += t.numel() * t.element_size()
-        return total
+        return total + (self.sink.host_bytes() if self.sink is not None else 0)
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
