@@ -15,6 +15,7 @@ CPU), bytes on disk, bytes read and written per step. Swap files are removed at 
 first: the files need ~20 bytes per parameter (weights 4, master 4, Adam 8, gradients 4).
 
     python benchmarks/bench_infinity.py --dir /work [--d_model 4096 --layers 10 --seq 32 --steps 3]
+    python benchmarks/bench_infinity.py --dir /work --layers 20 --max_in_cpu 1000000000   # 4.03B, 60 GiB
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace, root: str) -> dict[str, Any]:
               "reduce_bucket_size": args.prefetch,
               "stage3_max_live_parameters": 3 * args.prefetch,
               "offload_param": {"device": "nvme", "nvme_path": root, "buffer_count": 2,
-                                "buffer_size": args.prefetch, "max_in_cpu": 0},
+                                "buffer_size": args.prefetch, "max_in_cpu": args.max_in_cpu},
               "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 3}},
           "aio": {"block_size": 4 << 20, "intra_op_parallelism": 2}}
     t0 = time.perf_counter()
@@ -134,12 +135,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--sub_group", type=int, default=25_000_000)
     ap.add_argument("--prefetch", type=int, default=50_000_000)
+    ap.add_argument("--max_in_cpu", type=int, default=0, help="offload_param.max_in_cpu: weight elements kept "
+                    "in host memory instead of their swap files")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.d_model // 128,
                     n_embd=args.d_model)
     n = count(cfg)
-    need = 20 * n * 1.02
+    need = (20 * n - 4 * min(args.max_in_cpu, n)) * 1.02
     free = shutil.disk_usage(args.dir).free
     print(f"model: {n / 1e9:.2f}B parameters, training state {16 * n / GiB:.1f} GiB; disk needed ~{need / GiB:.1f} GiB, "
           f"free {free / GiB:.1f} GiB under {args.dir}", flush=True)
