@@ -194,3 +194,44 @@ def test_host_gradient_partitions_match_the_device_ones(stage: int) -> None:
         assert a["losses"] == b["losses"]
         for k, v in a["state"].items():
             assert torch.equal(v, b["state"][k]), k
+
+
+def _overflow(path: str) -> list[dict[str, Any]]:
+    import zerospeed
+    from zerospeed import comm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make_model()
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "fp16": {"enabled": True, "initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 2, "sub_group_size": SUB_GROUP, "reduce_bucket_size": 200,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 3}}}
+    engine, opt, _, _ = zerospeed.initialize(model=model, config=config)
+    log = []
+    for step in range(4):
+        x, y = micro_batch(step, 0, rank, world, 2, 1)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        if step == 1 and rank == 1:
+            handle = model.fc2.weight.register_hook(lambda g: g * float("inf"))
+        engine.backward(engine(x.half(), y.half()))
+        engine.step()
+        if step == 1 and rank == 1:
+            handle.remove()
+        changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        finite = all(torch.isfinite(v.float()).all() for v in model.state_dict().values())
+        log.append({"scale": engine.loss_scale, "applied": engine.was_step_applied(), "changed": changed,
+                    "finite": finite})
+    opt.stepper.close()
+    return log
+
+
+def test_an_inf_gradient_in_the_swap_files_skips_the_step_everywhere(tmp_path) -> None:
+    """fp16 under nvme offload (gradients streamed): the overflow flag comes from the sub-groups as they are
+    written; the step is skipped on both ranks, and the next step does not see the inf gradient."""
+    logs = run_distributed(_overflow, 2, str(tmp_path), timeout=120)
+    assert logs[0] == logs[1]
+    log = logs[0]
+    assert log[0]["applied"] and log[0]["changed"]
+    assert not log[1]["applied"] and not log[1]["changed"] and log[1]["scale"] == 512.0
+    assert log[2]["applied"] and log[2]["changed"] and log[3]["applied"] and all(r["finite"] for r in log)
