@@ -219,7 +219,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
 
         zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
                                           dp_rank, stream_grads=settings.partition_sink)
-        reducer.sink = zero_opt.stepper.sink  # nvme, stages 2-3: reduced gradients stream to the swap files
+        reducer.sink = zero_opt.stepper.sink  # where reduced gradients go instead of device partitions (or None)
     return zero_opt
 
 

@@ -43,8 +43,8 @@ class ReduceSettings:
     overlap_comm: bool = True
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
-    # Stages 2-3: no gradient partition in memory; each bucket's reduced slice goes to ``GradReducer.sink``
-    # (NVMe offload streams it to the swap files: offload/grad_sink.py).
+    # No gradient partition buffer: each bucket's reduced slice goes to ``GradReducer.sink`` (offload/grad_sink.py:
+    # NVMe offload at stages 2-3 streams it to the swap files; CPU offload on an accelerator to host memory).
     partition_sink: bool = False
 
 
