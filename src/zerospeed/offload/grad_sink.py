@@ -1,5 +1,7 @@
-"""The reduced gradient partition streamed to the swap files (NVMe offload, stages 2-3): no fp32 gradient
-partition in host memory.
+"""Where the reduced gradients go when not into a device partition buffer (the reducer's ``sink``).
+
+``HostGrads`` (CPU offload on an accelerator): host partitions, filled by side-stream copies (its docstring).
+``SwappedGrads`` (NVMe offload, stages 2-3): the swap files, with no fp32 gradient partition in host memory.
 
 Under ``offload_optimizer.device: nvme`` each sub-group's swap file has one more region after the optimizer
 state (and master), ``grad``. The reducer hands every completed bucket's slice of this rank's reduced

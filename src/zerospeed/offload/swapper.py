@@ -275,6 +275,7 @@ class AsyncSwapper:
                                  "never written")
         self._guard(name, "read")
         got = _pread(self._fd(name, False), _span(out), byte_offset)
+        self.bytes_read += got
         if got != out.nbytes:
             raise OffloadIOError(self.path(name), "read", f"short read: {got} of {out.nbytes} bytes")
 
@@ -284,6 +285,7 @@ class AsyncSwapper:
             raise OffloadIOError(self.path(name), "write", "range outside what was written")
         self._guard(name, "write")
         got = _pwrite(self._fd(name, False), _span(src.contiguous()), byte_offset)
+        self.bytes_written += got
         if got != src.nbytes:
             raise OffloadIOError(self.path(name), "write", f"short write: {got} of {src.nbytes} bytes")
 
