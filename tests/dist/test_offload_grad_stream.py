@@ -118,9 +118,12 @@ def test_gradients_stream_to_the_swap_files(stage: int, tmp_path) -> None:
 
 
 
-def test_sink_accumulates_flags_and_zeroes(tmp_path) -> None:
+@pytest.mark.parametrize("copies", [False, True])
+def test_sink_accumulates_flags_and_zeroes(copies: bool, tmp_path) -> None:
     """Unit test of ``SwappedGrads`` on hand-made sub-groups: accumulation across micro-steps (read back),
-    the overflow flag, the sum of squares, and that ``zero()`` makes the next step start from zero."""
+    the overflow flag, the sum of squares, and that ``zero()`` makes the next step start from zero. With
+    ``copies`` the slices go through the accelerator's off-device copy queue (the CPU accelerator's here)."""
+    from zerospeed.accelerator import CpuAccelerator
     from zerospeed.offload.grad_sink import GRAD, SwappedGrads
     from zerospeed.offload.state_store import state_layout
     from zerospeed.offload.subgroups import SubGroup
@@ -134,11 +137,13 @@ def test_sink_accumulates_flags_and_zeroes(tmp_path) -> None:
         if sg.name not in sw.sizes:
             sw.allocate(sg.name, state_layout(sg, keys[0])[0])
 
-    sink = SwappedGrads([sgs], keys, sw, ensure)
+    sink = SwappedGrads([sgs], keys, sw, ensure, CpuAccelerator() if copies else None)
     g1, g2 = torch.randn(1500), torch.randn(1500)
     for values in (g1, g2):  # two micro-steps, delivered in three uneven slices
         sink.add(0, 0, values[:700])
         sink.add(0, 700, values[700:1200])
+        while sink.copies:
+            sink._land()
         assert (0, 0) in sink.held and (0, 0) not in sink.open and (0, 1) in sink.open  # first one written, freed
         sink.add(0, 1200, values[1200:])
         sink.end_micro_step()

@@ -42,9 +42,16 @@ class SwappedGrads:
 
     resident = False  # the optimizer gets no gradient tensors: norm, flags and scale go through the sink
 
+    MAX_COPIES = 4  # device-to-host copies outstanding (accelerator only)
+
     def __init__(self, subgroups: list[list[SubGroup]], keys: list[tuple[str, ...]], swapper: AsyncSwapper,
-                 ensure: Callable[[SubGroup], None]) -> None:
+                 ensure: Callable[[SubGroup], None], accelerator: Any = None, pin: bool = False) -> None:
         self.subgroups, self.keys = subgroups, keys
+        # On an accelerator, slices leave the device on a side stream (pinned if asked) and are added here in
+        # arrival order once they have landed; on the CPU they are added at once.
+        self.acc, self.pin = accelerator, pin
+        self.stream = None if accelerator is None else accelerator.side_stream()
+        self.copies: deque[tuple[int, int, torch.Tensor, Any]] = deque()
         # Weak: the model's gradient hooks hold the reducer, which holds this sink; the swap files must still
         # go away with the engine (as for ``SwappedMaster``).
         self._swapper = weakref.ref(swapper)
@@ -84,9 +91,20 @@ class SwappedGrads:
         if self.error is not None:
             return
         try:
-            self._add(gi, lo, values.reshape(-1))
+            if self.acc is None:
+                self._add(gi, lo, values.reshape(-1))
+                return
+            host, done = self.acc.copy_to_host(values.reshape(-1), self.pin, self.stream)
+            self.copies.append((gi, lo, host, done))
+            while len(self.copies) > self.MAX_COPIES:
+                self._land()
         except (OffloadIOError, OSError) as exc:
             self.error = exc
+
+    def _land(self) -> None:
+        gi, lo, host, done = self.copies.popleft()
+        done.synchronize()
+        self._add(gi, lo, host)
 
     def _add(self, gi: int, lo: int, values: torch.Tensor) -> None:
         hi = lo + values.numel()
@@ -125,12 +143,16 @@ class SwappedGrads:
     def end_micro_step(self) -> None:
         """Write what is still open (elements that got nothing keep their value) and wait for every write."""
         try:
+            while self.copies and self.error is None:
+                self._land()
             if self.error is None:
                 for (gi, index), (buf, _) in list(self.open.items()):
                     self._flush(self.subgroups[gi][index], buf)
         except (OffloadIOError, OSError) as exc:
             self.error = exc
         self.open.clear()
+        while self.copies:  # after a failure: let nothing in flight land in a freed buffer
+            self.copies.popleft()[3].synchronize()
         self.wait()
 
     def wait(self) -> None:
@@ -153,6 +175,9 @@ class SwappedGrads:
 
     def zero(self) -> None:
         """After the step (or a skipped one): the next gradient starts from zero."""
+        for _, _, _, done in self.copies:
+            done.synchronize()
+        self.copies.clear()
         self.open.clear()
         self.wait()
         self.held.clear()

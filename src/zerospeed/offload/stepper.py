@@ -12,7 +12,8 @@ by range (one all-gather run at a time). A group whose master *is* the model (on
 Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). Under ``cpu`` offload on an
 accelerator they already live on the host: the reducer hands each reduced bucket to ``HostGrads``, which
 copies it off the device on a side stream into pinned host partitions (``grad_sink.py``). Under ``nvme``
-at stages 2-3 they are in the swap files (``SwappedGrads``) and read with the state, then multiplied by the
+at stages 2-3 they are in the swap files (``SwappedGrads``; on an accelerator each reduced bucket leaves the
+device on a side stream first) and read with the state, then multiplied by the
 optimizer's unscale/clip factor. Otherwise (stage 1 under nvme on CUDA) device partitions are copied to
 host sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
 raises naming the file on every rank, *before* the updated master reaches the model (the write-back runs
@@ -139,7 +140,9 @@ class OffloadStepper:
                 self.swapped.ensure(sg, None if g.master_deferred else g.master_range(sg.lo, sg.hi).detach().cpu())
             g.park_master(SwappedMaster(self.subgroups[gi], self.keys[gi], self.swapper))
         if self.stream_grads:
-            self.sink = SwappedGrads(self.subgroups, self.keys, self.swapper, self.swapped.ensure)
+            on_device = any(g.device.type != "cpu" for g in self.groups)
+            self.sink = SwappedGrads(self.subgroups, self.keys, self.swapper, self.swapped.ensure,
+                                     get_accelerator() if on_device else None, self.cfg.pin_memory)
         self._install_mapping()
 
     def _install_mapping(self) -> None:
