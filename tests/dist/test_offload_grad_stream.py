@@ -240,3 +240,19 @@ def test_an_inf_gradient_in_the_swap_files_skips_the_step_everywhere(tmp_path) -
     assert log[0]["applied"] and log[0]["changed"]
     assert not log[1]["applied"] and not log[1]["changed"] and log[1]["scale"] == 512.0
     assert log[2]["applied"] and log[2]["changed"] and log[3]["applied"] and all(r["finite"] for r in log)
+
+
+def test_separate_master_on_one_partition() -> None:
+    """Offload with the model on an accelerator: even at one partition in fp32 the master is a copy of its own
+    (it lives on the host), not the model; on the CPU without offload the model stays the master."""
+    from torch import nn
+
+    from zerospeed.zero.sharded_group import ShardedGroup
+
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+    plain = ShardedGroup(params, {}, 1, 0, 100, torch.float32)
+    separate = ShardedGroup(params, {}, 1, 0, 100, torch.float32, separate_master=True)
+    assert plain.alias and plain.master is None
+    assert not separate.alias and separate.master is not None
+    assert separate.master_params[0].data_ptr() != params[0].data_ptr()
+    torch.testing.assert_close(separate.master_params[0], params[0], rtol=0, atol=0)

@@ -84,11 +84,9 @@ class OffloadStepper:
                  stream_grads: bool = False) -> None:
         self.groups, self.optimizer, self.cfg, self.dp_group = groups, optimizer, cfg, dp_group
         self.kernel = kernel_for(optimizer)
-        for g in groups:
-            if g.alias and g.params and g.params[0].device.type != "cpu":
-                raise ConfigError(KEY, "offload with one partition and fp32 compute on an accelerator is not "
-                                       "supported yet (the master is the model there); use bf16/fp16 or ZeRO "
-                                       "with more than one rank")
+        for g in groups:  # initialize() builds groups with a separate (host) master on an accelerator
+            assert not (g.alias and g.params and g.params[0].device.type != "cpu"), \
+                "offload on an accelerator needs a master separate from the model (separate_master=True)"
         if self.kernel is not None:
             for pg in optimizer.param_groups:
                 try:

@@ -164,18 +164,22 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
     partitions = 1 if cfg.zero_stage == 0 else dp_size
     groups: list[ShardedGroup | None] = []
     options: list[dict[str, Any]] = []
-    # NVMe offload: the fp32 master goes straight to the swap files (never whole in memory)
-    on_disk = cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.zero_stage > 0
+    # NVMe offload: the fp32 master goes straight to the swap files (never whole in memory). Offload with the
+    # model on an accelerator: the master is never the model itself (it lives on the host).
+    offload_device = cfg.zero_optimization.offload_optimizer.device
+    on_disk = offload_device == "nvme" and cfg.zero_stage > 0
+    separate = offload_device != "none" and get_accelerator().device().type != "cpu"
     for g in raw_groups:
         trainable = [p for p in g["params"] if p.requires_grad]
         options.append({k: v for k, v in g.items() if k != "params"})
         if not trainable:
             groups.append(None)
         elif stage3 is not None:
-            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket, defer_master=on_disk))
+            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket, defer_master=on_disk,
+                                            separate_master=separate))
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute,
-                                       defer_master=on_disk))
+                                       defer_master=on_disk, separate_master=separate))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         if cfg.zero_stage == 0:
