@@ -6,13 +6,16 @@ built under ``zerospeed.zero.Init`` with ``offload_param: nvme``, so each layer'
 file as soon as the layer is constructed: the model is never whole in memory. Training reads each
 module's weights back from disk before its forward and again before its backward (read ahead in the
 recorded order), the optimizer streams Adam's moments through ``offload_optimizer: nvme``, and the updated
-weights are written back. In memory stay the fp32 master and the fp32 gradients (8 bytes/parameter).
+weights are written back. The fp32 master goes straight from the weights' swap files into the optimizer's
+at ``initialize()`` (it is never whole in memory), and each sub-group's reduced gradients are streamed to
+its swap file during backward: no model-sized tensor stays in RAM.
 
-Reported: parameters, total state, peak RSS, seconds per step (wall and CPU), bytes on disk, bytes read and
-written per step. Swap files are removed at the end. Check ``df -h DIR`` first: the files need ~12 bytes
-per parameter.
+Reported: parameters, total state, peak RSS of ``initialize()`` and of training, seconds per step (wall and
+CPU), bytes on disk, bytes read and written per step. Swap files are removed at the end. Check ``df -h DIR``
+first: the files need ~20 bytes per parameter (weights 4, master 4, Adam 8, gradients 4).
 
     python benchmarks/bench_infinity.py --dir /work [--d_model 4096 --layers 10 --seq 32 --steps 3]
+    python benchmarks/bench_infinity.py --dir /work --layers 20 --max_in_cpu 1000000000   # 4.03B, 60 GiB
 """
 
 from __future__ import annotations
@@ -78,9 +81,10 @@ def run(args: argparse.Namespace, root: str) -> dict[str, Any]:
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
           "zero_optimization": {
               "stage": 3, "sub_group_size": args.sub_group, "stage3_prefetch_bucket_size": args.prefetch,
+              "reduce_bucket_size": args.prefetch,
               "stage3_max_live_parameters": 3 * args.prefetch,
               "offload_param": {"device": "nvme", "nvme_path": root, "buffer_count": 2,
-                                "buffer_size": args.prefetch, "max_in_cpu": 0},
+                                "buffer_size": args.prefetch, "max_in_cpu": args.max_in_cpu},
               "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 3}},
           "aio": {"block_size": 4 << 20, "intra_op_parallelism": 2}}
     t0 = time.perf_counter()
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace, root: str) -> dict[str, Any]:
                      "optimizer": dict(stepper.last_stats)})
         print(json.dumps(rows[-1]), flush=True)
     disk = home.disk_bytes() + stepper.disk_bytes()
-    du = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    du = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(root) for f in fs)  # allocated
     out = {"params": sum(s.numel for s in engine.zero3.shards), "state_gib": 16 * count(cfg) / GiB,
            "build_s": built_s, "setup_s": setup_s, "rss_after_build_gib": built_rss, "rss_after_setup_gib": setup_rss,
            "peak_rss_gib": rss_gib(), "train_peak_rss_gib": tracker.peak_bytes() / GiB, "disk_gib": disk / GiB, "du_gib": du / GiB, "steps": rows,
@@ -131,12 +135,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--sub_group", type=int, default=25_000_000)
     ap.add_argument("--prefetch", type=int, default=50_000_000)
+    ap.add_argument("--max_in_cpu", type=int, default=0, help="offload_param.max_in_cpu: weight elements kept "
+                    "in host memory instead of their swap files")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.d_model // 128,
                     n_embd=args.d_model)
     n = count(cfg)
-    need = 12 * n * 1.1
+    need = (20 * n - 4 * min(args.max_in_cpu, n)) * 1.02
     free = shutil.disk_usage(args.dir).free
     print(f"model: {n / 1e9:.2f}B parameters, training state {16 * n / GiB:.1f} GiB; disk needed ~{need / GiB:.1f} GiB, "
           f"free {free / GiB:.1f} GiB under {args.dir}", flush=True)

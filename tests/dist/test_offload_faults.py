@@ -113,7 +113,9 @@ def _fault(path: str, kind: str) -> dict[str, Any]:
 def test_io_failure_during_training_names_the_file_and_spares_the_weights(kind: str, tmp_path) -> None:
     r0, r1 = run_distributed(_fault, 2, str(tmp_path), kind, timeout=120)
     assert r0["raised"].startswith("OffloadIOError") and ".swp" in r0["raised"] and str(tmp_path) in r0["raised"], r0
-    assert ("read" if kind != "write" else "write") in r0["raised"]
+    # A truncated file is caught by the next transfer of it: under stages 2-3 that is the gradient write
+    # of the backward (the region write checks the file's size first), else the state read of the step.
+    assert {"read": "read", "write": "write", "truncate": "truncated"}[kind] in r0["raised"]
     assert "another rank" in r1["raised"], r1
     for r in (r0, r1):
         assert r["unchanged"], "the failed step changed the model weights"

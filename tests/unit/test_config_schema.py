@@ -29,16 +29,6 @@ from zerospeed.config.unsupported import NOT_SUPPORTED_YET
 
 SRC = Path(zerospeed.__file__).parent
 
-# TEMPORARY: keys implemented concurrently on other helpers' branches (issue 10). The lead deletes this set
-# at merge; from then on every key must be read by code or be in ACCEPTED_HINTS.
-_IMPLEMENTED_ON_OTHER_BRANCHES = {
-    "zero_optimization.offload_optimizer.pipeline_read",  # offload
-    "zero_optimization.offload_optimizer.pipeline_write",  # offload
-    "zero_optimization.offload_optimizer.fast_init",  # offload
-    "aio.queue_depth",  # offload
-    "aio.single_submit",  # offload
-    "aio.overlap_events",  # offload
-}
 
 
 class _Facts:
@@ -111,7 +101,7 @@ def is_read(leaf: Leaf) -> bool:
 
 def unhonoured(all_: list[Leaf]) -> list[str]:
     return sorted({leaf.key for leaf in all_ if leaf.key not in ACCEPTED_HINTS and leaf.key not in NOT_SUPPORTED_YET
-                   and leaf.key not in _IMPLEMENTED_ON_OTHER_BRANCHES and not is_read(leaf)})
+                   and not is_read(leaf)})
 
 
 def test_every_schema_key_is_read_by_code_or_an_accepted_hint() -> None:
@@ -136,7 +126,6 @@ def test_hint_and_not_supported_tables_name_real_keys() -> None:
     keys = {leaf.key for leaf in all_leaves()}
     assert set(ACCEPTED_HINTS) <= keys, sorted(set(ACCEPTED_HINTS) - keys)
     assert not set(ACCEPTED_HINTS) & set(NOT_SUPPORTED_YET)
-    assert _IMPLEMENTED_ON_OTHER_BRANCHES <= keys, sorted(_IMPLEMENTED_ON_OTHER_BRANCHES - keys)
     for key, reason in ACCEPTED_HINTS.items():
         assert len(reason) > 40, f"{key}: a hint needs its reason"
 

@@ -143,3 +143,94 @@ def test_report_command_measures_a_directory(tmp_path, capsys) -> None:
     assert lines[-1]["suggested"]["aio"]["block_size"] == 1048576
     assert os.listdir(tmp_path) == []
     assert cli.main(["report", "--nvme_path", str(tmp_path / "missing")]) == 2
+
+
+def test_queue_depth_bounds_the_requests_in_flight(tmp_path, monkeypatch) -> None:
+    """aio.queue_depth: never more requests handed to the workers than the depth, however many are queued;
+    with slow requests and more threads than the depth, the depth (not the threads) is what runs at once."""
+    import time
+
+    from zerospeed.offload import swapper
+
+    real = swapper._pwrite
+
+    def slow(fd: int, buf: memoryview, offset: int) -> int:
+        time.sleep(0.05)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(swapper, "_pwrite", slow)
+    for depth in (2, 8):
+        sw = AsyncSwapper(str(tmp_path), block_size=4096, threads=4, queue_depth=depth)
+        src = aligned_empty(16 * 4096)
+        src.random_(0, 255)
+        sw.write("q", src).wait()  # 16 requests queued at once
+        assert sw.max_in_flight == depth
+        assert sw.requests.max_running <= min(4, depth)
+        back = aligned_empty(16 * 4096)
+        sw.read("q", back).wait()
+        assert torch.equal(back, src) and sw.max_in_flight == depth
+        sw.close()
+    with pytest.raises(ValueError, match="queue_depth"):
+        AsyncSwapper(str(tmp_path), queue_depth=0)
+
+
+def test_queue_depth_comes_from_the_aio_section(tmp_path) -> None:
+    from zerospeed.config.offload import AioConfig, OffloadParamConfig
+    from zerospeed.offload.param_home import ParamHome
+
+    home = ParamHome(OffloadParamConfig(device="nvme", nvme_path=str(tmp_path)), AioConfig(queue_depth=3), 0)
+    assert home.swapper is not None and home.swapper.requests.depth == 3
+    home.close()
+
+
+def test_a_read_of_a_file_being_written_is_refused(tmp_path, monkeypatch) -> None:
+    """No silent stale read: while a write of a file is in flight, reads and other writes of it raise."""
+    import threading
+
+    from zerospeed.offload import swapper
+
+    gate = threading.Event()
+    real = swapper._pwrite
+
+    def gated(fd: int, buf: memoryview, offset: int) -> int:
+        gate.wait(10)
+        return real(fd, buf, offset)
+
+    sw = AsyncSwapper(str(tmp_path), block_size=4096)
+    old = torch.zeros(2048)
+    sw.write("w", old).wait()
+    monkeypatch.setattr(swapper, "_pwrite", gated)
+    new = torch.ones(2048)
+    handle = sw.write("w", new)
+    for attempt in (lambda: sw.read("w", torch.empty(2048)), lambda: sw.read_range("w", 0, torch.empty(4)),
+                    lambda: sw.write("w", new), lambda: sw.write_range("w", 0, torch.ones(4))):
+        with pytest.raises(OffloadIOError, match=r"w\.swp.*write of this file is still in flight"):
+            attempt()
+    gate.set()
+    handle.wait()
+    back = torch.empty(2048)
+    sw.read("w", back).wait()
+    assert torch.equal(back, new)
+    sw.read("w", back)  # concurrent reads of one file are fine; a write while one is in flight is not
+    sw.read("w", torch.empty(2048)).wait()
+    sw.close()
+
+
+@pytest.mark.parametrize("nbytes", [5000, 4096 + 4, 100])
+def test_direct_reads_never_write_past_the_target(tmp_path, nbytes: int) -> None:
+    """A target whose size is not a multiple of 4 KiB, inside a larger aligned buffer: O_DIRECT moves whole
+    pages, but the bytes after the target (a sentinel tail) stay untouched, on read as on write."""
+    sw = AsyncSwapper(str(tmp_path), block_size=4096)
+    assert sw.direct
+    src_buf = aligned_empty(3 * 4096)
+    src_buf.fill_(0xCD)  # junk after the source: must not reach the file, nor the reader's memory
+    src_buf[:nbytes].random_(0, 200)
+    sw.write("t", src_buf[:nbytes]).wait()
+    dst_buf = aligned_empty(3 * 4096)
+    dst_buf.fill_(0xAB)
+    sw.read("t", dst_buf[:nbytes]).wait()
+    assert torch.equal(dst_buf[:nbytes], src_buf[:nbytes])
+    assert bool((dst_buf[nbytes:] == 0xAB).all()), "a direct read wrote past the end of its target"
+    with open(sw.path("t"), "rb") as f:
+        assert 0xCD not in f.read()[nbytes:]
+    sw.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -40,3 +41,18 @@ class Accelerator(ABC):
 
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    # --- copies to the host off the compute stream (offload) ----------------------------------------
+    def side_stream(self) -> Any:
+        """A stream for copies that overlap compute, or None where copies are synchronous (CPU)."""
+        return None
+
+    def copy_to_host(self, src: torch.Tensor, pin: bool, stream: Any) -> tuple[torch.Tensor, Any]:
+        """Start copying device tensor ``src`` into a new host tensor (pinned if asked and possible) on
+        ``stream``; returns ``(host, done)``: ``done.synchronize()`` waits for the copy. CPU: a plain copy."""
+        return src.to("cpu", copy=True), _Ready()
+
+
+class _Ready:
+    def synchronize(self) -> None:
+        return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .base import Accelerator
@@ -47,3 +49,20 @@ class CudaAccelerator(Accelerator):
 
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
+
+    def side_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def copy_to_host(self, src: torch.Tensor, pin: bool, stream: Any) -> tuple[torch.Tensor, Any]:
+        """Device-to-host on ``stream`` after the work already queued on the current stream; ``src``'s memory
+        is not reused by the caching allocator until the copy is done (``record_stream``)."""
+        if src.device.type != "cuda":
+            return src.to("cpu", copy=True), torch.cuda.Event()  # an unrecorded event: synchronize() returns
+        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            host.copy_(src, non_blocking=pin)
+            src.record_stream(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return host, done

@@ -39,6 +39,21 @@ ACCEPTED_HINTS: dict[str, str] = {
         "DeepSpeed's FusedAdam option to set .grad to None in zero_grad(); zerospeed's parameters never keep a "
         ".grad (gradients move into the reducer's buffers, which are zeroed after each step), so the update is "
         "the same either way"),
+    "zero_optimization.offload_optimizer.pipeline_read": (
+        "the offloaded step always reads the next sub-groups' state from disk while it updates the current one "
+        "(read-ahead bounded by buffer_count); DeepSpeed's false only turns that overlap off, with the same update"),
+    "zero_optimization.offload_optimizer.pipeline_write": (
+        "the offloaded step always writes updated state back while it updates the next sub-group (write-behind); "
+        "DeepSpeed's false only turns that overlap off, with the same update"),
+    "zero_optimization.offload_optimizer.fast_init": (
+        "DeepSpeed's faster start-up of the nvme swap files; zerospeed always writes the fp32 master straight "
+        "into the files and reserves Adam's zero state with posix_fallocate instead of writing it"),
+    "aio.single_submit": (
+        "a libaio submission detail (submit requests one by one vs in batches); zerospeed's I/O thread pool "
+        "issues each request as soon as a queue slot frees; the bytes read and written are the same"),
+    "aio.overlap_events": (
+        "a libaio detail (overlap event completion with submission); zerospeed's thread pool always overlaps "
+        "them (what true asks for); the bytes read and written are the same"),
     "pipeline.pipe_partitioned": (
         "partitions activations sent between pipeline stages across the tensor-parallel group; it has no effect "
         "without tensor parallelism (DeepSpeed ANDs it with model parallelism too), and a pipeline with a "

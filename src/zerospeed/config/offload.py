@@ -25,10 +25,12 @@ def _device_alias(v: Any) -> Any:
 class OffloadOptimizerConfig(Section):
     """Where the fp32 optimizer step runs and its state lives: ``none`` (the accelerator), ``cpu``, ``nvme``.
 
-    ``buffer_count`` host buffers stream the ``nvme`` state (read-ahead and write-behind, at least 3);
-    ``pin_memory`` pins them (CUDA only); ``ratio`` below 1 (partial offload) is not supported yet;
-    ``fast_init`` and ``pipeline_read``/``pipeline_write`` are accepted: zerospeed always creates the swap
-    files lazily and always overlaps reads and writes with the step.
+    ``buffer_count`` host buffers stream the ``nvme`` state (``buffer_count - 2`` sub-groups read ahead, one
+    written behind; at least 3); ``pin_memory`` pins them and the host gradient partitions (CUDA only);
+    ``ratio`` below 1 (partial offload) is not supported yet. ``fast_init`` and ``pipeline_read`` /
+    ``pipeline_write`` are performance hints whose effect zerospeed always has: the master is written
+    straight into the swap files and the zero state only reserved (fallocate), and sub-group reads and
+    writes always overlap the step (DeepSpeed's ``false`` only turns that overlap off).
     """
 
     device: OffloadDevice = "none"
@@ -97,9 +99,10 @@ class AioConfig(Section):
     """Asynchronous file I/O for NVMe offload.
 
     ``block_size`` bytes per request; ``intra_op_parallelism`` (DeepSpeed's older ``thread_count``) threads
-    split each transfer; ``queue_depth`` caps the requests in flight per thread; ``single_submit`` and
-    ``overlap_events`` are libaio submission details kept for compatibility (zerospeed's thread-pool I/O
-    has no such switches); ``use_gds`` (GPUDirect Storage) is not supported.
+    move the requests; ``queue_depth`` caps the requests in flight per swapper (the rest wait in a FIFO).
+    ``single_submit`` and ``overlap_events`` are libaio submission hints whose effect zerospeed's thread-pool
+    I/O always has (each request issued on its own as soon as a slot frees up); ``use_gds`` (GPUDirect
+    Storage) is not supported.
     """
 
     block_size: int = Field(1_048_576, gt=0)

@@ -56,9 +56,10 @@ def raw_sequential(directory: str, total: int, block: int = 8 * MiB) -> Rate:
     return Rate("raw sequential (dd-like)", block, 1, total / MiB / (t1 - t0), total / MiB / (t2 - t1))
 
 
-def swapper_rate(directory: str, total: int, block_size: int, threads: int, buffer_bytes: int = 64 * MiB) -> Rate:
+def swapper_rate(directory: str, total: int, block_size: int, threads: int, buffer_bytes: int = 64 * MiB,
+                 queue_depth: int = 8) -> Rate:
     """The swapper moving ``total`` bytes as ``buffer_bytes`` buffers (as sub-groups are), writes then reads."""
-    sw = AsyncSwapper(directory, block_size=block_size, threads=threads)
+    sw = AsyncSwapper(directory, block_size=block_size, threads=threads, queue_depth=queue_depth)
     count = max(1, total // buffer_bytes)
     bufs = [aligned_empty(buffer_bytes) for _ in range(min(count, 4))]
     for b in bufs:

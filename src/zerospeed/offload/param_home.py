@@ -41,7 +41,7 @@ class ParamHome:
         if cfg.device == "nvme":
             root = check_nvme_path(cfg.nvme_path, need_bytes, f"{KEY}.nvme_path")
             self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism,
-                                        prefix=f"zerospeed_param_rank{rank}_")
+                                        prefix=f"zerospeed_param_rank{rank}_", queue_depth=aio.queue_depth)
 
     # --- ShardHome ---------------------------------------------------------------------------------
     @torch.no_grad()

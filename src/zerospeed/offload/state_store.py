@@ -106,6 +106,10 @@ class SwappedState(MutableMapping[nn.Parameter, dict[str, Any]]):
         if sg.name in self.swapper.sizes:
             return
         nbytes, offsets = self.layout(sg)
+        group = self.param_groups[sg.gi]
+        if master is None and all(self.kernel.initial(k, group) == 0.0 for k in self.kernel.state_keys):
+            self.swapper.allocate(sg.name, nbytes)  # all zeros: reserved, not written
+            return
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.fresh(sg, buf)
         if master is not None:

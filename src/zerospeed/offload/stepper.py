@@ -9,8 +9,13 @@ aligned host buffers: while sub-group ``j`` is updated, ``j+1 .. j+buffer_count-
 (no storage) between and during steps; the write-back after the step reads the updated master back range
 by range (one all-gather run at a time). A group whose master *is* the model (one rank, fp32) keeps it.
 
-Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). On CUDA they are copied to host
-sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
+Gradients arrive unscaled and clipped (the ``ZeroOptimizer`` did that). Under ``cpu`` offload on an
+accelerator they already live on the host: the reducer hands each reduced bucket to ``HostGrads``, which
+copies it off the device on a side stream into pinned host partitions (``grad_sink.py``). Under ``nvme``
+at stages 2-3 they are in the swap files (``SwappedGrads``; on an accelerator each reduced bucket leaves the
+device on a side stream first) and read with the state, then multiplied by the
+optimizer's unscale/clip factor. Otherwise (stage 1 under nvme on CUDA) device partitions are copied to
+host sub-group by sub-group on a side stream, one sub-group ahead of the CPU update. A read or write that fails
 raises naming the file on every rank, *before* the updated master reaches the model (the write-back runs
 only after a successful step); the stepper then refuses further steps (the state is half-updated: reload
 a checkpoint).
@@ -29,6 +34,8 @@ from ..config import ConfigError
 from ..config.offload import AioConfig, OffloadOptimizerConfig
 from ..zero import ShardedGroup
 from .cpu_adam import kernel_for
+from ..accelerator import get_accelerator
+from .grad_sink import GRAD, HostGrads, SwappedGrads
 from .master_home import MASTER, SwappedMaster
 from .preflight import check_nvme_path
 from .state_store import HostStore, SwappedState, state_layout, state_views
@@ -73,14 +80,13 @@ class OffloadStepper:
     """Steps the master shards of ``groups`` on the host, with state in memory or in swap files."""
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, cfg: OffloadOptimizerConfig,
-                 aio: AioConfig, sub_group_size: int, dp_group: comm.Group | None, rank: int = 0) -> None:
+                 aio: AioConfig, sub_group_size: int, dp_group: comm.Group | None, rank: int = 0,
+                 stream_grads: bool = False) -> None:
         self.groups, self.optimizer, self.cfg, self.dp_group = groups, optimizer, cfg, dp_group
         self.kernel = kernel_for(optimizer)
-        for g in groups:
-            if g.alias and g.params and g.params[0].device.type != "cpu":
-                raise ConfigError(KEY, "offload with one partition and fp32 compute on an accelerator is not "
-                                       "supported yet (the master is the model there); use bf16/fp16 or ZeRO "
-                                       "with more than one rank")
+        for g in groups:  # initialize() builds groups with a separate (host) master on an accelerator
+            assert not (g.alias and g.params and g.params[0].device.type != "cpu"), \
+                "offload on an accelerator needs a master separate from the model (separate_master=True)"
         if self.kernel is not None:
             for pg in optimizer.param_groups:
                 try:
@@ -95,9 +101,15 @@ class OffloadStepper:
         self.host: HostStore | None = None
         self.swapped: SwappedState | None = None
         self.last_stats: dict[str, float] = {}
+        # Where the reducer puts the reduced gradients instead of device buffers: the swap files (nvme, stages
+        # 2-3) or host partitions (cpu offload on an accelerator); None on a CPU-only machine under cpu offload.
+        self.sink: SwappedGrads | HostGrads | None = None
+        self.stream_grads = stream_grads
         if cfg.device == "cpu":
             if self.kernel is not None:
                 self.host = HostStore(groups, optimizer, self.kernel, self.steps)
+            if stream_grads:  # on an accelerator: the gradient partitions live on the host too
+                self.sink = HostGrads([g.plan.partition_numel for g in groups], cfg.pin_memory, get_accelerator())
         else:
             self._init_nvme(aio, rank)
 
@@ -106,11 +118,13 @@ class OffloadStepper:
             raise ConfigError(KEY, f"device 'nvme' streams the state of Adam, AdamW and Adagrad; "
                                    f"{type(self.optimizer).__name__} has no flat kernel: use device 'cpu'")
         # A group with its own fp32 master swaps it too (one more region per file); an aliased one cannot.
-        self.keys = [self.kernel.state_keys + (() if g.alias else (MASTER,)) for g in self.groups]
+        grad = (GRAD,) if self.stream_grads else ()
+        self.keys = [self.kernel.state_keys + (() if g.alias else (MASTER,)) + grad for g in self.groups]
         jobs = [sg for sgs in self.subgroups for sg in sgs]
         need = sum(state_layout(sg, self.keys[sg.gi])[0] for sg in jobs)
         root = check_nvme_path(self.cfg.nvme_path, need, f"{KEY}.nvme_path")
-        self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism, prefix=f"zerospeed_rank{rank}_")
+        self.swapper = AsyncSwapper(root, aio.block_size, aio.intra_op_parallelism, prefix=f"zerospeed_rank{rank}_",
+                                    queue_depth=aio.queue_depth)
         biggest = max((state_layout(sg, self.keys[sg.gi])[0] for sg in jobs), default=4096)
         self.buffers = [aligned_empty(biggest, pin=self.cfg.pin_memory) for _ in range(self.cfg.buffer_count)]
         self.swapped = SwappedState(self.groups, self.subgroups, self.kernel, self.swapper, self.steps,
@@ -118,9 +132,15 @@ class OffloadStepper:
         for gi, g in enumerate(self.groups):
             if g.alias or g.master_home is not None:
                 continue
-            for sg in self.subgroups[gi]:  # the files start with the initial state and the current master
-                self.swapped.ensure(sg, g.master_range(sg.lo, sg.hi).detach().cpu())
+            # The files start with the initial state and the master: a master built as a placeholder
+            # (``master_deferred``) is loaded from the model straight into the files by ``park_master``.
+            for sg in self.subgroups[gi]:
+                self.swapped.ensure(sg, None if g.master_deferred else g.master_range(sg.lo, sg.hi).detach().cpu())
             g.park_master(SwappedMaster(self.subgroups[gi], self.keys[gi], self.swapper))
+        if self.stream_grads:
+            on_device = any(g.device.type != "cpu" for g in self.groups)
+            self.sink = SwappedGrads(self.subgroups, self.keys, self.swapper, self.swapped.ensure,
+                                     get_accelerator() if on_device else None, self.cfg.pin_memory)
         self._install_mapping()
 
     def _install_mapping(self) -> None:
@@ -148,6 +168,8 @@ class OffloadStepper:
             elif self.swapper is None:
                 self._step_host(grads)
             else:
+                if self.sink is not None and self.sink.error is not None:
+                    raise self.sink.error  # a gradient read or write failed during backward
                 self._step_nvme(grads)
         except Exception as exc:  # noqa: BLE001 - any failure (I/O, memory, a kernel) is agreed across ranks
             error = exc
@@ -226,10 +248,13 @@ class OffloadStepper:
                 view = self.buffers[b][: state_layout(sg, self.keys[sg.gi])[0]]
                 states = state_views(view, sg, self.keys[sg.gi])
                 masters = states.pop(MASTER, sg.masters)  # the buffer's master region, or the model (aliased)
-                self.kernel.step(masters, stager.take(j, sg), states, self.steps[sg.gi],
-                                 self.optimizer.param_groups[sg.gi])
+                grad = self._file_grads(sg, states.pop(GRAD)) if self.sink else stager.take(j, sg)
+                self.kernel.step(masters, grad, states, self.steps[sg.gi], self.optimizer.param_groups[sg.gi])
                 t_read, t_compute = t_read + t1 - t0, t_compute + time.perf_counter() - t1
-                writes.append((b, sw.write(sg.name, view)))
+                if self.sink:  # the gradient region is not written back
+                    writes.append((b, sw.write(sg.name, view[: self.sink.offset(sg)], offset=0)))
+                else:
+                    writes.append((b, sw.write(sg.name, view)))
             t0 = time.perf_counter()
             while writes:
                 b, h = writes.popleft()
@@ -245,6 +270,18 @@ class OffloadStepper:
                         pass
         self.last_stats = {"read_wait_s": t_read, "compute_s": t_compute, "write_wait_s": t_write,
                            "subgroups": float(len(jobs))}
+
+    def _file_grads(self, sg: SubGroup, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradient pieces read with the state: zero if no gradient arrived this step, else unscaled and
+        clipped by the optimizer's multiplier."""
+        assert self.sink is not None
+        if not self.sink.holds(sg):
+            for p in pieces:
+                p.zero_()
+        elif self.sink.scale != 1.0:
+            for p in pieces:
+                p.mul_(self.sink.scale)
+        return pieces
 
     # --- accounting / lifecycle ----------------------------------------------------------------------
     def host_state_bytes(self) -> int:

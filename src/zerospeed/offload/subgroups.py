@@ -34,11 +34,13 @@ class SubGroup:
         return f"g{self.gi}_s{self.index}"
 
 
-def master_ranges(grp: ShardedGroup) -> list[tuple[int, int, torch.Tensor]]:
-    """``(lo, hi, flat master view)`` of every stretch of the flat layout that holds master values."""
+def master_ranges(grp: ShardedGroup) -> list[tuple[int, int, torch.Tensor | None]]:
+    """``(lo, hi, flat master view)`` of every stretch of the flat layout that holds master values (no view
+    for a master without storage: a deferred or parked one lives in the swap files)."""
     if not grp.alias:
         assert grp.master is not None
-        return [(0, grp.plan.partition_numel, grp.master)]
+        resident = grp.master.untyped_storage().nbytes() > 0
+        return [(0, grp.plan.partition_numel, grp.master if resident else None)]
     out = []
     for i, p in enumerate(grp.params):
         start, _ = grp.slot_range(i)
@@ -57,7 +59,8 @@ def plan_subgroups(grp: ShardedGroup, gi: int, size: int) -> list[SubGroup]:
             x, y = max(a, sg.lo), min(b, sg.hi)
             if x < y:
                 sg.pieces.append((x, y))
-                sg.masters.append(t[x - a:y - a])
+                if t is not None:
+                    sg.masters.append(t[x - a:y - a])
         if sg.pieces:
             out.append(sg)
     for k, sg in enumerate(out):

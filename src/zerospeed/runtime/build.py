@@ -200,17 +200,24 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
     partitions = 1 if cfg.zero_stage == 0 else dp_size
     groups: list[ShardedGroup | None] = []
     options: list[dict[str, Any]] = []
+    # NVMe offload: the fp32 master goes straight to the swap files (never whole in memory). Offload with the
+    # model on an accelerator: the master is never the model itself (it lives on the host).
+    offload_device = cfg.zero_optimization.offload_optimizer.device
+    on_disk = offload_device == "nvme" and cfg.zero_stage > 0
+    separate = offload_device != "none" and get_accelerator().device().type != "cpu"
     for g in raw_groups:
         trainable = [p for p in g["params"] if p.requires_grad]
         options.append({k: v for k, v in g.items() if k != "params"})
         if not trainable:
             groups.append(None)
         elif stage3 is not None:
-            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket))
+            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket, defer_master=on_disk,
+                                            separate_master=separate))
         elif moe is not None and moe.expert_groups_of(trainable) is not None:  # partitioned over its edp group
             groups.append(moe.sharded_group(trainable, options[-1], cfg.zero_stage, bucket, compute))
         else:
-            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute))
+            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute,
+                                       defer_master=on_disk, separate_master=separate))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         if cfg.zero_stage == 0:
@@ -224,6 +231,14 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
     return groups, options
 
 
+def _gradients_off_device(cfg: ZeroSpeedConfig, live: list[ShardedGroup]) -> bool:
+    """Whether the reduced gradients bypass device partition buffers: nvme offload at stages 2-3 (to the swap
+    files), cpu offload with the model on an accelerator (to host partitions)."""
+    device = cfg.zero_optimization.offload_optimizer.device
+    on_accelerator = any(g.device.type != "cpu" for g in live)
+    return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator)
+
+
 def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
                           policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int,
                           moe: Any = None) -> ZeroOptimizer:
@@ -235,7 +250,8 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
                               prescale_gradients=cfg.prescale_gradients,
-                              gradient_predivide_factor=cfg.gradient_predivide_factor, **_topk(cfg, base))
+                              gradient_predivide_factor=cfg.gradient_predivide_factor,
+                              partition_sink=_gradients_off_device(cfg, live), **_topk(cfg, base))
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
         reducer = moe.make_reducer(live, settings)
     else:
@@ -253,7 +269,8 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
         from ..offload import OffloadStepper
 
         zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
-                                          dp_rank)
+                                          dp_rank, stream_grads=settings.partition_sink)
+        reducer.sink = zero_opt.stepper.sink  # where reduced gradients go instead of device partitions (or None)
     return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +56,9 @@ class ReduceSettings:
     gradient_predivide_factor: float = 1.0
     topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
     topk_error_feedback: bool = True
+    # No gradient partition buffer: each bucket's reduced slice goes to ``GradReducer.sink`` (offload/grad_sink.py:
+    # NVMe offload at stages 2-3 streams it to the swap files; CPU offload on an accelerator to host memory).
+    partition_sink: bool = False
 
 
 class _Pending:
@@ -64,6 +68,10 @@ class _Pending:
 
 
 class GradReducer:
+    # Where reduced slices go under ``settings.partition_sink`` (``add(g, partition_offset, values)``,
+    # ``end_micro_step()``, ``zero()``); set before the first backward.
+    sink: Any = None
+
     def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None) -> None:
         self.groups = groups
         self.s = settings
@@ -85,7 +93,7 @@ class GradReducer:
         # ones (stage 2).
         self.full: list[torch.Tensor | None] = [
             torch.zeros(g.plan.padded_numel, dtype=settings.accum_dtype, device=dev)
-            if settings.stage < 2 or g.num_partitions == 1 else None
+            if settings.stage < 2 or (g.num_partitions == 1 and not settings.partition_sink) else None
             for g in groups
         ]
         self.staging: dict[tuple[int, int], torch.Tensor] = {}
@@ -290,7 +298,7 @@ class GradReducer:
         grp = self.groups[item.g]
         bucket = grp.plan.buckets[item.b]
         buf = self._bucket_buffer(item.g, item.b)
-        if grp.num_partitions == 1:
+        if grp.num_partitions == 1 and self.sink is None:
             if item.send is not buf:
                 buf.copy_(item.send)
             if post != 1.0 and self.s.dp_size > 1 and not item.local:
@@ -300,9 +308,13 @@ class GradReducer:
             mine = item.send.view(grp.num_partitions, bucket.shard_numel)[grp.rank]
         else:
             mine = item.out
-        target = self.partition_buffer(item.g)[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
         if post != 1.0 and self.s.dp_size > 1:
             mine = mine * post
+        if self.sink is not None:
+            self.sink.add(item.g, bucket.partition_offset, mine)
+            self.staging.pop((item.g, item.b), None)
+            return
+        target = self.partition_buffer(item.g)[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
         if self.s.stage >= 2:
             target.add_(mine)
         else:
@@ -334,6 +346,8 @@ class GradReducer:
                 self._complete(item)
             self.pending.clear()
             self.next_launch = 0
+            if self.sink is not None:
+                self.sink.end_micro_step()
         self.arrived = [0] * len(self.order)
         if self.boundary and not self.ignore_unused_parameters and self.s.stage in (1, 2):
             self._check_all_used()
@@ -388,13 +402,15 @@ class GradReducer:
         self.staging.clear()
         self.late.clear()
         self.window_got = set()
+        if self.sink is not None:
+            self.sink.zero()
 
     def grad_bytes(self) -> int:
         total = 0
         for t in [*self.full, *self.partition, *self.staging.values()]:
             if t is not None:
                 total += t.numel() * t.element_size()
-        return total
+        return total + (self.sink.host_bytes() if self.sink is not None else 0)
 
     def remove_hooks(self) -> None:
         for h in self.hooks:

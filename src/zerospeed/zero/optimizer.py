@@ -78,10 +78,18 @@ class ZeroOptimizer:
             g.attach_grads(None)
 
     # --- the step ---------------------------------------------------------------------------------
+    @property
+    def _sink(self) -> Any:
+        """Where the reduced gradients went instead of memory (NVMe offload), or None."""
+        return getattr(self.reducer, "sink", None)
+
     def _collect_grads(self) -> list[torch.Tensor]:
+        sink = self._sink
+        if sink is not None and not sink.resident:  # NVMe offload: the reduced gradients are in the swap files
+            return []
         grads = []
         for gi, grp in enumerate(self.groups):
-            part = self.reducer.partition_buffer(gi)
+            part = self.reducer.partition_buffer(gi) if sink is None else sink.partition(gi)  # host (offload)
             fp32 = part if part.dtype == torch.float32 else part.float()
             self._fp32_grads[gi] = fp32
             grp.attach_grads(fp32)
@@ -90,12 +98,16 @@ class ZeroOptimizer:
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        if self._sink is not None and not self._sink.resident:
+            local = local or not self._sink.all_finite()
         return comm.all_reduce_max_flag(local, group=self.dp_group)  # also a commit point: the scale changes
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
         for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        if self._sink is not None and not self._sink.resident:  # sums of squares recorded as they were written
+            sq += self._sink.sum_sq()
         if self.partitioned:
             sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
             comm.all_reduce(sq, group=self.dp_group)
@@ -134,6 +146,8 @@ class ZeroOptimizer:
         if mult != 1.0:
             for g in grads:
                 g.mul_(mult)
+            if self._sink is not None and not self._sink.resident:
+                self._sink.scale = mult  # applied by the stepper as it reads each sub-group
         if self.stepper is None:
             self.optimizer.step()
         else:

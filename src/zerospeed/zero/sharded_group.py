@@ -36,7 +36,8 @@ class ShardedGroup:
     params_sharded = False
 
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
-                 bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None) -> None:
+                 bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None,
+                 defer_master: bool = False, separate_master: bool = False) -> None:
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
@@ -45,13 +46,23 @@ class ShardedGroup:
         self.num_partitions = num_partitions
         self.rank = rank if num_partitions > 1 else 0  # position among the partitions
         self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel)
-        self.alias = num_partitions == 1 and compute_dtype == torch.float32 and self._may_alias(params)
+        # ``separate_master``: keep a master copy even where the model could be it (offload with the model on an
+        # accelerator: the master lives on the host, where the optimizer runs).
+        self.alias = (not separate_master and num_partitions == 1 and compute_dtype == torch.float32
+                      and self._may_alias(params))
         self.device = params[0].device if device is None else device
         self.master: torch.Tensor | None = None
         self.master_home: MasterHome | None = None  # set when the master is parked (values not resident)
+        # NVMe offload: the master is a host placeholder without storage until ``park_master`` loads the
+        # model's values straight into its home; no resident copy is ever built.
+        self.master_deferred = defer_master and not self.alias
         self.master_params: list[nn.Parameter]
         if self.alias:
             self.master_params = list(params)
+        elif self.master_deferred:
+            self.master = torch.empty(self.plan.partition_numel, dtype=torch.float32)  # untouched: no RSS
+            self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
+            self.master.untyped_storage().resize_(0)
         else:
             self.master = torch.zeros(self.plan.partition_numel, dtype=torch.float32, device=self.device)
             self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
@@ -85,7 +96,7 @@ class ShardedGroup:
     # --- the master, resident or parked ---------------------------------------------------------
     def master_range(self, lo: int, hi: int) -> torch.Tensor:
         """Master elements ``[lo, hi)`` of the flat partition: a view when resident, else read from the home."""
-        assert self.master is not None
+        assert self.master is not None and not self.master_deferred, "the deferred master has no home yet"
         if self.master_home is None:
             return self.master[lo:hi]
         return self.master_home.read(lo, hi)
@@ -93,7 +104,7 @@ class ShardedGroup:
     @torch.no_grad()
     def write_master_range(self, lo: int, src: torch.Tensor) -> None:
         """Overwrite master elements ``[lo, lo + src.numel())`` (in place, or in the home when parked)."""
-        assert self.master is not None
+        assert self.master is not None and not self.master_deferred, "the deferred master has no home yet"
         if self.master_home is None:
             self.master[lo:lo + src.numel()].copy_(src.reshape(-1))
         else:
@@ -106,6 +117,9 @@ class ShardedGroup:
         self._unalias_master()
         self.master_home = home
         self.master.untyped_storage().resize_(0)
+        if self.master_deferred:  # first values: read from the model, written range by range into the home
+            self.master_deferred = False
+            self.load_master_from_params()
 
     @torch.no_grad()
     def unpark_master(self) -> None:

@@ -36,11 +36,13 @@ class Stage3Group(ShardedGroup):
     params_sharded = True
 
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
-                 bucket_numel: int, compute_dtype: torch.dtype, dp_group: comm.Group | None) -> None:
+                 bucket_numel: int, compute_dtype: torch.dtype, dp_group: comm.Group | None,
+                 defer_master: bool = False, separate_master: bool = False) -> None:
         self.shards = _shards(params)
         self.dp_group = dp_group
         super().__init__(params, options, num_partitions, rank, bucket_numel, compute_dtype,
-                         device=self.shards[0].device if self.shards else None)
+                         device=self.shards[0].device if self.shards else None, defer_master=defer_master,
+                         separate_master=separate_master)
         for i, s in enumerate(self.shards):
             s.on_modified.append(lambda i=i: self._refresh_master(i))
         self._alias_fp32_shards()
@@ -51,7 +53,7 @@ class Stage3Group(ShardedGroup):
         Stage 3 then holds 16 bytes per parameter / N in fp32 (shard-master 4 + Adam 8 + gradient 4),
         as DeepSpeed does; the write-back after the step has nothing left to copy for these shards.
         """
-        if self.master is None:
+        if self.master is None or self.master_deferred:  # a deferred master lives on disk: nothing to share
             return
         for i, s in enumerate(self.shards):
             if s.local is not None and s.home is None and s.local.dtype == torch.float32 \

@@ -139,9 +139,9 @@ class Stage3Runtime:
 
     # --- parts for initialize() ----------------------------------------------------------------------
     def make_group(self, params: list[nn.Parameter], options: dict[str, Any], rank: int,
-                   bucket_numel: int) -> Stage3Group:
+                   bucket_numel: int, defer_master: bool = False, separate_master: bool = False) -> Stage3Group:
         return Stage3Group(params, options, comm.get_world_size(self.dp_group), rank, bucket_numel,
-                           self.compute_dtype, self.dp_group)
+                           self.compute_dtype, self.dp_group, defer_master, separate_master)
 
     def make_reducer(self, groups: list[Any], settings: ReduceSettings) -> Stage3Reducer:
         return Stage3Reducer(groups, settings, self.dp_group, self.fetcher)
