@@ -38,7 +38,8 @@ def _train(engine: Any, steps: int) -> None:
 
 
 def _param_offload(path: str, buffer_count: int, buffer_size: int, max_in_cpu: int) -> dict[str, Any]:
-    engine, opt = _engine({"stage": 3, "stage3_param_persistence_threshold": 0,
+    engine, opt = _engine({"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                           "stage3_prefetch_bucket_size": 0,  # disk read-ahead alone (gather prefetch loads its window)
                            "offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": buffer_count,
                                              "buffer_size": buffer_size, "max_in_cpu": max_in_cpu}})
     home = engine.zero3.param_home

@@ -56,7 +56,7 @@ def run_warmup() -> dict[str, Any]:
     world, rank = comm.get_world_size(), comm.get_rank()
     model = make_model()
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS,
-              "optimizer": {"type": "onebitadam", "params": ONEBIT}, "steps_per_print": 1000}
+              "optimizer": {"type": "onebitadam", "params": ONEBIT}, "steps_per_print": 1000, "gradient_clipping": 0.0}
     engine, opt, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     losses = []
     for step in range(STEPS):
@@ -103,7 +103,7 @@ def run_bytes(freeze_step: int, steps: int, optimizer: dict[str, Any] | None = N
 
     rank = comm.get_rank()
     model = Wide()
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
               "optimizer": optimizer or {"type": "OneBitAdam", "params": {"lr": 3e-3, "freeze_step": freeze_step}}}
     engine, opt, _, _ = zerospeed.initialize(model=model, config=config)
     per_step, losses = [], []
@@ -151,7 +151,7 @@ def _masked_engine(freeze_step: int) -> Any:
     mask = torch.ones_like(model.a.weight)
     mask[-4:] = 0.0  # rows whose momentum must stay exactly zero
     groups = [{"params": [model.a.weight], "exp_avg_mask": mask}, {"params": [model.b.weight]}]
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
               "optimizer": {"type": "OneBitAdam", "params": {"lr": 3e-3, "freeze_step": freeze_step}}}
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=groups, config=config)
     return engine

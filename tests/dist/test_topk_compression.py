@@ -21,7 +21,7 @@ def run(stage: int, steps: int, compression: dict[str, Any] | None) -> dict[str,
 
     rank = comm.get_rank()
     model = Wide()
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "optimizer": ADAM,
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0, "optimizer": ADAM,
                               "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6}}
     if compression is not None:
         config["gradient_compression"] = compression

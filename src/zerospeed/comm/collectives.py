@@ -193,9 +193,22 @@ def exchange_ints(values: list[int], group: Group | None = None) -> list[list[in
 
 
 def all_reduce_max_flag(flag: bool, group: Group | None = None) -> bool:
-    """True on every rank when ``flag`` is true on any rank."""
+    """True on every rank when ``flag`` is true on any rank.
+
+    Counted by the comms logger as ``all_reduce_flag`` (control messages: overflow verdicts, commit points),
+    apart from the data all-reduces.
+    """
     if get_world_size(group) == 1:
         return flag
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=device_for_backend(group))
-    all_reduce(t, group=group, op=ReduceOp.MAX)
+    all_reduce_flags(t, group)
     return bool(t.item() > 0)
+
+
+def all_reduce_flags(flags: torch.Tensor, group: Group | None = None) -> None:
+    """In-place MAX all-reduce of a small vector of flags, logged as ``all_reduce_flag`` (a control message)."""
+    if get_world_size(group) == 1:
+        return
+    n = _nbytes(flags)
+    _run("all_reduce_flag", group, n, 2 * n, False,
+         lambda: dist.all_reduce(flags, op=ReduceOp.MAX, group=resolve(group)))

@@ -200,6 +200,7 @@ class HostGrads:
     MAX_COPIES = 4
 
     def __init__(self, numels: list[int], pin: bool, accelerator: Any) -> None:
+        pin = pin and torch.cuda.is_available()  # pinning needs a CUDA host allocator (a no-op on CPU, as DeepSpeed)
         self.pin, self.acc = pin, accelerator
         self.parts = [torch.zeros(n, dtype=torch.float32, pin_memory=pin) for n in numels]
         self.stream = accelerator.side_stream()

@@ -51,7 +51,7 @@ class _GradStager:
     def __init__(self, grads: list[torch.Tensor], pin: bool) -> None:
         self.grads = grads
         self.on_host = all(g.device.type == "cpu" for g in grads)
-        self.pin = pin
+        self.pin = pin and torch.cuda.is_available()
         self.ready: dict[int, tuple[list[torch.Tensor], Any]] = {}
         self.stream = None if self.on_host else torch.cuda.Stream()
 

@@ -195,7 +195,7 @@ class GradReducer:
         got = torch.tensor([float(key in self.got) for key in keys], device=comm.device_for_backend(self.dp_group)
                            if self.s.dp_size > 1 else None)
         if self.s.dp_size > 1:
-            comm.all_reduce(got, group=self.dp_group, op=comm.ReduceOp.MAX)
+            comm.all_reduce_flags(got, group=self.dp_group)
         self.unused = {key for key, used in zip(keys, got.tolist()) if not used}
         for g, i in self.unused:
             self.expected[self.position[(g, self.groups[g].plan.slots[i].bucket)]] -= 1
@@ -215,7 +215,7 @@ class GradReducer:
         mask = torch.zeros(len(self.order), device=comm.device_for_backend(self.dp_group))
         for k in self.late:
             mask[k] = 1.0
-        comm.all_reduce(mask, group=self.dp_group, op=comm.ReduceOp.MAX)
+        comm.all_reduce_flags(mask, group=self.dp_group)
         for k in [k for k, flag in enumerate(mask.tolist()) if flag]:
             self._add_late(k, self.late.pop(k, None))
             g, b = self.order[k]

@@ -112,8 +112,7 @@ class ZeroOptimizer:
             sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
             comm.all_reduce(sq, group=self.dp_group)
         elif comm.get_world_size(self.dp_group) > 1:  # same value everywhere: only the commit point
-            sq = sq.to(comm.device_for_backend(self.dp_group))
-            comm.all_reduce(sq, group=self.dp_group, op=comm.ReduceOp.MAX)
+            comm.all_reduce_max_flag(False, group=self.dp_group)
         return math.sqrt(float(sq))
 
     def _sum_over_shards(self, partial: torch.Tensor) -> torch.Tensor:
