@@ -79,8 +79,8 @@ def accounting(spec: BenchSpec, results: list[Result]) -> list[dict[str, Any]]:
 
 
 def format_accounting(rows: list[dict[str, Any]], world: int) -> str:
-    cols = ["contender", "formula", "state MiB/rank", "theory MiB", "measured/theory", "comm/step (Ψ)",
-            "theory", "measured/theory"]
+    cols = ["contender", "formula", "state MiB/rank", "theory MiB", "accounted/theory", "comm/step (Ψ)",
+            "theory", "accounted/theory"]
     body = [[r["contender"], r["state_formula"], f"{r['state_mib']:.2f}", f"{r['state_theory_mib']:.2f}",
              f"{r['state_ratio']:.3f}", "-" if r["comm_psi"] is None else f"{r['comm_psi']:.3f}",
              "-" if r["comm_psi"] is None else r["comm_formula"], "-" if r["comm_ratio"] is None else f"{r['comm_ratio']:.3f}"] for r in rows]
