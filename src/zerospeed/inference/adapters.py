@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.
 """``attend(layer, q [T,H,D], k [T,Hkv,D], v [T,Hkv,D], scale) -> [T,H,D]``."""
 
 
-class DecoderAdapter:
+class DecoderAdapter(ABC):
     """What the cache and the generate loops need to know about a model, and its flat forward."""
 
     num_layers: int
@@ -45,15 +47,17 @@ class DecoderAdapter:
     def device(self) -> torch.device:
         return self.embedding().weight.device
 
+    @abstractmethod
     def embedding(self) -> nn.Embedding:
-        raise NotImplementedError
+        """The token embedding (its weight gives the model's dtype and device)."""
 
+    @abstractmethod
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Final hidden states ``[T, C]`` of flat tokens ``ids`` at ``pos``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Vocabulary logits of final hidden states."""
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -63,20 +63,15 @@ class OnebitAdam(CompressedOptimizer):
                 loss = closure()
         initialising = not self.initialize
         compressing = self.adam_freeze_key
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("1-bit Adam does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                if not initialising:
-                    self._update(group, p, p.grad, state, compressing)
+        for group, p in self._with_grads("1-bit Adam"):
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            if not initialising:
+                self._update(group, p, p.grad, state, compressing)
         return loss
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],

@@ -8,6 +8,8 @@ them on load too (each rank's errors differ, and they only fit the same world si
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from typing import Any
 
 import torch
@@ -50,7 +52,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def wants_backward_allreduce(self) -> bool:
         """Whether the engine should all-reduce the gradients before the next step."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} must define wants_backward_allreduce() (a compressing optimizer "
+                        "decides when the engine all-reduces gradients)")
+
+    def _with_grads(self, name: str) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        """(group, parameter) for every parameter holding a dense gradient (sparse ones are refused)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients")
+                yield group, p
 
     def first_step_count(self) -> int:
         """``state['step']`` of the first parameter that has a state (0 before any step)."""

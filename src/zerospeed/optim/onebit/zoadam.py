@@ -84,18 +84,13 @@ class ZeroOneAdam(CompressedOptimizer):
                 loss = closure()
         initialising = not self.initialize
         frozen = self.freeze_key
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("0/1 Adam does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    self._init_state(p, state)
-                state["step"] += 1
-                if not initialising:
-                    self._update(group, p, p.grad, state, frozen)
+        for group, p in self._with_grads("0/1 Adam"):
+            state = self.state[p]
+            if len(state) == 0:
+                self._init_state(p, state)
+            state["step"] += 1
+            if not initialising:
+                self._update(group, p, p.grad, state, frozen)
         if not initialising and not frozen and self.freeze_key:
             self.reset_errors()  # the local-step phase starts with fresh error buffers (DeepSpeed's)
         return loss

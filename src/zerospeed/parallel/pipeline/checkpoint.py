@@ -13,7 +13,6 @@ the reverse. Same files, manifest, atomic commit and ``latest`` pointer as the d
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from ... import comm
 from ...runtime.checkpoint import layout, module_state
 from ...runtime.checkpoint.errors import CheckpointError
-from ...runtime.checkpoint.load import _load_training_state, verify_shared
+from ...runtime.checkpoint.load import _load_training_state, open_checkpoint
 from ...runtime.checkpoint.save import CLIENT_FILE, RankSnapshot, write_snapshot
 from ...runtime.checkpoint.state import from_json, param_group_options, rng_state, set_rng_state, to_json
 from ...runtime.checkpoint.tensor_file import TensorReader
@@ -120,17 +119,10 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
                              load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
     """Collective over every rank; each rank reads its own layers by name (any saved pipeline degree)."""
     world = comm.world_group()
-    ckpt = layout.resolve(os.fspath(load_dir), None if tag is None else str(tag))
-    if ckpt is None:
-        warnings.warn(f"no checkpoint to load: {os.path.join(load_dir, layout.LATEST)} does not exist "
-                      "(pass tag= to pick one)", stacklevel=3)
+    opened = open_checkpoint(load_dir, tag, world)
+    if opened is None:
         return None, None
-    manifest = layout.read_manifest(ckpt)
-    verify_shared(ckpt, manifest, world)
-    meta = layout.read_json(os.path.join(ckpt, layout.META))
-    index = layout.read_json(os.path.join(ckpt, layout.INDEX))
-    if meta.get("format") != layout.FORMAT:
-        raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata")
+    ckpt, _, meta, index = opened
     module = engine.module
     current = {k: module_state.full_shape(t) for k, t in module_state.entries(module)}
     missing = [k for k in current if k not in meta["tensors"]]

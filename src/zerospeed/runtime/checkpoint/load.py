@@ -62,12 +62,9 @@ def check_partitioning(engine: Any, meta: dict[str, Any], ckpt: str) -> None:
             "checkpoints reshard to any world size and stage), or load_checkpoint(..., load_optimizer_states=False)")
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
-    writer_of(engine).wait()
-    group = engine.dp_group
-    rank = comm.get_rank(group)
+def open_checkpoint(load_dir: str, tag: Any, group: Any) -> tuple[str, dict, dict, dict] | None:
+    """Collective over ``group``: find the checkpoint (every rank must find the same one), verify its shared
+    files and return ``(path, manifest, meta, index)``; None (with a warning) when there is none."""
     try:
         ckpt, error = layout.resolve(os.fspath(load_dir), None if tag is None else str(tag)), ""
     except CheckpointError as exc:
@@ -75,14 +72,27 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     check_same_checkpoint(os.fspath(load_dir), ckpt, error, group)
     if ckpt is None:
         warnings.warn(f"no checkpoint to load: {os.path.join(load_dir, layout.LATEST)} does not exist "
-                      "(pass tag= to pick one)", stacklevel=3)
-        return None, None
+                      "(pass tag= to pick one)", stacklevel=4)
+        return None
     manifest = layout.read_manifest(ckpt)
     verify_shared(ckpt, manifest, group)
     meta = layout.read_json(os.path.join(ckpt, layout.META))
     index = layout.read_json(os.path.join(ckpt, layout.INDEX))
     if meta.get("format") != layout.FORMAT:
         raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata")
+    return ckpt, manifest, meta, index
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    writer_of(engine).wait()
+    group = engine.dp_group
+    rank = comm.get_rank(group)
+    opened = open_checkpoint(load_dir, tag, group)
+    if opened is None:
+        return None, None
+    ckpt, _, meta, index = opened
     if load_optimizer_states and not load_module_only:
         check_partitioning(engine, meta, ckpt)
     module_state.check_names(engine.module, meta["tensors"], load_module_strict)
