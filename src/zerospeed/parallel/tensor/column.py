@@ -20,7 +20,7 @@ from torch import nn
 from .layer import TensorParallelLayer
 from .mappings import copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region
 from .overlap import ColumnParallelMatmul
-from .partition import TPShardSpec
+from .partition import TPShardSpec, regroup_gathered
 from .shard import AutoTPMeta, ShardSizeError, checked_shard_sizes
 
 
@@ -85,6 +85,7 @@ class LinearLayer(TensorParallelLayer):
             out = F.linear(copy_to_tensor_model_parallel_region(input, group), self.weight, self.bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, group, self.partition_sizes)
+            out = regroup_gathered(out, self._specs["weight"])  # fused weights: back to [q | k | v]
         return out
 
     @classmethod

@@ -72,13 +72,22 @@ def shard(full: torch.Tensor, spec: TPShardSpec, rank: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
 
 
-def unshard(shards: list[torch.Tensor], spec: TPShardSpec) -> torch.Tensor:
-    """The full tensor from every rank's shard (in rank order)."""
+def unshard(shards: list[torch.Tensor], spec: TPShardSpec, dim: int | None = None) -> torch.Tensor:
+    """The full tensor from every rank's shard (in rank order); ``dim`` overrides ``spec.dim``
+    (an activation whose last dimension is laid out like a weight's dim 0)."""
     if spec.dim is None:
         return shards[0]
     if len(shards) != spec.tp_size:
         raise ValueError(f"got {len(shards)} shards for a spec over {spec.tp_size} ranks")
-    d = spec.dim
+    d = spec.dim if dim is None else dim
     per_rank = [list(s.split([w[r] for w in spec.widths], dim=d)) for r, s in enumerate(shards)]
     subparams = [torch.cat([per_rank[r][j] for r in range(spec.tp_size)], dim=d) for j in range(len(spec.widths))]
     return subparams[0] if len(subparams) == 1 else torch.cat(subparams, dim=d)
+
+
+def regroup_gathered(gathered: torch.Tensor, spec: TPShardSpec, dim: int = -1) -> torch.Tensor:
+    """Rank-order concatenation ``[q0 k0 v0 | q1 k1 v1]`` along ``dim`` back to sub-param order ``[q | k | v]``."""
+    if spec.dim is None or len(spec.widths) == 1:
+        return gathered
+    shards = list(gathered.split([spec.local_size(r) for r in range(spec.tp_size)], dim=dim))
+    return unshard(shards, spec, dim=dim)
