@@ -4,6 +4,7 @@ overlapped input-gradient all-reduce, with and without sequence parallelism, wit
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.module_inject.layers import LinearAllreduce, LinearLayer
+from zerospeed.parallel.tensor import shard
 from zerospeed.testing import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -41,12 +43,21 @@ def _column(group, rank: int, tp: int, d_in: int, d_out: int, overlap: bool, sp:
     seq = slice(rank * s // tp, (rank + 1) * s // tp)
     x = (x_full.detach()[:, seq] if sp else x_full.detach()).clone().requires_grad_()
     y = col(x)
-    if gather:
-        torch.testing.assert_close(y, y_full, **TOL)
-        (y * probe).sum().backward()
-    else:
-        torch.testing.assert_close(y, y_full[..., me], **TOL)
-        (y * probe[..., me]).sum().backward()
+    seen: list[tuple[str, bool]] = []   # (collective, async) of the backward's input-gradient collective
+    real = {name: getattr(comm, name) for name in ("all_reduce", "reduce_scatter_along_dim")}
+    for name, fn in real.items():
+        setattr(comm, name, lambda *a, _n=name, _f=fn, **k: seen.append((_n, k.get("async_op", False))) or _f(*a, **k))
+    try:
+        if gather:
+            torch.testing.assert_close(y, y_full, **TOL)
+            (y * probe).sum().backward()
+        else:
+            torch.testing.assert_close(y, y_full[..., me], **TOL)
+            (y * probe[..., me]).sum().backward()
+    finally:
+        for name, fn in real.items():
+            setattr(comm, name, fn)
+    assert seen == [("reduce_scatter_along_dim" if sp else "all_reduce", overlap)], seen
     torch.testing.assert_close(col.weight.grad, full.weight.grad[me], **TOL)
     torch.testing.assert_close(col.bias.grad, full.bias.grad[me], **TOL)
     torch.testing.assert_close(x.grad, x_full.grad[:, seq] if sp else x_full.grad, **TOL)
@@ -78,6 +89,30 @@ def _row(group, rank: int, tp: int, d_in: int, d_out: int, sp: bool, replicated_
         torch.testing.assert_close(x.grad, x_full.grad[..., me], **TOL)
 
 
+def _conv1d(group, rank: int, tp: int, sp: bool) -> None:
+    """Hugging Face Conv1D (GPT-2; weight stored [in, out]): c_fc column, c_proj row, shapes kept."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    fc_full, proj_full = Conv1D(12, 8), Conv1D(8, 12)      # Conv1D(nf=out, nx=in)
+    for p in (*fc_full.parameters(), *proj_full.parameters()):
+        p.data.normal_()
+    fc = LinearLayer(copy.deepcopy(fc_full), group, sequence_parallel=sp, name="mlp.c_fc")
+    proj = LinearAllreduce(copy.deepcopy(proj_full), group, sequence_parallel=sp, name="mlp.c_proj")
+    me = _cut(fc.partition_sizes, rank)
+    assert torch.equal(fc.weight, fc_full.weight[:, me]) and torch.equal(proj.weight, proj_full.weight[me])
+    x_full = _data(2, 4, 8, 5)
+    probe = _data(2, 4, 8, 6)
+    (proj_full(torch.tanh(fc_full(x_full))) * probe).sum().backward()
+    seq = slice(rank * 4 // tp, (rank + 1) * 4 // tp) if sp else slice(None)
+    y = proj(torch.tanh(fc(x_full[:, seq])))
+    torch.testing.assert_close(y, proj_full(torch.tanh(fc_full(x_full)))[:, seq], **TOL)
+    (y * probe[:, seq]).sum().backward()
+    for layer, full in ((fc, fc_full), (proj, proj_full)):
+        for attr, spec in layer.shard_specs().items():
+            torch.testing.assert_close(getattr(layer, attr).grad, shard(getattr(full, attr).grad, spec, rank), **TOL)
+
+
 def _all_cases() -> int:
     rank, tp = comm.get_rank(), comm.get_world_size()
     group = comm.world_group()
@@ -89,12 +124,15 @@ def _all_cases() -> int:
     for (d_in, d_out), sp, repl in itertools.product([(12, 8), (10, 6)], [False, True], [False, True]):
         _row(group, rank, tp, d_in, d_out, sp, repl)
         n += 1
+    for sp in (False, True):
+        _conv1d(group, rank, tp, sp)
+        n += 1
     return n
 
 
 def test_layers_tp2() -> None:
-    assert run_distributed(_all_cases, 2, timeout=90) == [24, 24]
+    assert run_distributed(_all_cases, 2, timeout=90) == [26, 26]
 
 
 def test_layers_tp4() -> None:
-    assert run_distributed(_all_cases, 4, timeout=120) == [24] * 4
+    assert run_distributed(_all_cases, 4, timeout=120) == [26] * 4

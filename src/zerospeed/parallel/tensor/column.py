@@ -27,8 +27,8 @@ from .shard import AutoTPMeta, ShardSizeError, checked_shard_sizes
 class LinearLayer(TensorParallelLayer):
     """``LinearLayer(module, mp_group=None, skip_partition=False, gather_output=False, **kwargs)``.
 
-    Wraps ``module`` (an ``nn.Linear``-like module with ``weight`` ``[out, in]`` and optional ``bias``)
-    and keeps only this rank's output features. Keyword arguments: ``name``, ``tp_meta``,
+    Wraps ``module`` (an ``nn.Linear``-like module with ``weight`` ``[out, in]`` and optional ``bias``, or
+    a Hugging Face ``Conv1D`` with ``weight`` ``[in, out]``) and keeps only this rank's output features. Keyword arguments: ``name``, ``tp_meta``,
     ``overlap_comm`` (async input-gradient all-reduce), ``sequence_parallel``, ``seq_dim`` (default 1:
     ``[batch, seq, hidden]``). ``skip_partition=True`` keeps the module's parameters uncut (only at
     a tensor-parallel size of 1, as DeepSpeed uses it).
@@ -38,8 +38,7 @@ class LinearLayer(TensorParallelLayer):
                  gather_output: bool = False, *, name: str | None = None, tp_meta: AutoTPMeta | None = None,
                  overlap_comm: bool = False, sequence_parallel: bool = False, seq_dim: int = 1) -> None:
         super().__init__(mp_group, name=name, tp_meta=tp_meta)
-        self.weight = module.weight
-        self.bias = getattr(module, "bias", None)
+        self._features = self._take_weight(module)
         self.gather_output = gather_output
         self.overlap_comm = overlap_comm
         self.sequence_parallel = sequence_parallel
@@ -50,10 +49,10 @@ class LinearLayer(TensorParallelLayer):
         self._partition(not skip_partition)
 
     def _partition(self, cut: bool) -> None:
-        out_features, in_features = self.weight.shape
+        out_features, _ = self._features
         widths = self._out_widths(out_features)
         self.partition_sizes = tuple(sum(w[r] for w in widths) for r in range(self.tp_world_size))
-        self._keep_shard("weight", TPShardSpec((out_features, in_features), 0, widths), cut)
+        self._keep_shard("weight", TPShardSpec(tuple(self.weight.shape), self._dim(0), widths), cut)
         if self.bias is not None:
             if tuple(self.bias.shape) != (out_features,):
                 raise ValueError(f"layer '{self.label}': bias of shape {tuple(self.bias.shape)} does not match "
@@ -67,22 +66,22 @@ class LinearLayer(TensorParallelLayer):
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.linear_weight.shape[1]
 
     @property
     def out_features(self) -> int:
         """Output features this rank produces (``sum(partition_sizes)`` is the full width)."""
-        return self.weight.shape[0]
+        return self.linear_weight.shape[0]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        group = self.mp_group
+        group, weight = self.mp_group, self.linear_weight
         if self.tp_world_size == 1:
-            out = F.linear(input, self.weight, self.bias)
+            out = F.linear(input, weight, self.bias)
         elif self.overlap_comm or self.sequence_parallel:
             seq_dim = self.seq_dim if self.sequence_parallel else None
-            out = ColumnParallelMatmul.apply(input, self.weight, self.bias, group, self.overlap_comm, seq_dim)
+            out = ColumnParallelMatmul.apply(input, weight, self.bias, group, self.overlap_comm, seq_dim)
         else:
-            out = F.linear(copy_to_tensor_model_parallel_region(input, group), self.weight, self.bias)
+            out = F.linear(copy_to_tensor_model_parallel_region(input, group), weight, self.bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, group, self.partition_sizes)
             out = regroup_gathered(out, self._specs["weight"])  # fused weights: back to [q | k | v]

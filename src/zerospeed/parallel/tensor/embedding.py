@@ -40,6 +40,8 @@ class VocabParallelEmbedding(TensorParallelLayer):
         vocab, dim = module.weight.shape
         if tied_vocab_parallel_linear is not None:
             lm = tied_vocab_parallel_linear
+            if lm.transposed:
+                raise ValueError(f"layer '{self.label}': tying to a Conv1D lm head is not supported yet by zerospeed")
             vocab, dim = lm.shard_specs()["weight"].full_shape  # module.weight may already be lm's (cut) weight
             if lm.mp_group is not mp_group or (module.weight is not lm.weight and module.weight.shape != (vocab, dim)):
                 raise ValueError(f"layer '{self.label}': the tied lm head '{lm.label}' has another group or a "

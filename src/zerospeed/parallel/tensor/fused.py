@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from .column import LinearLayer
+from .layer import is_conv1d
 from .row import LinearAllreduce
 from .shard import ShardSizeError, checked_shard_sizes
 
@@ -48,6 +49,12 @@ def _subparam_sizes(shape: Any, total: int, other: int, dim: int, layer: str) ->
     raise ValueError(f"layer '{layer}': shape entry {spec!r} must be a tuple of sizes, a positive count or -1")
 
 
+def _features(module: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of an ``nn.Linear`` or a Hugging Face ``Conv1D``."""
+    rows, cols = module.weight.shape
+    return (cols, rows) if is_conv1d(module) else (rows, cols)
+
+
 def _widths(layer: Any, sizes: tuple[int, ...], shard_name: str | None, what: str) -> tuple[tuple[int, ...], ...]:
     out = []
     for j, size in enumerate(sizes):
@@ -67,7 +74,7 @@ class SubParamLinearLayer(LinearLayer):
         if partition_dim != 0:
             raise ValueError(f"SubParamLinearLayer: partition_dim={partition_dim} is not supported yet by zerospeed "
                              "(column-parallel fused weights split dim 0)")
-        out_features, in_features = module.weight.shape
+        out_features, in_features = _features(module)
         self._shape_spec = shape
         self.subparam_sizes = _subparam_sizes(shape, out_features, in_features, 0, kwargs.get("name") or "?")
         super().__init__(module, mp_group, **kwargs)
@@ -104,7 +111,7 @@ class FusedQKVLinear(SubParamLinearLayer):
         from .shard import AutoTPMeta
 
         num_kv_heads = num_kv_heads or num_heads
-        out_features = module.weight.shape[0]
+        out_features = _features(module)[0]
         head_dim, rem = divmod(out_features, num_heads + 2 * num_kv_heads)
         if rem or head_dim == 0:
             raise ShardSizeError(f"layer '{kwargs.get('name') or 'qkv'}': {out_features} output rows are not "
@@ -138,7 +145,7 @@ class SubParamLinearAllreduce(LinearAllreduce):
         if partition_dim != 1:
             raise ValueError(f"SubParamLinearAllreduce: partition_dim={partition_dim} is not supported yet by "
                              "zerospeed (row-parallel fused weights split dim 1)")
-        out_features, in_features = module.weight.shape
+        out_features, in_features = _features(module)
         self.subparam_sizes = _subparam_sizes(shape, in_features, out_features, 1, kwargs.get("name") or "?")
         if len(self.subparam_sizes) > 1 and kwargs.get("input_is_parallel") is False:
             raise ValueError(f"layer '{kwargs.get('name') or '?'}': a fused row-parallel weight needs its input "

@@ -5,6 +5,9 @@ A layer wraps an existing module (DeepSpeed's ``LinearLayer(module, mp_group)``)
 is freed and anything holding the Parameter (a tied embedding, an optimizer built later) sees the shard.
 The layout of each parameter is a :class:`~.partition.TPShardSpec` kept by the layer (``shard_specs()``),
 not attributes on the Parameter; :func:`tp_shard_specs` collects them for a whole model, by name.
+
+Hugging Face's ``Conv1D`` (GPT-2) stores its weight transposed, ``[in, out]``; the layers keep that layout
+(so parameter shapes and checkpoints stay the model's own) and cut the matching dimension.
 """
 
 from __future__ import annotations
@@ -35,6 +38,26 @@ class TensorParallelLayer(nn.Module):
         self.name = name
         self.tp_meta = tp_meta or AutoTPMeta()
         self._specs: dict[str, TPShardSpec] = {}
+        self.transposed = False   # weight stored [in, out] (Hugging Face Conv1D)
+
+    def _take_weight(self, module: nn.Module) -> tuple[int, int]:
+        """Adopt ``module``'s weight and bias; returns ``(out_features, in_features)``."""
+        self.weight = module.weight
+        self.bias = getattr(module, "bias", None)
+        self.transposed = is_conv1d(module)
+        if self.weight.dim() != 2:
+            raise ValueError(f"layer '{self.label}': weight of shape {tuple(self.weight.shape)} is not a matrix")
+        rows, cols = self.weight.shape
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def _dim(self, linear_dim: int) -> int:
+        """The weight dimension that holds ``nn.Linear`` dimension ``linear_dim`` (0: out, 1: in)."""
+        return 1 - linear_dim if self.transposed else linear_dim
+
+    @property
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as ``nn.Linear`` lays it out, ``[out, in]`` (a view when stored transposed)."""
+        return self.weight.t() if self.transposed else self.weight
 
     # DeepSpeed's aliases for the two numbers above
     @property
@@ -79,6 +102,11 @@ class TensorParallelLayer(nn.Module):
         w = getattr(self, "weight", None)
         shape = tuple(w.shape) if w is not None else None
         return f"name={self.name!r}, tp={self.tp_index}/{self.tp_world_size}, local_weight={shape}"
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D``: a linear layer with its weight stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def tp_shard_specs(model: nn.Module) -> dict[str, TPShardSpec]:

@@ -37,16 +37,14 @@ class LinearAllreduce(TensorParallelLayer):
                  tp_meta: AutoTPMeta | None = None, input_is_parallel: bool = True, sequence_parallel: bool = False,
                  seq_dim: int = 1, overlap_comm: bool = False) -> None:
         super().__init__(mp_group, name=name, tp_meta=tp_meta)
-        self.weight = module.weight
-        self.bias = getattr(module, "bias", None)
+        out_features, in_features = self._take_weight(module)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.seq_dim = seq_dim
         self.overlap_comm = overlap_comm
-        out_features, in_features = self.weight.shape
         widths = self._in_widths(in_features)
         self.partition_sizes = tuple(sum(w[r] for w in widths) for r in range(self.tp_world_size))
-        self._keep_shard("weight", TPShardSpec((out_features, in_features), 1, widths))
+        self._keep_shard("weight", TPShardSpec(tuple(self.weight.shape), self._dim(1), widths))
         if self.bias is not None:
             self._keep_shard("bias", TPShardSpec(tuple(self.bias.shape), None))
 
@@ -57,19 +55,19 @@ class LinearAllreduce(TensorParallelLayer):
     @property
     def in_features(self) -> int:
         """Input features this rank takes (``sum(partition_sizes)`` is the full width)."""
-        return self.weight.shape[1]
+        return self.linear_weight.shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.linear_weight.shape[0]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         group = self.mp_group
         if self.tp_world_size == 1:
-            return F.linear(input, self.weight, self.bias)
+            return F.linear(input, self.linear_weight, self.bias)
         if not self.input_is_parallel:
             input = scatter_to_tensor_model_parallel_region(input, group, self.partition_sizes)
-        partial = F.linear(input, self.weight)
+        partial = F.linear(input, self.linear_weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, group, self.seq_dim)
             bias = None if self.bias is None else copy_to_tensor_model_parallel_region(self.bias, group)
