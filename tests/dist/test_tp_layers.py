@@ -136,3 +136,21 @@ def test_layers_tp2() -> None:
 
 def test_layers_tp4() -> None:
     assert run_distributed(_all_cases, 4, timeout=120) == [26] * 4
+
+
+def _no_group() -> dict:
+    """``mp_group=None`` is a tensor-parallel size of 1 even in a 2-rank world: no collective at all."""
+    comm.COMMS_LOGGER.reset()
+    torch.manual_seed(comm.get_rank())   # different weights per rank: any all-reduce would show
+    lin = nn.Linear(4, 6)
+    col = LinearLayer(copy.deepcopy(lin), None, gather_output=True, overlap_comm=True, sequence_parallel=True)
+    row = LinearAllreduce(nn.Linear(6, 4), None, sequence_parallel=True)
+    x = _data(2, 4, 4, 0).requires_grad_()
+    y = row(col(x))
+    y.sum().backward()
+    torch.testing.assert_close(col(x), lin(x), rtol=0, atol=0)
+    return {op: s.count for op, s in comm.COMMS_LOGGER.snapshot().items() if s.count}
+
+
+def test_no_group_never_communicates() -> None:
+    assert run_distributed(_no_group, 2, timeout=60) == [{}, {}]

@@ -60,7 +60,9 @@ def test_unsplittable_names_layer_and_numbers() -> None:
     with pytest.raises(ShardSizeError, match=r"layer 'h.0.attn.k_proj': output features of 1024 .* size 4 .*"
                                              r"\[512, 512, 0, 0\].*num_kv_heads=2"):
         checked_shard_sizes(1024, 4, "h.0.attn.k_proj", "output features", AutoTPMeta(num_kv_heads=2))
-    with pytest.raises(ShardSizeError, match="'lm': output features of 3 .* size 4"):
+    with pytest.raises(ShardSizeError, match="largest tensor-parallel size that gives every rank a share is 2"):
+        checked_shard_sizes(1024, 4, "k_proj", "output features", AutoTPMeta(num_kv_heads=2))
+    with pytest.raises(ShardSizeError, match="'lm': output features of 3 .* size 4.* share is 3"):
         checked_shard_sizes(3, 4, "lm", "output features")
     assert checked_shard_sizes(5, 2, "ok", "x") == (3, 2)
 

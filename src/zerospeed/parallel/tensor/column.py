@@ -111,6 +111,9 @@ class LinearLayer(TensorParallelLayer):
         return cls(linear, None, skip_partition=True, gather_output=gather_output)
 
 
+conv_LinearLayer = LinearLayer  # DeepSpeed's name: a Hugging Face Conv1D is recognised by the layer itself
+
+
 class VocabParallelLinear(LinearLayer):
     """Column-parallel vocabulary projection (lm head) that keeps this rank's logits.
 

@@ -154,3 +154,13 @@ class SubParamLinearAllreduce(LinearAllreduce):
 
     def _in_widths(self, in_features: int) -> tuple[tuple[int, ...], ...]:
         return _widths(self, self.subparam_sizes, self.name, "input features")
+
+
+class fused_LinearLayer(SubParamLinearLayer):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed picks a fused-QKV layout from the model's block type (``fused_module``); not here."""
+
+    def __init__(self, module: nn.Module, mp_group: Any = None, skip_partition: bool = False, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"fused_LinearLayer (a fused QKV layout chosen from the model's block type) is not supported yet by "
+            f"zerospeed (layer '{kwargs.get('name') or '?'}'); use FusedQKVLinear(module, mp_group, num_heads, "
+            "num_kv_heads) or SubParamLinearLayer(module, mp_group, shape=((q, k, v), -1))")

@@ -104,6 +104,9 @@ class TensorParallelLayer(nn.Module):
         return f"name={self.name!r}, tp={self.tp_index}/{self.tp_world_size}, local_weight={shape}"
 
 
+TensorParallel_Layer = TensorParallelLayer  # DeepSpeed's name
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D``: a linear layer with its weight stored ``[in, out]``."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")

@@ -83,6 +83,9 @@ class LinearAllreduce(TensorParallelLayer):
         return cls(nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype), mp_group, **kwargs)
 
 
+Conv_LinearALlreduce = LinearAllreduce  # DeepSpeed's name (sic): a Conv1D is recognised by the layer itself
+
+
 class LinearAllreduceWithReplicatedInput(LinearAllreduce):
     """A row-parallel layer fed a replicated input (DeepSpeed's name): ``input_is_parallel=False``."""
 

@@ -123,14 +123,16 @@ def checked_shard_sizes(total_size: int, mp_size: int, layer: str, what: str, me
 
     ``shard_name`` is the name the size rules see (defaults to ``layer``); ``what`` says which dimension.
     """
-    sizes = get_shard_size_list(total_size, mp_size, layer if shard_name is None else shard_name, meta=meta)
+    rule_name = layer if shard_name is None else shard_name
+    sizes = get_shard_size_list(total_size, mp_size, rule_name, meta=meta)
     if min(sizes) == 0:
         meta = meta or AutoTPMeta()
         extra = f", num_kv_heads={meta.num_kv_heads}" if meta.num_kv_heads is not None else ""
+        fits = next(t for t in range(mp_size, 0, -1) if min(get_shard_size_list(total_size, t, rule_name, meta=meta)))
         raise ShardSizeError(
             f"layer '{layer}': {what} of {total_size} cannot be split over tensor-parallel size {mp_size} "
-            f"(shard sizes {sizes}, tp_grain_size={meta.tp_grain_size}{extra}); use a tensor-parallel size "
-            f"of at most {total_size // max(1, meta.tp_grain_size) or 1} for this layer")
+            f"(shard sizes {sizes}, tp_grain_size={meta.tp_grain_size}{extra}); the largest tensor-parallel "
+            f"size that gives every rank a share is {fits}")
     return tuple(sizes)
 
 
