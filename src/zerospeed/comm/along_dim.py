@@ -34,7 +34,10 @@ def _front(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, 0).contiguous()
 
 
-def all_gather_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
+Sizes = list[int] | tuple[int, ...] | None
+
+
+def all_gather_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: Sizes = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``input`` in rank order (``sizes[r]``: rank r's length)."""
     world = get_world_size(group)
     if world == 1:
@@ -56,7 +59,7 @@ def all_gather_along_dim(input: torch.Tensor, dim: int, group: Group | None, siz
     return out.movedim(0, dim)
 
 
-def reduce_scatter_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: list[int] | tuple[int, ...] | None = None,
+def reduce_scatter_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: Sizes = None,
                              async_op: bool = False) -> torch.Tensor | PendingTensor:
     """Sum over ranks of ``input``, each rank keeping its ``sizes[rank]`` slice along ``dim`` (rank order).
 
@@ -69,7 +72,8 @@ def reduce_scatter_along_dim(input: torch.Tensor, dim: int, group: Group | None,
     total = input.shape[dim]
     if sizes is None:
         if total % world:
-            raise ValueError(f"reduce_scatter_along_dim: length {total} along dim {dim} does not divide by {world} ranks")
+            raise ValueError(f"reduce_scatter_along_dim: length {total} along dim {dim} does not divide by "
+                             f"{world} ranks")
         sizes = [total // world] * world
     sizes = list(sizes)
     if len(sizes) != world or sum(sizes) != total:
