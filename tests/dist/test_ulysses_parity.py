@@ -83,3 +83,42 @@ def test_gpt_ulysses_with_accumulation_and_cpu_offload(stage: int) -> None:
     for r in run_distributed(_train, 4, stage, 2, 2, offload, timeout=180):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+
+
+def _resume(stage: int, path: str) -> tuple[list[float], list[float]]:
+    """Four steps straight, and two steps + save + a new engine that loads and runs two more."""
+    import os
+
+    def engine_and_loop(model: GPT):
+        config = {"train_micro_batch_size_per_gpu": MB, "sequence_parallel_size": 2, "zero_optimization":
+                  {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
+        engine, *_ = zerospeed.initialize(model=model, config=config)
+        sequence_parallel_gpt(model, engine.seq_parallel_group)
+        r, chunk = comm.get_rank(engine.seq_parallel_group), SEQ // 2
+        cols, pos = slice(r * chunk, (r + 1) * chunk), torch.arange(r * chunk, (r + 1) * chunk)
+
+        def run(steps: range) -> list[float]:
+            out = []
+            for step in steps:
+                x, y = _batch(step, MB)
+                _, loss = engine(x[:, cols], y[:, cols], position_ids=pos)
+                engine.backward(loss)
+                engine.step()
+                out.append(loss.item())
+            return out
+        return engine, run
+
+    _, run = engine_and_loop(GPT(CFG, seed=3))
+    straight = run(range(4))
+    engine, run = engine_and_loop(GPT(CFG, seed=3))
+    resumed = run(range(2))
+    engine.save_checkpoint(os.path.join(path, "ckpt"), tag="t")
+    engine, run = engine_and_loop(GPT(CFG, seed=9))  # other weights: the load must restore them
+    engine.load_checkpoint(os.path.join(path, "ckpt"), tag="t")
+    return straight, resumed + run(range(2, 4))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_ulysses_checkpoint_resume(stage: int, tmp_path) -> None:
+    for straight, resumed in run_distributed(_resume, 2, stage, str(tmp_path), timeout=180):
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=1e-7)
