@@ -38,6 +38,10 @@ ALIASES: dict[str, str] = {
     "zerospeed.module_inject": "zerospeed.parallel.tensor",
     "zerospeed.module_inject.layers": "zerospeed.parallel.tensor",
     "zerospeed.module_inject.tp_shard": "zerospeed.parallel.tensor.shard",
+    "zerospeed.sequence": "zerospeed.parallel.sequence",
+    "zerospeed.sequence.layer": "zerospeed.parallel.sequence.layer",
+    "zerospeed.runtime.sequence_parallel": "zerospeed.parallel.sequence",
+    "zerospeed.runtime.sequence_parallel.ulysses_sp": "zerospeed.parallel.sequence.ulysses_sp",
 }
 
 
