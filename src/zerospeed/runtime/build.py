@@ -401,6 +401,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine_cls = PipelineEngine
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank  # as DeepSpeed: scripts read args.local_rank after initialize()
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
         if cfg.vocabulary_size and cfg.vocabulary_size % 8:
