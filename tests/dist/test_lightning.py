@@ -120,3 +120,44 @@ def test_checkpoint_and_resume(tmp_path, stage: int) -> None:
     r0, r1 = run_distributed(_resume, 2, str(tmp_path / "zs"), stage, timeout=180)
     assert r0["step"] == ref["step"] == STEPS and r0["lr"] == pytest.approx(ref["lr"])
     assert [(a + b) / 2 for a, b in zip(r0["resumed"], r1["resumed"])] == pytest.approx(ref["resumed"], rel=1e-5)
+
+
+# --- Fabric ---------------------------------------------------------------------------------------------
+def _fabric(root: str, strategy: str | None) -> dict:
+    import lightning as L
+
+    import zerospeed.integrations.lightning  # noqa: F401
+
+    world = 1 if strategy is None else 2
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="auto" if strategy is None else strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.02)
+    if strategy is not None:
+        fabric.strategy.config["gradient_clipping"] = 0.0
+    model, opt = fabric.setup(net, opt)
+    losses = []
+    loader = _data(4 // world, world)
+    for i, (x, y) in enumerate(loader):
+        if i == 6:
+            break
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        if i == 2:
+            fabric.save(root + "/fab", {"model": model, "optimizer": opt, "step": i})
+            probe = float(model(torch.ones(2, 6)).sum())
+    state = {"model": model, "optimizer": opt, "step": -1}
+    fabric.load(root + "/fab", state)
+    return {"losses": losses, "step": state["step"], "engine": type(model._forward_module).__name__,
+            "probe": probe, "probe_after_load": float(model(torch.ones(2, 6)).sum())}
+
+
+def test_fabric_losses_and_checkpoint(tmp_path) -> None:
+    (ref,) = run_distributed(_fabric, 1, str(tmp_path / "ref"), None)
+    r0, r1 = run_distributed(_fabric, 2, str(tmp_path / "zs"), "zerospeed_stage_2", timeout=120)
+    assert r0["engine"] == "Engine" and r0["step"] == 2 and r0["probe_after_load"] == pytest.approx(r0["probe"])
+    assert [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])] == pytest.approx(ref["losses"], rel=1e-5)
