@@ -6,6 +6,7 @@ Tested with transformers 5.x (``transformers>=5,<6``); the Trainer's internals i
 from __future__ import annotations
 
 from .auto import resolve as resolve_auto_config
+from .pretrained import from_pretrained
 from .trainer import ZeroSpeedTrainer
 
-__all__ = ["ZeroSpeedTrainer", "resolve_auto_config"]
+__all__ = ["ZeroSpeedTrainer", "from_pretrained", "resolve_auto_config"]
