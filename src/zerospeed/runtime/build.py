@@ -438,6 +438,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine.zero3 = stage3
     if seq_grid is not None:
         engine.set_sequence_groups(seq_grid)
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank  # as DeepSpeed: scripts read args.local_rank after initialize()
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
         if cfg.vocabulary_size and cfg.vocabulary_size % 8:

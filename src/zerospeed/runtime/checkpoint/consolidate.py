@@ -59,6 +59,8 @@ def consolidate(checkpoint_dir: str, output: str, tag: str | None = None, dtype:
     entries: dict[str, Any] = meta["tensors"]
     specs = []
     for key, e in entries.items():
+        if entries[e.get("alias_of", key)]["source"] == "excluded":
+            continue  # saved with exclude_frozen_parameters: the frozen base model is not in the checkpoint
         saved = getattr(torch, entries[e.get("alias_of", key)]["dtype"])
         if entries[e.get("alias_of", key)]["source"] == "master":
             saved = torch.float32

@@ -51,22 +51,25 @@ def _gathered(tensors: list[torch.Tensor], modifier_rank: int | None) -> Any:
     return GatheredParameters(sharded, modifier_rank=modifier_rank) if sharded else contextlib.nullcontext()
 
 
-def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool
+def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool, exclude_frozen: bool = False
              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Every entry's shape/dtype/source; on rank 0 also the tensors the optimizer does not own.
 
+    ``exclude_frozen``: frozen parameters (``requires_grad=False``) get source ``excluded`` and no data.
     Collective when ZeRO-3 partitioned some of those tensors (every rank must call it).
     """
     canon = _canonical(module)
     listing = list(entries(module))
     meta: dict[str, Any] = {}
-    rest = [(k, t) for k, t in listing if canon[k] == k and k not in grouped]
+    excluded = {k for k, t in listing if exclude_frozen and canon[k] == k and k not in grouped
+                and isinstance(t, nn.Parameter) and not t.requires_grad}
+    rest = [(k, t) for k, t in listing if canon[k] == k and k not in grouped and k not in excluded]
     tensors: dict[str, torch.Tensor] = {}
     with _gathered([t for _, t in rest], None):
         for key, t in listing:
             base = canon[key]
             meta[key] = {"shape": list(full_shape(t)), "dtype": str(t.dtype).removeprefix("torch."),
-                         "source": "master" if base in grouped else "module"}
+                         "source": "master" if base in grouped else "excluded" if base in excluded else "module"}
             if base != key:
                 meta[key]["alias_of"] = base
         for key, like in _other_experts(module):  # experts other expert-parallel ranks hold
@@ -95,9 +98,11 @@ def check_names(module: nn.Module, saved: dict[str, Any], strict: bool) -> None:
 @torch.no_grad()
 def load_rest(module: nn.Module, grouped: set[str], saved: dict[str, Any], module_file: str,
               reader: CheckpointReader) -> None:
-    """Frozen parameters and buffers (and parameters now outside any optimizer group). Collective under ZeRO-3."""
+    """Frozen parameters and buffers (and parameters now outside any optimizer group). Collective under ZeRO-3.
+    Entries saved with ``exclude_frozen_parameters`` keep the model's current values."""
     canon = _canonical(module)
-    rest = [(k, t) for k, t in entries(module) if canon[k] == k and k not in grouped and k in saved]
+    rest = [(k, t) for k, t in entries(module) if canon[k] == k and k not in grouped and k in saved
+            and saved[k].get("source") != "excluded"]
     with TensorReader(module_file) as mf, _gathered([t for _, t in rest], 0):
         for key, t in rest:
             if key in mf.entries:

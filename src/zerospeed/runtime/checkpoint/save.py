@@ -46,8 +46,11 @@ def _groups(engine: Any) -> list[Any]:
     return list(engine.optimizer.groups) if engine.optimizer is not None else []
 
 
-def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool) -> RankSnapshot:
-    """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall)."""
+def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool,
+             exclude_frozen: bool = False) -> RankSnapshot:
+    """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall).
+    ``exclude_frozen``: parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
+    ``exclude_frozen_parameters``); a load keeps the values the model has for them."""
     names = names_by_id(engine.module)
     groups = _groups(engine)
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
@@ -56,7 +59,7 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     snap.tensor_files[layout.shard_file(rank)] = tensors
     snap.json_files[layout.rng_file(rank)] = rng_state()
     grouped = {names[id(p)] for g in groups for p in g.params}
-    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy)
+    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy, exclude_frozen)
     if rank != 0:
         return snap
     client_tensors: dict[str, torch.Tensor] = {}
@@ -113,7 +116,8 @@ def _check_accumulation(engine: Any) -> None:
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
-                    save_latest: bool = True, async_save: bool = False, commit_timeout_s: float | None = None) -> SaveStats:
+                    save_latest: bool = True, async_save: bool = False, commit_timeout_s: float | None = None,
+                    exclude_frozen: bool = False) -> SaveStats:
     """Collective over the engine's data-parallel group; see ``layout`` for the commit protocol and
     ``agree`` for what the ranks must agree on. A failure on any rank fails the save on every rank."""
     writer = writer_of(engine)
@@ -145,10 +149,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     timeout = commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S
     final = os.path.join(save_dir, tag)
     if async_save:
-        return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0)
+        return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0,
+                           exclude_frozen)
     error, nbytes, t1 = "", 0, time.perf_counter()
     try:
-        snap = snapshot(engine, rank, world, client_state or {}, copy=False)
+        snap = snapshot(engine, rank, world, client_state or {}, copy=False, exclude_frozen=exclude_frozen)
         t1 = time.perf_counter()
         nbytes = write_snapshot(snap, staging)
     except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
@@ -175,7 +180,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
 
 def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, client_state: dict[str, Any] | None,
-                save_dir: str, tag: str, staging: str, save_latest: bool, timeout: float, t0: float) -> SaveStats:
+                save_dir: str, tag: str, staging: str, save_latest: bool, timeout: float, t0: float,
+                exclude_frozen: bool = False) -> SaveStats:
     """Snapshot now; write, then (rank 0) commit or (others) wait for the outcome, in the writer thread.
 
     A failure on any rank is published into the staging directory, so every rank's save fails within a
@@ -190,7 +196,7 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
                                f"on rank {rank}: {error}")
 
     try:
-        snap = snapshot(engine, rank, world, client_state or {}, copy=True)
+        snap = snapshot(engine, rank, world, client_state or {}, copy=True, exclude_frozen=exclude_frozen)
     except Exception as exc:
         raise fail(exc) from exc
     stats = SaveStats(os.path.join(save_dir, tag), stall_s=0.0)
