@@ -73,6 +73,9 @@ class Engine(nn.Module):
         self.backwards_in_window = 0
         self._checked_generation = 0
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
+        from .autotuning_probe import AutotuningProbe
+
+        self._autotuning = AutotuningProbe.create(config)  # an autotuning experiment: profile, report, end
 
     # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
     def train_batch_size(self) -> int:
@@ -245,6 +248,8 @@ class Engine(nn.Module):
                                "were never reduced: leave the no_sync() block for the last backward before step()")
         with self._guarded("step"):
             self._step(boundary, lr_kwargs)
+        if self._autotuning is not None:
+            self._autotuning.after_step(self)
 
     def _step(self, boundary: bool, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.optimizer is not None
