@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from .base import Section, known_keys
 from .compression import GradientCompressionConfig
+from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError, UnknownKeyError
@@ -90,6 +91,8 @@ class ZeroSpeedConfig(Section):
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""
     zerospeed: ZerospeedOptions = Field(default_factory=ZerospeedOptions)
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """DeepSpeed's autotuner section: ``zerospeed autotune`` plans experiments from it; the engine profiles them."""
     gradient_compression: GradientCompressionConfig = Field(default_factory=GradientCompressionConfig)
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
 

@@ -385,6 +385,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     data_size, data_rank = ((dp_size, dp_rank) if seq_grid is None else
                             (seq_grid.get_data_parallel_world_size(), seq_grid.get_data_parallel_rank()))
     cfg = load_config(early, data_size)
+    from .autotuning_probe import profile_model_info
+
+    profile_model_info(cfg, model)  # an autotuner's model-info run ends here
     pipelined = grid is not None and grid is getattr(model, "_grid", None)
     if pipelined and cfg.zero_stage >= 2:
         raise ConfigError("zero_optimization.stage", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism "

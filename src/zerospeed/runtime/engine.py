@@ -78,6 +78,9 @@ class Engine(nn.Module):
             from ..zero import fragments
 
             fragments.bind(optimizer)  # zerospeed.utils.safe_get_full_fp32_param & co. find each parameter's shard
+        from .autotuning_probe import AutotuningProbe
+
+        self._autotuning = AutotuningProbe.create(config)  # an autotuning experiment: profile, report, end
 
     # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
     def train_batch_size(self) -> int:
@@ -261,6 +264,8 @@ class Engine(nn.Module):
                                "were never reduced: leave the no_sync() block for the last backward before step()")
         with self._guarded("step"):
             self._step(boundary, lr_kwargs)
+        if self._autotuning is not None:
+            self._autotuning.after_step(self)
 
     def _step(self, boundary: bool, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.optimizer is not None
