@@ -330,6 +330,21 @@ def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
     return mpu
 
 
+def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
+    """AutoTP (``tensor_parallel`` section or ``tp_model_init``): split the model over the grid's model axis."""
+    from ..parallel.tensor.training import TensorParallelTraining, tp_requested
+
+    if not tp_requested(model, cfg.tensor_parallel):
+        return None
+    if cfg.zero_stage == 3:
+        raise NotSupportedYetError("zero_optimization.stage", "tensor parallelism with ZeRO stage 3 is not supported "
+                                   "yet by zerospeed; use stage 0, 1 or 2")
+    if grid is not None:
+        raise NotSupportedYetError("tensor_parallel", "tensor parallelism with a pipeline or an mpu is not supported "
+                                   "yet by zerospeed")
+    return TensorParallelTraining(model, cfg.tensor_parallel)
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
@@ -348,6 +363,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if early.comms_timeout_s is not None:
         comm.set_timeout(early.comms_timeout_s, comm.world_group())
     grid = _parallel_grid(model, mpu)
+    tp = _tensor_parallel(early, model, grid)
+    grid = tp.grid if tp is not None and grid is None else grid
     # The engine's own connections (docs/recovery.md): dropped and rebuilt after a failed step, leaving the
     # world group the user's code talks on untouched. A pipeline or a user's mpu brings its grid's groups.
     dp_group = comm.RecoverableGroup(early.comms_timeout_s) if grid is None else grid.get_data_parallel_group()
@@ -385,6 +402,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 
         zero_opt = PipelineZeroOptimizer.wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
+    if tp is not None and zero_opt is not None:  # one grad norm / overflow verdict over the split model
+        zero_opt = tp.wrap_optimizer(zero_opt)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
@@ -401,6 +420,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine_cls = PipelineEngine
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
+    if tp is not None:
+        engine.tensor_parallel = tp
+        engine.mp_world_size = tp.model.size
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
         if cfg.vocabulary_size and cfg.vocabulary_size % 8:
