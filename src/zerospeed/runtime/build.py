@@ -422,6 +422,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine.zero3 = stage3
     if tp is not None:
         engine.tensor_parallel = tp
+        engine.checkpoint_group = comm.world_group()  # every rank writes: tp shards x dp partitions
         engine.mp_world_size = tp.model.size
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
