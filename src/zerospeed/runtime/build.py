@@ -339,10 +339,10 @@ def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
     if cfg.zero_stage == 3:
         raise NotSupportedYetError("zero_optimization.stage", "tensor parallelism with ZeRO stage 3 is not supported "
                                    "yet by zerospeed; use stage 0, 1 or 2")
-    if grid is not None:
-        raise NotSupportedYetError("tensor_parallel", "tensor parallelism with a pipeline or an mpu is not supported "
-                                   "yet by zerospeed")
-    return TensorParallelTraining(model, cfg.tensor_parallel)
+    if grid is not None and grid is not getattr(model, "_grid", None):
+        raise NotSupportedYetError("tensor_parallel", "tensor parallelism with an mpu is not supported yet by "
+                                   "zerospeed (a PipelineModule's topology with a 'model' axis is)")
+    return TensorParallelTraining(model, cfg.tensor_parallel, grid)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

@@ -70,11 +70,14 @@ def model_type_of(model: nn.Module) -> str | None:
 
 
 def _blocks(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Every element of every ``nn.ModuleList`` that is not inside another block (the repeated layers)."""
+    """Every element of every ``nn.ModuleList`` (or numbered child, as in ``nn.Sequential`` and a
+    ``PipelineModule``'s layers) that is not inside another block: the repeated layers."""
     out = []
     for key, child in model.named_children():
         name = f"{prefix}{key}"
-        if isinstance(child, nn.ModuleList):
+        if key.isdigit():
+            out.append((name, child))
+        elif isinstance(child, nn.ModuleList):
             out.extend((f"{name}.{i}", m) for i, m in enumerate(child))
         else:
             out.extend(_blocks(child, name + "."))
