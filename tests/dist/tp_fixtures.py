@@ -32,14 +32,15 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
 
 
 def loss_of(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Next-token loss over ``SEQ`` positions (``x`` holds ``SEQ + 1`` tokens)."""
     if kind == "gpt":
         return model(x[:, :-1], x[:, 1:])[1]
-    return model(input_ids=x, labels=x).loss
+    return model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
 
 
 def global_batch(step: int, size: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(500 + step)
-    return torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
 
 
 def reference(kind: str, steps: int, batch: int, clip: float) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -58,28 +59,29 @@ def reference(kind: str, steps: int, batch: int, clip: float) -> tuple[list[floa
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_config(tp: int, stage: int, mb: int, clip: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def engine_config(tp: int, stage: int, mb: int, clip: float, extra: dict[str, Any] | None = None,
+                  sp: bool = False) -> dict[str, Any]:
     cfg = {
         "train_micro_batch_size_per_gpu": mb,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 700},
-        "tensor_parallel": {"autotp_size": tp},
+        "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp},
     }
     cfg.update(extra or {})
     return cfg
 
 
 def engine_run(kind: str, tp: int, stage: int, steps: int, batch: int, clip: float,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+               extra: dict[str, Any] | None = None, sp: bool = False) -> dict[str, Any]:
     """The same run through zerospeed with tensor parallelism: per-step global losses and grad norms."""
     import zerospeed
     from zerospeed import comm
 
     model = make_model(kind)
     dp = comm.get_world_size() // tp
-    engine, _, _, _ = zerospeed.initialize(model=model, config=engine_config(tp, stage, batch // dp, clip, extra))
+    engine, _, _, _ = zerospeed.initialize(model=model, config=engine_config(tp, stage, batch // dp, clip, extra, sp))
     grid = engine.tensor_parallel.grid
     dp_rank = grid.get_data_parallel_rank()
     losses, norms = [], []

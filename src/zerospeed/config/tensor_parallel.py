@@ -31,6 +31,9 @@ class TensorParallelConfig(Section):
     """Model dtype for ``tp_model_init`` (DeepSpeed's default fp16 applies only when it is called without one)."""
     tp_overlap_comm: bool = False
     """Overlap the input-gradient all-reduce of column layers with the weight-gradient matmul."""
+    sequence_parallel: bool = False
+    """zerospeed only (Megatron's sequence parallelism): inside the repeated blocks the residual stream and
+    norms hold ``seq/tp`` tokens; all-gather before column layers and reduce-scatter after row layers."""
     vocab_parallel_lm_head: bool | None = None
     vocab_parallel_ce_backend: Literal["torch", "liger"] = "torch"
     tp: TPSection = Field(default_factory=TPSection)

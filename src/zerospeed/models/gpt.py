@@ -69,9 +69,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape  # heads counted from the qkv output, so a tensor-parallel shard of qkv works too
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(x)  # shapes read from the qkv output: a tensor-parallel shard (heads, sequence) works too
+        b, t, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(b, t, -1)))

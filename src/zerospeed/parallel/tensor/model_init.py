@@ -25,6 +25,8 @@ from .policy import Placement, is_conv1d, plan_model
 
 REQUEST_ATTR = "_zerospeed_tp_request"
 STATE_ATTR = "_zerospeed_tp"
+_SP_MODEL_TYPES = (None, "gpt2")
+"""Models whose attention takes its shapes from the q/k/v projections (which see the whole sequence)."""
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -40,6 +42,8 @@ class TensorParallelModel:
     """Parameter name -> ``TPShardSpec`` for every parameter of a split layer (``dim=None``: replicated)."""
     transposed: set[str] = field(default_factory=set)
     """Weights stored ``[out, in]`` here but ``[in, out]`` in the original model (Hugging Face ``Conv1D``)."""
+    sequence_parallel: Any = None
+    """The gradient all-reduce of the replicated parameters inside the sequence-parallel region (or None)."""
 
     def split_params(self, model: nn.Module) -> set[int]:
         """ids of the parameters whose elements differ across the group (their shards)."""
@@ -96,26 +100,30 @@ def _linear_view(mod: nn.Module) -> nn.Module:
     return holder
 
 
-def _make_layer(mod: nn.Module, name: str, place: Placement, group: Any, meta: Any, overlap: bool) -> nn.Module:
-    """The tensor-parallel layer for one placement (packed weights: each sub-matrix split on its own)."""
+def _make_layer(mod: nn.Module, name: str, place: Placement, group: Any, meta: Any, overlap: bool,
+                sp: bool) -> nn.Module:
+    """The tensor-parallel layer for one placement (packed weights: each sub-matrix split on its own);
+    ``sp``: sequence parallel inside the repeated blocks."""
     from .column import LinearLayer
     from .fused import SubParamLinearAllreduce, SubParamLinearLayer
     from .row import LinearAllreduce
 
+    sp = sp and place.block is not None
     if place.kind == PartitionType.ROW:
         if place.shape is not None:
             dim = 1 if place.partition_dim is None else place.partition_dim
-            return SubParamLinearAllreduce(mod, group, shape=place.shape, partition_dim=dim, name=name, tp_meta=meta)
-        return LinearAllreduce(mod, group, name=name, tp_meta=meta)
+            return SubParamLinearAllreduce(mod, group, shape=place.shape, partition_dim=dim, name=name, tp_meta=meta,
+                                           sequence_parallel=sp)
+        return LinearAllreduce(mod, group, name=name, tp_meta=meta, sequence_parallel=sp)
     if place.shape is None:
         return LinearLayer(mod, group, gather_output=place.gather_output, name=name, tp_meta=meta,
-                           overlap_comm=overlap)
+                           overlap_comm=overlap, sequence_parallel=sp)
     if place.gather_output:
         raise ValueError(f"AutoTP layer {name}: gather_output with a shaped (packed) spec is not supported yet (as "
                          "in DeepSpeed)")
     dim = 0 if place.partition_dim is None else place.partition_dim
     return SubParamLinearLayer(mod, group, shape=place.shape, partition_dim=dim, name=name, tp_meta=meta,
-                               overlap_comm=overlap)
+                               overlap_comm=overlap, sequence_parallel=sp)
 
 
 def _local_heads(model: nn.Module, parents: dict[str, list[str]]) -> None:
@@ -176,13 +184,61 @@ def autotp_shard(model: nn.Module, tp_group: Any, section: TensorParallelConfig 
         mod = getattr(parent, leaf)
         if is_conv1d(mod):
             state.transposed.add(f"{name}.weight")
-        setattr(parent, leaf, _make_layer(_linear_view(mod), name, place, tp_group, meta, section.tp_overlap_comm))
+        setattr(parent, leaf, _make_layer(_linear_view(mod), name, place, tp_group, meta, section.tp_overlap_comm,
+                                          section.sequence_parallel and size > 1))
         parents.setdefault(pname, []).append(leaf)
     _local_heads(model, parents)
     state.specs = tp_shard_specs(model)
     _grad_allreduce_hooks(model, config, tp_group)
+    if section.sequence_parallel and size > 1:
+        state.sequence_parallel = _sequence_region(model, state, tp_group)
     setattr(model, STATE_ATTR, state)
     return state
+
+
+def _first(x: Any) -> torch.Tensor:
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _with_first(x: Any, t: torch.Tensor) -> Any:
+    return (t, *x[1:]) if isinstance(x, tuple) else [t, *x[1:]] if isinstance(x, list) else t
+
+
+def _sequence_region(model: nn.Module, state: TensorParallelModel, group: Any) -> Any:
+    """Megatron sequence parallelism over the repeated blocks: the first block's input is cut to this rank's
+    tokens, the last block's output gathered back; the blocks' replicated parameters (norms) sum their
+    gradients over the group. Dimension 1 is the sequence (``[batch, seq, hidden]``)."""
+    from .mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+    from .policy import block_names, model_type_of
+    from .sequence import SequenceParallelGradSync
+
+    mtype = model_type_of(model)
+    if mtype not in _SP_MODEL_TYPES:
+        raise ValueError(f"tensor_parallel.sequence_parallel with a '{mtype}' model is not supported yet by zerospeed "
+                         "(its attention reads the sequence length from its sharded input); supported: zerospeed's GPT, "
+                         "models without config.model_type, and gpt2")
+    blocks = block_names(model)
+    if not blocks:
+        raise ValueError("tensor_parallel.sequence_parallel: the model has no repeated blocks (nn.ModuleList)")
+    first, last = model.get_submodule(blocks[0]), model.get_submodule(blocks[-1])
+
+    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return (scatter_to_sequence_parallel_region(args[0], group), *args[1:]), kwargs
+        key = next(iter(kwargs))  # hidden_states passed by name
+        return args, {**kwargs, key: scatter_to_sequence_parallel_region(kwargs[key], group)}
+
+    def leave(_m: nn.Module, _args: tuple, out: Any) -> Any:
+        return _with_first(out, gather_from_sequence_parallel_region(_first(out), group,
+                                                                     tensor_parallel_output_grad=False))
+
+    first.register_forward_pre_hook(enter, with_kwargs=True)
+    last.register_forward_hook(leave)
+    split_ids = state.split_params(model)
+    tp_layer_params = {id(p) for n, p in model.named_parameters() if n in state.specs}
+    replicated = [p for b in blocks for p in model.get_submodule(b).parameters()
+                  if id(p) not in split_ids and id(p) not in tp_layer_params]
+    return SequenceParallelGradSync(replicated, group)
 
 
 def _grad_allreduce_hooks(model: nn.Module, config: Any, group: Any) -> None:

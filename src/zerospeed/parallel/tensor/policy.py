@@ -23,7 +23,7 @@ Checks after placing: each repeated block that splits anything has a row layer c
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -46,6 +46,8 @@ class Placement:
     shape: tuple | None = None
     partition_dim: int | None = None
     rule: str = ""
+    block: str | None = None
+    """The repeated block (``nn.ModuleList`` element) holding the layer, or None."""
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -131,6 +133,11 @@ def _default(name: str, mixtral: bool, row_by_norm: set[str]) -> Placement:
     return Placement(PartitionType.COLUMN, rule="column (default)")
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """The repeated blocks of ``model``, in order."""
+    return [n for n, _ in _blocks(model)]
+
+
 def plan_model(model: nn.Module, config: AutoTPConfig | None = None) -> dict[str, Placement]:
     """One placement per splittable layer (by module name); ValueError naming what cannot be placed."""
     mtype = model_type_of(model)
@@ -163,6 +170,7 @@ def plan_model(model: nn.Module, config: AutoTPConfig | None = None) -> dict[str
                           f"an output head ({', '.join(heads)})")
         else:
             plan[name] = _default(name, mixtral, row_by_norm)
+    plan = {n: replace(p, block=in_block.get(n)) for n, p in plan.items()}
     _check_blocks(plan, in_block, errors)
     if errors:
         raise ValueError("AutoTP cannot place these layers (add a tensor_parallel.partition_config.layer_specs "
