@@ -11,7 +11,7 @@ from zerospeed.testing import run_distributed
 
 from .tp_fixtures import engine_run, reference
 
-STEPS, BATCH, CLIP = 4, 4, 0.5
+STEPS, BATCH, CLIP = 10, 4, 0.5
 
 
 def _check(kind: str, results: list, steps: int = STEPS) -> None:
@@ -45,3 +45,9 @@ def test_tp2_dp2_zero_parity(kind: str, stage: int) -> None:
     results = run_distributed(engine_run, 4, kind, 2, stage, STEPS, BATCH, CLIP, timeout=180)
     assert sorted((r["dp_rank"], r["tp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     _check(kind, results)
+
+
+def test_heads_that_cannot_be_split_name_the_layer() -> None:
+    """Llama with 2 key/value heads over tp=4: an error naming the layer and the numbers, before any step."""
+    with pytest.raises(Exception, match=r"model\.layers\.0\.self_attn\.[kq]_proj.*\b2\b"):
+        run_distributed(engine_run, 4, "llama", 4, 0, 1, BATCH, CLIP, timeout=60)

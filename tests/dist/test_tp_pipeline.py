@@ -10,7 +10,7 @@ from zerospeed.testing import run_distributed
 
 from .pipe_fixtures import SEED, batches, gpt_layers, loss_fn, rank_iter, reference_losses
 
-STEPS, MICRO, GAS, LR, CLIP = 6, 2, 2, 1e-2, 0.5
+STEPS, MICRO, GAS, LR, CLIP = 10, 2, 2, 1e-2, 0.5
 
 
 def _train(stage: int) -> dict:
