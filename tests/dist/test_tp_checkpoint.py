@@ -13,6 +13,11 @@ from .tp_fixtures import engine_config, global_batch, loss_of, make_model
 BATCH, CLIP = 4, 0.5
 
 
+@pytest.fixture(autouse=True)
+def _warm_imports() -> None:
+    make_model("gpt2")  # import the Hugging Face code once in the parent, not in every forked rank
+
+
 def _engine(kind: str, tp: int, stage: int):
     import zerospeed
     from zerospeed import comm

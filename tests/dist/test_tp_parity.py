@@ -9,9 +9,15 @@ import torch
 
 from zerospeed.testing import run_distributed
 
-from .tp_fixtures import engine_run, reference
+from .tp_fixtures import engine_run, make_model, reference
 
 STEPS, BATCH, CLIP = 10, 4, 0.5
+
+
+@pytest.fixture(autouse=True)
+def _warm_imports() -> None:
+    """Import the Hugging Face model code once in the parent, so the forked ranks do not each import it."""
+    make_model("gpt2"), make_model("llama")
 
 
 def _check(kind: str, results: list, steps: int = STEPS) -> None:

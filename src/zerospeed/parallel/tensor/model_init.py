@@ -176,17 +176,24 @@ def autotp_shard(model: nn.Module, tp_group: Any, section: TensorParallelConfig 
     meta = AutoTPMeta.from_model_config(getattr(model, "config", None), section.tp.tp_grain_size)
     state = TensorParallelModel(tp_group, size, rank, plan)
     parents: dict[str, list[str]] = {}
-    for name, place in plan.items():
-        if place.kind == PartitionType.SKIP:
-            continue
-        pname, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(pname) if pname else model
-        mod = getattr(parent, leaf)
-        if is_conv1d(mod):
-            state.transposed.add(f"{name}.weight")
-        setattr(parent, leaf, _make_layer(_linear_view(mod), name, place, tp_group, meta, section.tp_overlap_comm,
-                                          section.sequence_parallel and size > 1))
-        parents.setdefault(pname, []).append(leaf)
+    error = ""
+    try:
+        for name, place in plan.items():
+            if place.kind == PartitionType.SKIP:
+                continue
+            pname, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(pname) if pname else model
+            mod = getattr(parent, leaf)
+            if is_conv1d(mod):
+                state.transposed.add(f"{name}.weight")
+            setattr(parent, leaf, _make_layer(_linear_view(mod), name, place, tp_group, meta, section.tp_overlap_comm,
+                                              section.sequence_parallel and size > 1))
+            parents.setdefault(pname, []).append(leaf)
+    except ValueError as exc:  # e.g. heads that do not split: only some ranks see it, every rank must raise
+        error = str(exc)
+    errors = [e for e in comm.all_gather_object(error, group=tp_group) if e] if size > 1 else [error] * bool(error)
+    if errors:
+        raise ValueError(f"AutoTP could not split the model over {size} ranks: {errors[0]}")
     _local_heads(model, parents)
     state.specs = tp_shard_specs(model)
     _grad_allreduce_hooks(model, config, tp_group)
