@@ -66,3 +66,29 @@ def test_params_and_optimizer_state_halve_at_tp2() -> None:
     two = run_distributed(_state_bytes, 2, 2, timeout=60)
     for b in two:
         assert abs(b / one - 0.5) <= 0.5 * 0.02, (b, one, b / one)
+
+
+def _batches() -> dict:
+    import zerospeed
+    from zerospeed import comm
+
+    data = [(torch.full((SEQ_LEN + 1,), i, dtype=torch.long),) for i in range(16)]
+    engine, _, loader, _ = zerospeed.initialize(model=make_model("gpt"), training_data=data,
+                                                config=engine_config(2, 1, 2, 0.0))
+    grid = engine.tensor_parallel.grid
+    first = [b[0][:, 0].tolist() for _, b in zip(range(2), loader)]
+    return {"tp": grid.get_slice_parallel_rank(), "dp": grid.get_data_parallel_rank(), "rank": comm.get_rank(),
+            "batches": first}
+
+
+SEQ_LEN = 8
+
+
+def test_every_rank_of_a_tp_group_reads_the_same_batch() -> None:
+    """DeepSpeed's TestTpDataloaderCorrectness: world 4 = tp 2 x dp 2; tp peers equal, dp replicas differ."""
+    res = run_distributed(_batches, 4, timeout=60)
+    by_dp = {}
+    for r in res:
+        by_dp.setdefault(r["dp"], []).append(r["batches"])
+    assert all(len(v) == 2 and v[0] == v[1] for v in by_dp.values())
+    assert by_dp[0][0] != by_dp[1][0]

@@ -172,6 +172,10 @@ def autotp_shard(model: nn.Module, tp_group: Any, section: TensorParallelConfig 
         model.to(dtype=dtype)
     config = resolve_partition_config(section.preset_model, section.partition_config, size)
     plan = plan_model(model, config)
+    if size == 1:  # the rules are checked; nothing to split (the model keeps its own layers and layouts)
+        state = TensorParallelModel(tp_group, 1, 0, plan)
+        setattr(model, STATE_ATTR, state)
+        return state
     _sync_over(model, tp_group)
     meta = AutoTPMeta.from_model_config(getattr(model, "config", None), section.tp.tp_grain_size)
     state = TensorParallelModel(tp_group, size, rank, plan)
