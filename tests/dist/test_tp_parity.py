@@ -57,3 +57,28 @@ def test_heads_that_cannot_be_split_name_the_layer() -> None:
     """Llama with 2 key/value heads over tp=4: an error naming the layer and the numbers, before any step."""
     with pytest.raises(Exception, match=r"model\.layers\.0\.self_attn\.[kq]_proj.*\b2\b"):
         run_distributed(engine_run, 4, "llama", 4, 0, 1, BATCH, CLIP, timeout=60)
+
+
+def _via_tp_model_init() -> list:
+    import zerospeed
+
+    from .tp_fixtures import engine_config, global_batch, loss_of
+
+    model = zerospeed.tp_model_init(make_model("gpt"), tp_size=2, dtype=torch.float32)
+    cfg = engine_config(2, 0, BATCH, CLIP)
+    del cfg["tensor_parallel"]  # the request alone turns AutoTP on, as in DeepSpeed
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    losses = []
+    for step in range(2):
+        loss = loss_of("gpt", engine, global_batch(step, BATCH))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert engine.mp_world_size == 2 and engine.module.blocks[0].mlp.fc.weight.shape[0] == 64  # 128 / 2
+    return losses
+
+
+def test_tp_model_init_alone_turns_autotp_on() -> None:
+    ref_losses, _, _ = reference("gpt", 2, BATCH, CLIP)
+    for losses in run_distributed(_via_tp_model_init, 2, timeout=60):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
