@@ -150,6 +150,8 @@ def test_config_section() -> None:
     assert cfg.tensor_parallel.size == 2 and cfg.tensor_parallel.tp.tp_grain_size == 8
     with pytest.raises(ConfigError, match="disagree"):
         load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}})
+    with pytest.raises(ConfigError, match="keep_module_on_host: true is not supported yet"):
+        load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2, "keep_module_on_host": True}})
     with pytest.raises(ConfigError, match="autotp_size"):
         load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_sise": 2}})
 

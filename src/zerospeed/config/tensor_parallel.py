@@ -60,6 +60,11 @@ class TensorParallelConfig(Section):
             raise ValueError(f"autotp_size ({self.autotp_size}) and tp.tp_size ({self.tp.tp_size}) disagree")
         if self.replace_with_kernel_inject:
             raise ValueError("kernel_inject (inference kernels) is not supported yet by zerospeed in training")
+        if self.injection_policy_tuple is not None:
+            raise ValueError("injection_policy_tuple is not supported yet by zerospeed: use partition_config.layer_specs")
+        if self.keep_module_on_host:
+            raise ValueError("keep_module_on_host: true is not supported yet by zerospeed (AutoTP training splits the "
+                             "model where it is)")
         if self.vocab_parallel_ce_backend != "torch":
             raise ValueError("vocab_parallel_ce_backend 'liger' is not supported yet by zerospeed; use 'torch'")
         return self
