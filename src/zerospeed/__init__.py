@@ -25,6 +25,7 @@ _LAZY = {
     "zero": ("zerospeed.zero", None),
     "comm": ("zerospeed.comm", None),
     "checkpointing": ("zerospeed.checkpointing", None),
+    "tp_model_init": ("zerospeed.parallel.tensor.model_init", "tp_model_init"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -29,6 +29,7 @@ from .monitoring import (
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .pipeline import PipelineConfig
 from .precision import Bf16Config, Fp16Config
+from .tensor_parallel import TensorParallelConfig
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
 from .zero import ZeroConfig
 
@@ -85,6 +86,8 @@ class ZeroSpeedConfig(Section):
     sequence_parallel_size: int = Field(1, ge=1)
     """Ulysses sequence parallelism: ranks per sequence group (1 = off). The world splits into
     world/sequence_parallel_size data-parallel replicas; batch sizes count those replicas."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP training (``zerospeed.tp_model_init``): degree, layer rules, presets."""
     use_data_before_expert_parallelism: bool = False
     """MoE groups: ``true`` puts expert-data-parallel peers adjacent ("D + E") instead of expert peers."""
     comms_timeout_s: float | None = Field(None, gt=0)

@@ -15,7 +15,6 @@ from typing import Any
 from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "tensor_parallel": "tensor parallelism (AutoTP)",
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",

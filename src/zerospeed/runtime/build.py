@@ -353,6 +353,19 @@ def _sequence_grid(cfg: ZeroSpeedConfig, model: nn.Module, mpu: Any) -> Any:
     from ..parallel.sequence.groups import SequenceParallelGrid
 
     return SequenceParallelGrid(sp)
+def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
+    """AutoTP (``tensor_parallel`` section or ``tp_model_init``): split the model over the grid's model axis."""
+    from ..parallel.tensor.training import TensorParallelTraining, tp_requested
+
+    if not tp_requested(model, cfg.tensor_parallel):
+        return None
+    if cfg.zero_stage == 3:
+        raise NotSupportedYetError("zero_optimization.stage", "tensor parallelism with ZeRO stage 3 is not supported "
+                                   "yet by zerospeed; use stage 0, 1 or 2")
+    if grid is not None and grid is not getattr(model, "_grid", None):
+        raise NotSupportedYetError("tensor_parallel", "tensor parallelism with an mpu is not supported yet by "
+                                   "zerospeed (a PipelineModule's topology with a 'model' axis is)")
+    return TensorParallelTraining(model, cfg.tensor_parallel, grid)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
@@ -374,6 +387,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         comm.set_timeout(early.comms_timeout_s, comm.world_group())
     seq_grid = _sequence_grid(early, model, mpu)
     grid = _parallel_grid(model, mpu) if seq_grid is None else None
+    tp = _tensor_parallel(early, model, grid)
+    if tp is not None and seq_grid is not None:
+        raise NotSupportedYetError("sequence_parallel_size", "Ulysses sequence parallelism together with tensor "
+                                   "parallelism is not supported yet by zerospeed")
+    grid = tp.grid if tp is not None and grid is None else grid
     # The engine's own connections (docs/recovery.md): dropped and rebuilt after a failed step, leaving the
     # world group the user's code talks on untouched. A pipeline or a user's mpu brings its grid's groups.
     # Under sequence parallelism ZeRO partitions and reduces over every rank (data x sequence, DeepSpeed's
@@ -423,6 +441,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 
         zero_opt = PipelineZeroOptimizer.wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
+    if tp is not None and zero_opt is not None:  # one grad norm / overflow verdict over the split model
+        zero_opt = tp.wrap_optimizer(zero_opt)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
@@ -441,6 +461,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine.zero3 = stage3
     if seq_grid is not None:
         engine.set_sequence_groups(seq_grid)
+    if tp is not None:
+        engine.tensor_parallel = tp
+        engine.checkpoint_group = comm.world_group()  # every rank writes: tp shards x dp partitions
+        engine.mp_world_size = tp.model.size
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = engine.local_rank  # as DeepSpeed: scripts read args.local_rank after initialize()
     if comm.get_rank() == 0:

@@ -82,8 +82,12 @@ def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool, exclud
 
 
 def check_names(module: nn.Module, saved: dict[str, Any], strict: bool) -> None:
+    from ...parallel.tensor.checkpoint import full_shapes, saved_shape, transposed_names
+
     current = {k: full_shape(t) for k, t in entries(module)}
     current.update({k: current[like] for k, like in _other_experts(module)})
+    current.update({k: torch.Size(s) for k, s in full_shapes(module).items() if k in current})
+    here_t = transposed_names(module)
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     if strict and (missing or unexpected):
@@ -91,7 +95,7 @@ def check_names(module: nn.Module, saved: dict[str, Any], strict: bool) -> None:
         raise CheckpointError(f"checkpoint does not match the model: missing {missing[:10]}, "
                               f"unexpected {unexpected[:10]}{more}")
     for k, shape in current.items():
-        if k in saved and list(shape) != saved[k]["shape"]:
+        if k in saved and list(shape) != saved_shape(saved[k], k in here_t):
             raise CheckpointError(f"checkpoint tensor {k!r} has shape {saved[k]['shape']}, the model has {list(shape)}")
 
 

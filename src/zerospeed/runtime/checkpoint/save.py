@@ -42,6 +42,11 @@ class RankSnapshot:
     index: dict[str, list[int]] = field(default_factory=dict)
 
 
+def save_group(engine: Any) -> Any:
+    """The ranks that write one checkpoint: the data-parallel group, or every rank under tensor parallelism."""
+    return getattr(engine, "checkpoint_group", None) or engine.dp_group
+
+
 def _groups(engine: Any) -> list[Any]:
     return list(engine.optimizer.groups) if engine.optimizer is not None else []
 
@@ -51,15 +56,25 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall).
     ``exclude_frozen``: parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
     ``exclude_frozen_parameters``); a load keeps the values the model has for them."""
+    from ...parallel.tensor import checkpoint as tp_ckpt
+
     names = names_by_id(engine.module)
     groups = _groups(engine)
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
-    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, rank)
+    dp_rank = comm.get_rank(engine.dp_group)
+    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, dp_rank)
+    if save_group(engine) is not engine.dp_group:  # tensor parallelism: replicated tensors by the first tp rank
+        if not tp_ckpt.writes_replicated(engine.module):
+            tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[2] != tp_ckpt.base_name(k.rpartition("/")[2])}
+            ranges = {k: v for k, v in ranges.items() if k in tensors}
+        for other in comm.all_gather_object(opt_layout, group=save_group(engine)):
+            opt_layout.update(other)
     snap = RankSnapshot(rank, world, index=ranges)
     snap.tensor_files[layout.shard_file(rank)] = tensors
     snap.json_files[layout.rng_file(rank)] = rng_state()
-    grouped = {names[id(p)] for g in groups for p in g.params}
+    grouped = {tp_ckpt.base_name(names[id(p)]) for g in groups for p in g.params}
     entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy, exclude_frozen)
+    tp_ckpt.describe_split(engine.module, entries)
     if rank != 0:
         return snap
     client_tensors: dict[str, torch.Tensor] = {}
@@ -68,6 +83,7 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     meta = {
         "format": layout.FORMAT, "version": layout.VERSION,
         "world_size": world, "zero_stage": engine.zero_optimization_stage(),
+        "tensor_parallel_size": int(getattr(engine, "mp_world_size", 1)),
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         "tensors": entries,
         "optimizer": None if opt is None else {
@@ -124,7 +140,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     writer.wait()
     _check_accumulation(engine)
     t0 = time.perf_counter()
-    group = engine.dp_group
+    group = save_group(engine)
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     save_dir = os.fspath(save_dir)
