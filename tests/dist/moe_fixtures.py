@@ -89,7 +89,9 @@ def reference(steps: int, world: int, mb: int, k: int, clip: float, lr: float,
 
 
 def engine_config(stage: int, clip: float, lr: float, mb: int, world: int, gas: int = 1) -> dict[str, Any]:
+    """Stage 3 cuts every parameter (persistence threshold 0) and prefetches (a bucket of a few tensors)."""
+    zero3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 600} if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas,
             "train_batch_size": mb * world * gas, "gradient_clipping": clip,
             "optimizer": {"type": "SGD", "params": {"lr": lr}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300, **zero3}}

@@ -25,6 +25,11 @@ def _engine(ep: int, stage: int, seed: int):
 
 
 def _by_global_id(model: MoEGPT) -> dict[str, torch.Tensor]:
+    with zerospeed.zero.GatheredParameters(list(model.parameters())):  # whole under stage 3
+        return _whole_by_global_id(model)
+
+
+def _whole_by_global_id(model: MoEGPT) -> dict[str, torch.Tensor]:
     out = {n: p.detach().clone() for n, p in model.named_parameters() if not is_moe_param(p)}
     for layer, block in enumerate(model.gpt.blocks):
         for local, gid in enumerate(block.mlp.moe.global_expert_ids()):
@@ -63,7 +68,7 @@ def _merged(results: list) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_ep2_checkpoint_loads_at_ep1_and_ep4(tmp_path, stage: int) -> None:
     path = str(tmp_path / "ckpt")
     saved = run_distributed(_save, 2, path, 2, stage, timeout=120)
@@ -112,3 +117,18 @@ def _save_16bit(path: str) -> str:
 def test_save_16bit_model_at_ep2_fails_loudly(tmp_path) -> None:
     assert all("not supported yet by zerospeed" in m for m in run_distributed(_save_16bit, 2, str(tmp_path),
                                                                             timeout=60))
+
+
+def test_zero3_experts_cut_over_expert_data_groups_reshard(tmp_path) -> None:
+    """World 4, ep=2, ZeRO-3: each expert is cut over its expert-data group of two; the checkpoint resumes
+    bitwise at the same layout and loads at world 2 (ep=2, experts whole; ep=1, cut over both ranks)."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, 4, path, 2, 3, timeout=180)
+    want = _merged(saved)
+    resumed = run_distributed(_load, 4, path, 2, 3, timeout=180)
+    assert [c for _, c in resumed] == [c for _, c in saved]  # bitwise
+    for ep in (2, 1):
+        got = _merged(run_distributed(_load_only, 2, path, ep, 3, timeout=120))
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)

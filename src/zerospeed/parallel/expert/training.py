@@ -16,6 +16,7 @@ of its expert-data-parallel (``edp``) group. So, as in DeepSpeed:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -42,9 +43,6 @@ class MoETraining:
         if comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
             raise NotSupportedYetError("mpu", "MoE layers with pipeline or model parallelism (a data-parallel "
                                        "group smaller than the world) are not supported yet by zerospeed")
-        if stage == 3:
-            raise NotSupportedYetError("zero_optimization.stage", "MoE layers under ZeRO stage 3 are not "
-                                       "supported yet by zerospeed; use stage 0, 1 or 2")
         if offload:
             raise NotSupportedYetError("zero_optimization.offload_optimizer", "MoE layers with optimizer offload "
                                        "are not supported yet by zerospeed")
@@ -52,6 +50,7 @@ class MoETraining:
         for layer in moe_layers(model):
             layer.set_deepspeed_parallelism(data_before_expert, self.registry)
         self.dp_group = dp_group
+        self.stage = stage
         self.hooks = []
         for layer in moe_layers(model):
             ep = layer.ep_size
@@ -89,19 +88,32 @@ class MoETraining:
                              "split it with split_params_into_different_moe_groups_for_optimizer")
         return self.registry[names.pop()]
 
+    def partition_groups(self, model: nn.Module, param_offload: bool = False) -> dict[int, Any]:
+        """ZeRO-3: ``id(param) -> group`` to partition each expert parameter over (its ``edp`` group)."""
+        if param_offload:
+            raise NotSupportedYetError("zero_optimization.offload_param", "MoE layers with parameter offload "
+                                       "(ZeRO-Infinity) are not supported yet by zerospeed; use offload_optimizer")
+        return {id(p): layer.expert_groups.edp_group for layer in moe_layers(model)
+                for p in layer.deepspeed_moe.experts.parameters()}
+
     def sharded_group(self, params: list[nn.Parameter], options: dict[str, Any], stage: int, bucket: int,
-                      compute: torch.dtype) -> ShardedGroup:
-        """An expert param group, partitioned over its ``edp`` group (stages 1-2)."""
+                      compute: torch.dtype, stage3: Any = None, **kwargs: Any) -> ShardedGroup:
+        """An expert param group, partitioned over its ``edp`` group (stages 1-3)."""
         eg = self.expert_groups_of(params)
         assert eg is not None
         rank = eg.edp_ranks.index(comm.get_rank()) if comm.is_initialized() else 0
-        grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute)
+        if stage3 is not None:
+            grp = stage3.make_group(params, options, rank, bucket, group=eg.edp_group, **kwargs)
+        else:
+            grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute, **kwargs)
         grp.replica_rank = rank  # type: ignore[attr-defined]  # checkpoints: edp rank 0 writes unpartitioned experts
         return grp
 
     @torch.no_grad()
     def sync_experts(self, model: nn.Module) -> None:
-        """Every ``edp`` group starts from the expert values of its first rank."""
+        """Every ``edp`` group starts from the expert values of its first rank (ZeRO-3 did it while cutting)."""
+        if self.stage == 3:
+            return
         for layer in moe_layers(model):
             eg = layer.expert_groups
             assert eg is not None
@@ -110,7 +122,7 @@ class MoETraining:
                     comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
 
     # --- reduction and the step -------------------------------------------------------------------------
-    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings) -> "MoEGradReducer":
+    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings, stage3: Any = None) -> "MoEGradReducer":
         by_set: dict[str, list[int]] = {}
         for gi, grp in enumerate(live):
             eg = self.expert_groups_of(grp.params)
@@ -119,14 +131,12 @@ class MoETraining:
         for name in sorted(by_set):  # dense ("") first, then expert groups by name: the same order on every rank
             idx = by_set[name]
             if name == "":
-                parts.append((GradReducer([live[i] for i in idx], settings, self.dp_group), idx))
+                group, s = self.dp_group, settings
             else:
                 eg = self.registry[name]
-                s = ReduceSettings(stage=settings.stage, dp_size=eg.edp_size, accum_dtype=settings.accum_dtype,
-                                   comm_dtype=settings.comm_dtype, reduce_scatter=settings.reduce_scatter,
-                                   overlap_comm=settings.overlap_comm, prescale_gradients=settings.prescale_gradients,
-                                   gradient_predivide_factor=settings.gradient_predivide_factor)
-                parts.append((GradReducer([live[i] for i in idx], s, eg.edp_group), idx))
+                group, s = eg.edp_group, dataclasses.replace(settings, dp_size=eg.edp_size)
+            grps = [live[i] for i in idx]
+            parts.append((GradReducer(grps, s, group) if stage3 is None else stage3.make_reducer(grps, s, group), idx))
         return MoEGradReducer(parts)
 
     def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
