@@ -14,19 +14,25 @@ from zerospeed import comm
 from zerospeed.moe.utils import is_moe_param
 from zerospeed.testing import run_distributed
 
-from .moe_fixtures import MoEGPT, batch, engine_config, reference
+from .moe_fixtures import ADAM_EPS, MoEGPT, batch, engine_config, reference
 
-STEPS, MB, LR = 10, 2, 0.5
+STEPS, MB, LR, ADAM_LR = 10, 2, 0.5, 0.01
 
 
-def _train(ep: int, k: int, stage: int, clip: float, data_before: bool = False) -> tuple:
+def _train(ep: int, k: int, stage: int, clip: float, data_before: bool = False, offload: bool = False,
+           adam: bool = False) -> tuple:
     rank, world = comm.get_rank(), comm.get_world_size()
     # DeepSpeed's layout: expert-parallel peers adjacent; "data before expert": expert-data peers adjacent
     ep_rank = rank // (world // ep) if data_before else rank % ep
     model = MoEGPT(ep, k, ep_rank)
     cfg = engine_config(stage, clip, LR, MB, world)
     cfg["use_data_before_expert_parallelism"] = data_before
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if adam:  # DeepSpeed's "Adam" (adam_w_mode, no weight decay: Adam); the fast CPU kernel under offload
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": ADAM_LR, "eps": ADAM_EPS}}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    assert (engine.optimizer.stepper is not None) == offload
     groups = model.gpt.blocks[0].mlp.moe.expert_groups
     assert model.gpt.blocks[0].mlp.moe.global_expert_ids()[0] == ep_rank * (4 // ep)
     if stage == 3:  # experts cut over their expert-data group (whole when it has one rank), dense over all
@@ -75,8 +81,8 @@ def _expert_grads(engine, model: MoEGPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check(results: list, world: int, k: int, clip: float) -> None:
-    ref_losses, ref, ref_grads = reference(STEPS, world, MB, k, clip, LR)
+def _check(results: list, world: int, k: int, clip: float, adam: bool = False) -> None:
+    ref_losses, ref, ref_grads = reference(STEPS, world, MB, k, clip, ADAM_LR if adam else LR, adam=adam)
     ref_state = {n: p for n, p in ref.named_parameters() if not is_moe_param(p)}
     for layer in range(len(ref.gpt.blocks)):
         for gid in range(4):
@@ -124,6 +130,16 @@ def test_world4_ep2_dp2_zero3_clipping() -> None:
     results = run_distributed(_train, 4, 2, 2, 3, 0.05, timeout=180)
     _check(results, 4, 2, 0.05)
     assert len({round(r[2], 6) for r in results}) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world2_ep2_offload_optimizer(stage: int) -> None:
+    """ZeRO-Offload: expert and dense masters (and the optimizer step) on the host, clipping on."""
+    _check(run_distributed(_train, 2, 2, 1, stage, 0.05, False, True, timeout=120), 2, 1, 0.05)
+
+
+def test_world4_ep2_dp2_zero2_offload_optimizer_cpu_adam() -> None:
+    _check(run_distributed(_train, 4, 2, 2, 2, 0.0, False, True, True, timeout=180), 4, 2, 0.0, adam=True)
 
 
 def test_world4_data_before_expert_config_key() -> None:

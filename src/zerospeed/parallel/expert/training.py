@@ -43,9 +43,6 @@ class MoETraining:
         if comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
             raise NotSupportedYetError("mpu", "MoE layers with pipeline or model parallelism (a data-parallel "
                                        "group smaller than the world) are not supported yet by zerospeed")
-        if offload:
-            raise NotSupportedYetError("zero_optimization.offload_optimizer", "MoE layers with optimizer offload "
-                                       "are not supported yet by zerospeed")
         self.registry: dict[str, ExpertGroups] = {}
         for layer in moe_layers(model):
             layer.set_deepspeed_parallelism(data_before_expert, self.registry)
