@@ -276,14 +276,14 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
 
 
-def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None) -> Any:
+def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None, grid: Any = None) -> Any:
     """Expert groups and gradient routing when the model holds MoE layers (None otherwise)."""
     from ..parallel.expert.training import MoETraining, moe_layers
 
     if not moe_layers(model):
         return None
     return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled,
-                       cfg.use_data_before_expert_parallelism)
+                       cfg.use_data_before_expert_parallelism, grid)
 
 
 def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
@@ -364,7 +364,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     batch = cfg.batch(dp_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
-    moe = _moe_training(cfg, model, dp_group)
+    moe = _moe_training(cfg, model, dp_group, grid)
     stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank, moe)
     raw_groups = _param_groups(model, model_parameters, optimizer)
     if moe is not None:
@@ -386,7 +386,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if pipelined and zero_opt is not None:  # one grad norm / overflow verdict over every stage
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 
-        zero_opt = PipelineZeroOptimizer.wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
+        wrap = PipelineZeroOptimizer.wrap if moe is None else moe.wrap_pipeline  # MoE: its own norm, then stages
+        zero_opt = wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)

@@ -96,9 +96,10 @@ class MoE(nn.Module):
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
-                                  registry: dict[str, ExpertGroups] | None = None) -> None:
-        """Create (or take from ``registry``) this layer's expert groups. Collective over the world."""
-        self.expert_groups = create_expert_groups(self.ep_size, use_data_before_expert_parallel_, registry)
+                                  registry: dict[str, ExpertGroups] | None = None, mpu: Any = None) -> None:
+        """Create (or take from ``registry``) this layer's expert groups, inside the data-parallel groups of
+        ``mpu``'s grid when given (a pipeline's). Collective over the world."""
+        self.expert_groups = create_expert_groups(self.ep_size, use_data_before_expert_parallel_, registry, mpu)
         self.deepspeed_moe._set_ep_group(self.expert_groups.ep_group)
 
     def global_expert_ids(self) -> list[int]:

@@ -39,13 +39,14 @@ class MoETraining:
     """The expert groups of one engine (a registry it owns) and the helpers ``runtime/build.py`` calls."""
 
     def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload: bool,
-                 data_before_expert: bool = False) -> None:
-        if comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
-            raise NotSupportedYetError("mpu", "MoE layers with pipeline or model parallelism (a data-parallel "
-                                       "group smaller than the world) are not supported yet by zerospeed")
+                 data_before_expert: bool = False, grid: Any = None) -> None:
+        """``grid``: the pipeline's (or a user's mpu) grid; expert groups are cut inside its data-parallel groups."""
+        if grid is None and comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
+            raise ValueError("MoE layers with a data-parallel group smaller than the world need the grid that "
+                             "defines it (initialize(mpu=...) or a PipelineModule)")
         self.registry: dict[str, ExpertGroups] = {}
         for layer in moe_layers(model):
-            layer.set_deepspeed_parallelism(data_before_expert, self.registry)
+            layer.set_deepspeed_parallelism(data_before_expert, self.registry, grid)
         self.dp_group = dp_group
         self.stage = stage
         self.hooks = []
@@ -139,6 +140,12 @@ class MoETraining:
     def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
         return MoEZeroOptimizer.wrap(opt, self)
 
+    def wrap_pipeline(self, opt: "MoEZeroOptimizer", pipe_group: Any, replicated: set[int]) -> "MoEZeroOptimizer":
+        """Inside a pipeline: the norm and overflow verdict also over the stages (a tied weight counted once)."""
+        opt.pipe_group = pipe_group
+        opt.replicated = frozenset(replicated)
+        return opt
+
 
 class MoEGradReducer:
     """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
@@ -147,6 +154,12 @@ class MoEGradReducer:
         self.parts = parts
         self.index = {gi: (r, local) for r, idx in parts for local, gi in enumerate(idx)}
         self.groups = [self.index[gi][0].groups[self.index[gi][1]] for gi in range(len(self.index))]
+        # parameter -> (group, index), groups numbered as the optimizer's (the pipeline's tied-weight reduction)
+        self.where = {p: (gi, i) for gi, grp in enumerate(self.groups) for i, p in enumerate(grp.params)}
+
+    def _bucket_buffer(self, g: int, b: int) -> torch.Tensor:
+        reducer, local = self.index[g]
+        return reducer._bucket_buffer(local, b)
 
     def partition_buffer(self, g: int) -> torch.Tensor:
         reducer, local = self.index[g]
@@ -204,9 +217,12 @@ class MoEGradReducer:
 
 
 class MoEZeroOptimizer(ZeroOptimizer):
-    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow."""
+    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow.
+    Inside a pipeline (``pipe_group`` set) the norm and the overflow verdict are also taken over the stages."""
 
     moe: MoETraining
+    pipe_group: Any = None
+    replicated: frozenset[int] = frozenset()  # tied weights held by several stages: counted on one
 
     @classmethod
     def wrap(cls, opt: ZeroOptimizer, moe: MoETraining) -> "MoEZeroOptimizer":
@@ -222,7 +238,8 @@ class MoEZeroOptimizer(ZeroOptimizer):
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        return comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
+        flag = comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
+        return flag if self.pipe_group is None else comm.all_reduce_max_flag(flag, group=self.pipe_group)
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         dev = comm.device_for_backend(self.dp_group)
@@ -230,13 +247,16 @@ class MoEZeroOptimizer(ZeroOptimizer):
         experts: dict[str, torch.Tensor] = {}
         for grp, g, eg in zip(self.groups, grads, self._expert_sets):
             sq = torch.linalg.vector_norm(g, dtype=torch.float32).square().to(dev)
+            for i, p in enumerate(grp.params):
+                if id(p) in self.replicated:  # another stage counts it
+                    sq -= torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square().to(dev)
             if eg is None:
                 dense += sq
             else:
                 experts.setdefault(eg.name, torch.zeros(1, dtype=torch.float32, device=dev)).add_(sq)
         if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
             comm.all_reduce(dense, group=self.dp_group)
-        total = float(dense)
+        total = dense
         for name in sorted(self.moe.registry):
             eg = self.moe.registry[name]
             sq = experts.get(name, torch.zeros(1, dtype=torch.float32, device=dev))
@@ -244,5 +264,7 @@ class MoEZeroOptimizer(ZeroOptimizer):
                 comm.all_reduce(sq, group=eg.edp_group)  # shards of the same experts
             if eg.ep_size > 1:
                 comm.all_reduce(sq, group=eg.ep_group)   # different experts
-            total += float(sq)
-        return math.sqrt(total)
+            total = total + sq
+        if self.pipe_group is not None:
+            comm.all_reduce(total, group=self.pipe_group)  # the other stages' layers
+        return math.sqrt(max(float(total), 0.0))
