@@ -281,3 +281,17 @@ def test_a_rank_routing_no_tokens_finishes_the_step(ep: int, stage: int) -> None
     for _, state in results:
         for name, value in state.items():
             torch.testing.assert_close(value, want[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _nvme(path: str) -> str:
+    cfg = engine_config(2, 0.0, LR, MB, comm.get_world_size())
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+    try:
+        zerospeed.initialize(model=MoEGPT(2, 1, comm.get_rank()), config=cfg)
+    except zerospeed.config.errors.NotSupportedYetError as exc:
+        return str(exc)
+    return ""
+
+
+def test_nvme_optimizer_offload_fails_loudly(tmp_path) -> None:
+    assert all("NVMe" in m and "not supported yet" in m for m in run_distributed(_nvme, 2, str(tmp_path), timeout=60))

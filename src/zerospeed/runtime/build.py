@@ -282,7 +282,7 @@ def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group |
 
     if not moe_layers(model):
         return None
-    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled,
+    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.device,
                        cfg.use_data_before_expert_parallelism, grid)
 
 
@@ -326,7 +326,9 @@ def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
             raise ValueError(f"initialize(mpu=...): the object has no {name}() (expected an mpu such as "
                              "zerospeed.runtime.pipe.topology.PipelineParallelGrid)")
     tp = getattr(mpu, "get_model_parallel_world_size", lambda: 1)()
-    if tp != 1:
+    from ..parallel.expert.training import moe_layers
+
+    if tp != 1 and not any(m.enable_expert_tensor_parallelism for m in moe_layers(model)):  # expert TP: parallel/expert
         raise NotSupportedYetError("mpu", f"model parallelism through mpu (model-parallel world size {tp}) is not "
                                    "supported yet by zerospeed; only data-parallel groups from an mpu are")
     return mpu

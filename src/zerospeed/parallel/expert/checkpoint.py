@@ -22,7 +22,11 @@ _EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
 
 
 def _layers(module: nn.Module) -> list[tuple[str, MoE]]:
-    return [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, MoE)]
+    layers = [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, MoE)]
+    if any(m.deepspeed_moe.tp is not None for _, m in layers):
+        raise NotImplementedError("checkpoints of tensor-parallel experts (enable_expert_tensor_parallelism with a "
+                                  "tensor-parallel mpu) are not supported yet by zerospeed")
+    return layers
 
 
 def _split(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, MoE, int, str] | None:

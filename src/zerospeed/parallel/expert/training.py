@@ -28,6 +28,7 @@ from ...config.errors import NotSupportedYetError
 from ...zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from .groups import ExpertGroups
 from .layer import MoE
+from .tensor_parallel import is_tensor_parallel_param
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 
@@ -38,9 +39,12 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 class MoETraining:
     """The expert groups of one engine (a registry it owns) and the helpers ``runtime/build.py`` calls."""
 
-    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload: bool,
+    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload_device: str = "none",
                  data_before_expert: bool = False, grid: Any = None) -> None:
         """``grid``: the pipeline's (or a user's mpu) grid; expert groups are cut inside its data-parallel groups."""
+        if offload_device == "nvme":  # gradients streamed to swap files: the norm would mix expert and dense sets
+            raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "MoE layers with NVMe optimizer "
+                                       "offload are not supported yet by zerospeed; use \"device\": \"cpu\"")
         if grid is None and comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
             raise ValueError("MoE layers with a data-parallel group smaller than the world need the grid that "
                              "defines it (initialize(mpu=...) or a PipelineModule)")
@@ -49,6 +53,7 @@ class MoETraining:
             layer.set_deepspeed_parallelism(data_before_expert, self.registry, grid)
         self.dp_group = dp_group
         self.stage = stage
+        self.tp = next((m.deepspeed_moe.tp for m in moe_layers(model)), None)  # expert tensor parallelism
         self.hooks = []
         for layer in moe_layers(model):
             ep = layer.ep_size
@@ -239,32 +244,52 @@ class MoEZeroOptimizer(ZeroOptimizer):
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
         flag = comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
+        if self.moe.tp is not None:
+            flag = comm.all_reduce_max_flag(flag, group=self.moe.tp.group)
         return flag if self.pipe_group is None else comm.all_reduce_max_flag(flag, group=self.pipe_group)
 
+    def _squares(self, grp: ShardedGroup, g: torch.Tensor) -> torch.Tensor:
+        """[squares of params replicated over the tensor group, of params split over it] in ``g``, leaving
+        out tied weights another pipeline stage counts."""
+        out = torch.zeros(2, dtype=torch.float32, device=g.device)
+        if not self.replicated and self.moe.tp is None:
+            out[0] = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            return out
+        for i, p in enumerate(grp.params):
+            if id(p) not in self.replicated:
+                out[int(self.moe.tp is not None and is_tensor_parallel_param(p))] += \
+                    torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square()
+        return out
+
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """Dense squares over the dense shards; each expert set's over its edp shards and its ep ranks;
+        params split over the tensor group over that group too; then over the pipeline stages."""
         dev = comm.device_for_backend(self.dp_group)
-        dense = torch.zeros(1, dtype=torch.float32, device=dev)
+        dense = torch.zeros(2, dtype=torch.float32, device=dev)
         experts: dict[str, torch.Tensor] = {}
         for grp, g, eg in zip(self.groups, grads, self._expert_sets):
-            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square().to(dev)
-            for i, p in enumerate(grp.params):
-                if id(p) in self.replicated:  # another stage counts it
-                    sq -= torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square().to(dev)
+            sq = self._squares(grp, g).to(dev)
             if eg is None:
                 dense += sq
             else:
-                experts.setdefault(eg.name, torch.zeros(1, dtype=torch.float32, device=dev)).add_(sq)
+                experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32, device=dev)).add_(sq)
         if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
             comm.all_reduce(dense, group=self.dp_group)
         total = dense
         for name in sorted(self.moe.registry):
             eg = self.moe.registry[name]
-            sq = experts.get(name, torch.zeros(1, dtype=torch.float32, device=dev))
+            sq = experts.get(name, torch.zeros(2, dtype=torch.float32, device=dev))
             if any(g.num_partitions > 1 for g, e in zip(self.groups, self._expert_sets) if e is eg):
                 comm.all_reduce(sq, group=eg.edp_group)  # shards of the same experts
             if eg.ep_size > 1:
                 comm.all_reduce(sq, group=eg.ep_group)   # different experts
             total = total + sq
+        if self.moe.tp is not None:
+            split = total[1:].clone()
+            comm.all_reduce(split, group=self.moe.tp.group)  # the other slices of split params
+            total = total[:1] + split
+        else:
+            total = total[:1] + total[1:]
         if self.pipe_group is not None:
             comm.all_reduce(total, group=self.pipe_group)  # the other stages' layers
         return math.sqrt(max(float(total), 0.0))
