@@ -15,9 +15,12 @@ from .moe_fixtures import MoEGPT, batch, engine_config
 MB, LR = 2, 0.5
 
 
-def _engine(ep: int, stage: int, seed: int):
+def _engine(ep: int, stage: int, seed: int, frozen: bool = False):
     rank, world = comm.get_rank(), comm.get_world_size()
     model = MoEGPT(ep, 1, rank % ep, seed=seed)
+    if frozen:  # layer 1's experts do not train: kept in the checkpoint outside the optimizer state
+        for p in model.gpt.blocks[1].mlp.moe.deepspeed_moe.experts.parameters():
+            p.requires_grad_(False)
     cfg = engine_config(stage, 0.0, LR, MB, world)
     cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
@@ -132,3 +135,42 @@ def test_zero3_experts_cut_over_expert_data_groups_reshard(tmp_path) -> None:
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+def _frozen(path: str, ep: int, stage: int, save: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    engine, model = _engine(ep, stage, seed=0 if save else 5, frozen=True)
+    if save:
+        _steps(engine, 0, 2)
+        engine.save_checkpoint(path, tag="t")
+    else:
+        engine.load_checkpoint(path, tag="t")
+    return _by_global_id(model), _steps(engine, 2, 2)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_frozen_experts_are_saved_by_every_expert_parallel_rank(tmp_path, stage: int) -> None:
+    """Frozen experts differ per expert-parallel rank: each expert-data group's first rank writes its own,
+    so an ep 2 checkpoint (world 4: expert-data groups [0,2] [1,3]) loads at ep 2 bitwise and at ep 1."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_frozen, 4, path, 2, stage, True, timeout=180)
+    want = _merged(saved)
+    assert sum(k.startswith("L1.E") for k in want) == 4 * 4
+    fresh = MoEGPT(1, 1, 0, seed=0)  # the frozen experts still hold their initial values
+    for gid in range(4):
+        for n, p in fresh.expert(1, gid).named_parameters():
+            torch.testing.assert_close(want[f"L1.E{gid}.{n}"], p.detach(), rtol=0, atol=0)
+    resumed = run_distributed(_frozen, 4, path, 2, stage, False, timeout=180)
+    assert [c for _, c in resumed] == [c for _, c in saved]
+    for ep in (2, 1):
+        got = _merged(run_distributed(_frozen, 2, path, ep, stage, False, timeout=120))
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    from safetensors.torch import load_file
+
+    from zerospeed.runtime.checkpoint.consolidate import consolidate
+
+    full = load_file(consolidate(path, str(tmp_path / "full.safetensors"), tag="t")["path"])
+    for gid in range(4):
+        for n, p in fresh.expert(1, gid).named_parameters():
+            key = f"gpt.blocks.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{gid}.{n}"
+            torch.testing.assert_close(full[key], p.detach(), rtol=0, atol=0)

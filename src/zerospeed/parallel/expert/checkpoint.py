@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from ... import comm
+
 from .layer import MoE
 
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
@@ -69,4 +71,17 @@ def other_expert_keys(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Modu
         mine = layer.global_expert_ids()
         if gid == mine[0]:
             out += [(f"{head}{g}.{rest}", key) for g in range(layer.num_experts) if g not in mine]
+    return out
+
+
+def expert_writers(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Module) -> dict[str, bool]:
+    """``renamed key of this rank's expert tensor -> whether this rank writes it`` (its expert-data-parallel
+    group's first rank does: the ranks of that group hold the same experts); ``pairs`` already renamed."""
+    layers = _layers(module)
+    out: dict[str, bool] = {}
+    for key, _ in pairs:
+        hit = _split(key, layers) if layers else None
+        if hit is not None:
+            eg = hit[1].expert_groups
+            out[key] = eg is None or not comm.is_initialized() or eg.edp_ranks[0] == comm.get_rank()
     return out

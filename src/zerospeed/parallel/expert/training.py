@@ -59,7 +59,8 @@ class MoETraining:
             ep = layer.ep_size
             if ep > 1:  # the all-to-all backward summed ep ranks' contributions: average them
                 for p in layer.deepspeed_moe.experts.parameters():
-                    self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
+                    if p.requires_grad:  # frozen experts take no gradient
+                        self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
 
     # --- parameter groups ---------------------------------------------------------------------------------
     def split_groups(self, raw_groups: list[dict[str, Any]], from_client: bool) -> list[dict[str, Any]]:

@@ -52,10 +52,13 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     groups = _groups(engine)
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
     tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, rank)
+    grouped = {names[id(p)] for g in groups for p in g.params}
+    frozen, frozen_ranges = module_state.frozen_experts(engine.module, grouped)  # MoE: per expert-data group
+    tensors.update(frozen)
+    ranges.update(frozen_ranges)
     snap = RankSnapshot(rank, world, index=ranges)
     snap.tensor_files[layout.shard_file(rank)] = tensors
     snap.json_files[layout.rng_file(rank)] = rng_state()
-    grouped = {names[id(p)] for g in groups for p in g.params}
     entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy)
     if rank != 0:
         return snap
