@@ -295,3 +295,18 @@ def _nvme(path: str) -> str:
 
 def test_nvme_optimizer_offload_fails_loudly(tmp_path) -> None:
     assert all("NVMe" in m and "not supported yet" in m for m in run_distributed(_nvme, 2, str(tmp_path), timeout=60))
+
+
+def _under_zero_init() -> str:
+    cfg = engine_config(3, 0.0, LR, MB, comm.get_world_size())
+    with zerospeed.zero.Init(config_dict_or_path=cfg):
+        model = MoEGPT(2, 1, comm.get_rank())  # experts cut over the world by zero.Init: rank 1's would be lost
+    try:
+        zerospeed.initialize(model=model, config=cfg)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_ep2_model_built_under_zero_init_is_refused() -> None:
+    assert all("zero.Init" in m for m in run_distributed(_under_zero_init, 2, timeout=60))
