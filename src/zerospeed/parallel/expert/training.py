@@ -9,9 +9,15 @@ of its expert-data-parallel (``edp``) group. So, as in DeepSpeed:
   them independent of ``ep_size``: ``ep=2`` trains exactly like ``ep=1``;
 * ZeRO-1/2 partition expert state over the ``edp`` group and dense state over the data-parallel group,
   in separate sharded groups (optimizer param groups with ``moe: True`` and the expert group ``name``);
+  ZeRO-3 also cuts the expert parameters themselves over their ``edp`` group (``partition_groups``);
 * the global gradient norm (clipping) is the true norm: dense squares summed over the dense shards,
-  expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts);
+  expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts),
+  parameters split over a tensor group (expert tensor parallelism) over that group, and, inside a
+  pipeline, everything over the stages;
 * at start, dense parameters come from data-parallel rank 0, expert parameters from ``edp`` rank 0.
+
+With a pipeline or a tensor-parallel ``mpu`` (``grid``) the expert groups are cut inside the grid's
+data-parallel groups (``groups.expert_rank_lists``).
 """
 
 from __future__ import annotations
