@@ -85,3 +85,24 @@ def expert_writers(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Module)
             eg = hit[1].expert_groups
             out[key] = eg is None or not comm.is_initialized() or eg.edp_ranks[0] == comm.get_rank()
     return out
+
+
+@torch.no_grad()
+def with_all_experts(state: dict[str, torch.Tensor], module: nn.Module, group: object) -> dict[str, torch.Tensor]:
+    """``state`` (rank 0's ``full_state_dict``) with every expert of every layer under its global id, as an
+    ``ep=1`` model names it. Collective over ``group`` (the data-parallel group): the first rank of each
+    expert-data-parallel group sends its experts' full values (gathered first under ZeRO-3)."""
+    from ...zero.stage3 import GatheredParameters
+
+    layers = _layers(module)
+    mine = [(k, t) for k, t in rename(module.named_parameters(), module) if _split(k, layers) is not None]
+    writes = expert_writers(mine, module)
+    with GatheredParameters([t for _, t in mine]):
+        values = {k: t.detach().cpu().clone() for k, t in mine if writes[k]}
+    gathered = comm.all_gather_object(values, group=group) if comm.is_initialized() else [values]
+    if state:  # rank 0: drop the local names, add every expert by global id
+        local = {k for k in state for head in (p + _EXPERTS for p, _ in layers) if k.startswith(head)}
+        state = {k: v for k, v in state.items() if k not in local}
+        for part in gathered:
+            state.update(part)
+    return state
