@@ -20,7 +20,7 @@ STEPS, MB, LR, ADAM_LR = 10, 2, 0.5, 0.01
 
 
 def _train(ep: int, k: int, stage: int, clip: float, data_before: bool = False, offload: bool = False,
-           adam: bool = False) -> tuple:
+           adam: bool = False, offload_param: str = "none", swap_dir: str = "") -> tuple:
     rank, world = comm.get_rank(), comm.get_world_size()
     # DeepSpeed's layout: expert-parallel peers adjacent; "data before expert": expert-data peers adjacent
     ep_rank = rank // (world // ep) if data_before else rank % ep
@@ -29,6 +29,8 @@ def _train(ep: int, k: int, stage: int, clip: float, data_before: bool = False, 
     cfg["use_data_before_expert_parallelism"] = data_before
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if offload_param != "none":  # ZeRO-Infinity: stage-3 shards (experts' too) live in host memory / swap files
+        cfg["zero_optimization"]["offload_param"] = {"device": offload_param, "nvme_path": swap_dir}
     if adam:  # DeepSpeed's "Adam" (adam_w_mode, no weight decay: Adam); the fast CPU kernel under offload
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": ADAM_LR, "eps": ADAM_EPS}}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
@@ -39,7 +41,9 @@ def _train(ep: int, k: int, stage: int, clip: float, data_before: bool = False, 
         from zerospeed.zero.stage3 import shard_of
 
         expert, dense = shard_of(next(model.expert(0, 0).parameters())), shard_of(model.gpt.wte.weight)
-        assert (expert.world, expert.persistent, dense.world) == (groups.edp_size, groups.edp_size == 1, world)
+        whole = groups.edp_size == 1 and offload_param == "none"  # an offloaded one is a one-piece shard
+        assert (expert.world, expert.persistent, dense.world) == (groups.edp_size, whole, world)
+        assert (expert.home is not None) == (offload_param != "none")
     if data_before and world == 4:
         assert (groups.ep_ranks, groups.edp_ranks) == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1])
     losses, grads = [], {}
@@ -130,6 +134,14 @@ def test_world4_ep2_dp2_zero3_clipping() -> None:
     results = run_distributed(_train, 4, 2, 2, 3, 0.05, timeout=180)
     _check(results, 4, 2, 0.05)
     assert len({round(r[2], 6) for r in results}) == 1
+
+
+@pytest.mark.parametrize("world,ep,device", [(2, 2, "cpu"), (4, 2, "cpu"), (2, 1, "nvme")])
+def test_zero3_offload_param(tmp_path, world: int, ep: int, device: str) -> None:
+    """ZeRO-Infinity: dense shards and expert shards (cut over their expert-data group; a group of one keeps a
+    one-piece shard) offloaded to host memory or swap files, with the optimizer offloaded too."""
+    results = run_distributed(_train, world, ep, 1, 3, 0.05, False, True, False, device, str(tmp_path), timeout=180)
+    _check(results, world, 1, 0.05)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

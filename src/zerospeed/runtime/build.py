@@ -190,7 +190,7 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
     from ..zero.stage3 import setup_stage3  # parameters partitioned too: cut them, install module hooks
 
     home = _param_home(cfg, model, compute, dp_rank) if offload_param.enabled else None
-    group_of = None if moe is None else moe.partition_groups(model, offload_param.enabled)  # experts: over their expert-data group
+    group_of = None if moe is None else moe.partition_groups(model)  # experts: over their expert-data group
     return setup_stage3(model, cfg.zero_optimization, compute, device, dp_group, home, group_of)
 
 

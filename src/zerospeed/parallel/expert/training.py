@@ -98,11 +98,8 @@ class MoETraining:
                              "split it with split_params_into_different_moe_groups_for_optimizer")
         return self.registry[names.pop()]
 
-    def partition_groups(self, model: nn.Module, param_offload: bool = False) -> dict[int, Any]:
+    def partition_groups(self, model: nn.Module) -> dict[int, Any]:
         """ZeRO-3: ``id(param) -> group`` to partition each expert parameter over (its ``edp`` group)."""
-        if param_offload:
-            raise NotSupportedYetError("zero_optimization.offload_param", "MoE layers with parameter offload "
-                                       "(ZeRO-Infinity) are not supported yet by zerospeed; use offload_optimizer")
         return {id(p): layer.expert_groups.edp_group for layer in moe_layers(model)
                 for p in layer.deepspeed_moe.experts.parameters()}
 
