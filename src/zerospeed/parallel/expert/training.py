@@ -48,9 +48,6 @@ class MoETraining:
     def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload_device: str = "none",
                  data_before_expert: bool = False, grid: Any = None) -> None:
         """``grid``: the pipeline's (or a user's mpu) grid; expert groups are cut inside its data-parallel groups."""
-        if offload_device == "nvme":  # gradients streamed to swap files: the norm would mix expert and dense sets
-            raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "MoE layers with NVMe optimizer "
-                                       "offload are not supported yet by zerospeed; use \"device\": \"cpu\"")
         if grid is None and comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
             raise ValueError("MoE layers with a data-parallel group smaller than the world need the grid that "
                              "defines it (initialize(mpu=...) or a PipelineModule)")
@@ -60,6 +57,9 @@ class MoETraining:
         self.dp_group = dp_group
         self.stage = stage
         self.tp = next((m.deepspeed_moe.tp for m in moe_layers(model)), None)  # expert tensor parallelism
+        if self.tp is not None and offload_device == "nvme":  # per-group squares only: no split by tensor slice
+            raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "expert tensor parallelism "
+                                       "with NVMe optimizer offload is not supported yet by zerospeed; use cpu")
         self.hooks = []
         for layer in moe_layers(model):
             ep = layer.ep_size
@@ -156,8 +156,42 @@ class MoETraining:
         return opt
 
 
+class _SinkView:
+    """One part reducer's window on the engine's gradient sink (offload): its group numbers mapped to the
+    optimizer's; the sink's bytes counted by the first part only."""
+
+    def __init__(self, sink: Any, groups: list[int], first: bool) -> None:
+        self.sink, self.groups, self.first = sink, groups, first
+
+    def add(self, g: int, lo: int, values: torch.Tensor) -> None:
+        self.sink.add(self.groups[g], lo, values)
+
+    def end_micro_step(self) -> None:
+        self.sink.end_micro_step()
+
+    def zero(self) -> None:
+        self.sink.zero()
+
+    def host_bytes(self) -> int:
+        return self.sink.host_bytes() if self.first else 0
+
+
 class MoEGradReducer:
     """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
+
+    _sink: Any = None
+
+    @property
+    def sink(self) -> Any:
+        """Where reduced gradients go under offload (set by ``runtime/build.py``); each part writes through
+        a view that numbers its groups as the optimizer does."""
+        return self._sink
+
+    @sink.setter
+    def sink(self, value: Any) -> None:
+        self._sink = value
+        for n, (r, idx) in enumerate(self.parts):
+            r.sink = None if value is None else _SinkView(value, idx, n == 0)
 
     def __init__(self, parts: list[tuple[GradReducer, list[int]]]) -> None:
         self.parts = parts
@@ -247,6 +281,8 @@ class MoEZeroOptimizer(ZeroOptimizer):
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        if self._sink is not None and not self._sink.resident:  # NVMe offload: flags kept as grads were written
+            local = local or not self._sink.all_finite()
         flag = comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
         if self.moe.tp is not None:
             flag = comm.all_reduce_max_flag(flag, group=self.moe.tp.group)
@@ -277,6 +313,12 @@ class MoEZeroOptimizer(ZeroOptimizer):
                 dense += sq
             else:
                 experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32, device=dev)).add_(sq)
+        if self._sink is not None and not self._sink.resident:  # NVMe offload: squares recorded per group
+            for (gi, _), sq in self._sink.sq.items():
+                eg = self._expert_sets[gi]
+                into = dense if eg is None else experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32,
+                                                                                        device=dev))
+                into[0] += sq.to(dev)
         if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
             comm.all_reduce(dense, group=self.dp_group)
         total = dense
