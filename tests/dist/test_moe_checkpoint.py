@@ -133,6 +133,21 @@ def test_save_16bit_model_at_ep2_holds_every_expert(tmp_path, stage: int) -> Non
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
 
 
+def test_zero3_experts_cut_over_expert_data_groups_reshard(tmp_path) -> None:
+    """World 4, ep=2, ZeRO-3: each expert is cut over its expert-data group of two; the checkpoint resumes
+    bitwise at the same layout and loads at world 2 (ep=2, experts whole; ep=1, cut over both ranks)."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, 4, path, 2, 3, timeout=180)
+    want = _merged(saved)
+    resumed = run_distributed(_load, 4, path, 2, 3, timeout=180)
+    assert [c for _, c in resumed] == [c for _, c in saved]  # bitwise
+    for ep in (2, 1):
+        got = _merged(run_distributed(_load_only, 2, path, ep, 3, timeout=120))
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
 def _frozen(path: str, ep: int, stage: int, save: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     engine, model = _engine(ep, stage, seed=0 if save else 5, frozen=True)
     if save:
