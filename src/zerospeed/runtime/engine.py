@@ -358,13 +358,23 @@ class Engine(nn.Module):
 
         from ..parallel.expert.training import moe_layers
 
-        if any(m.ep_size > 1 for m in moe_layers(self.module)):  # each rank holds only its own experts
-            raise NotImplementedError("save_16bit_model with expert parallelism (ep_size > 1) is not supported yet by "
-                                      "zerospeed: save_checkpoint() and `zerospeed to-fp32` give the full model")
         if self.zero3 is not None and not self.zero3.gather_16bit_on_save:
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "under ZeRO stage 3 saving a 16-bit model gathers the partitioned parameters; set it "
                               "to true (or export with zerospeed.zero.full_state_dict)")
+        if any(m.ep_size > 1 for m in moe_layers(self.module)):  # each rank holds only its own experts
+            import os
+
+            from ..parallel.expert.checkpoint import with_all_experts
+            from ..zero.stage3 import full_state_dict, save_safetensors
+
+            if exclude_frozen_parameters:
+                raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) with expert parallelism "
+                                          "(ep_size > 1) is not supported yet by zerospeed")
+            state = with_all_experts(full_state_dict(self.module, group=self.dp_group), self.module, self.dp_group)
+            if comm.get_rank(self.dp_group) == 0:
+                save_safetensors(state, os.path.join(save_dir, save_filename))
+            return comm.get_rank(self.dp_group) == 0
         return save_16bit_model(self.module, save_dir, save_filename, group=self.dp_group,
                                 exclude_frozen_parameters=exclude_frozen_parameters)
 

@@ -71,6 +71,9 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
     ranges = {k: v for k, v in ranges.items() if _param_name(k) not in skip}
     opt_layout = {k: v for k, v in opt_layout.items() if k not in skip}
     grouped = {names[id(p)] for g in groups for p in g.params}
+    frozen, frozen_ranges = module_state.frozen_experts(module, grouped)  # MoE: per expert-data group
+    tensors.update(frozen)
+    ranges.update(frozen_ranges)
     entries, module_tensors = module_state.describe(module, grouped, dp_rank, copy=True)
     module_tensors = {k: v for k, v in module_tensors.items() if k not in skip}
     gathered = comm.all_gather_object((entries, opt_layout, module_tensors), group=world)

@@ -4,7 +4,10 @@ Under ZeRO-3 a parameter's data is an empty placeholder between uses (and ``stat
 run), so entries are walked directly: parameters (tied ones under every name) and persistent buffers,
 in ``state_dict`` order, each with its *full* shape. Entries the optimizer owns come from the fp32
 master (see ``universal``); the rest (frozen parameters, buffers) are written whole by rank 0 into
-``model_states.safetensors``, gathered first when ZeRO-3 partitioned them (a collective).
+``model_states.safetensors``, gathered first when ZeRO-3 partitioned them (a collective). Frozen MoE
+expert parameters differ between expert-parallel ranks, so rank 0 cannot write them all: the first rank of
+each expert-data-parallel group writes its own experts' into its shard file, as whole ``master/<name>``
+entries (fp32, like a master weight), which loading and ``to-fp32`` already read.
 """
 
 from __future__ import annotations
@@ -51,9 +54,32 @@ def _gathered(tensors: list[torch.Tensor], modifier_rank: int | None) -> Any:
     return GatheredParameters(sharded, modifier_rank=modifier_rank) if sharded else contextlib.nullcontext()
 
 
+def _expert_keys(module: nn.Module) -> dict[str, int]:
+    """Checkpoint names of this rank's expert tensors -> whether this rank writes them (edp rank 0)."""
+    from ...parallel.expert.checkpoint import expert_writers
+
+    return expert_writers(entries(module), module)
+
+
+def frozen_experts(module: nn.Module, grouped: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """This rank's share of the frozen expert tensors: ``master/<name>`` entries and their ranges.
+
+    Collective over the expert-data-parallel groups when ZeRO-3 partitioned them (every rank must call it).
+    """
+    writes = _expert_keys(module)
+    frozen = [(k, t) for k, t in entries(module) if k in writes and k not in grouped]
+    tensors: dict[str, torch.Tensor] = {}
+    with _gathered([t for _, t in frozen], None):
+        for key, t in frozen:
+            if writes[key]:
+                tensors[f"master/{key}"] = t.detach().to("cpu", torch.float32, copy=True).reshape(-1)
+    return tensors, {k: [0, v.numel()] for k, v in tensors.items()}
+
+
 def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool, exclude_frozen: bool = False
              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Every entry's shape/dtype/source; on rank 0 also the tensors the optimizer does not own.
+    """Every entry's shape/dtype/source; on rank 0 also the tensors the optimizer does not own (frozen
+    experts excepted: :func:`frozen_experts`).
 
     ``exclude_frozen``: frozen parameters (``requires_grad=False``) get source ``excluded`` and no data.
     Collective when ZeRO-3 partitioned some of those tensors (every rank must call it).
@@ -61,15 +87,17 @@ def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool, exclud
     canon = _canonical(module)
     listing = list(entries(module))
     meta: dict[str, Any] = {}
+    experts = _expert_keys(module)
     excluded = {k for k, t in listing if exclude_frozen and canon[k] == k and k not in grouped
                 and isinstance(t, nn.Parameter) and not t.requires_grad}
-    rest = [(k, t) for k, t in listing if canon[k] == k and k not in grouped and k not in excluded]
+    rest = [(k, t) for k, t in listing if canon[k] == k and k not in grouped and k not in experts and k not in excluded]
     tensors: dict[str, torch.Tensor] = {}
     with _gathered([t for _, t in rest], None):
         for key, t in listing:
             base = canon[key]
             meta[key] = {"shape": list(full_shape(t)), "dtype": str(t.dtype).removeprefix("torch."),
-                         "source": "master" if base in grouped else "excluded" if base in excluded else "module"}
+                         "source": "excluded" if base in excluded else
+                         "master" if base in grouped or base in experts else "module"}
             if base != key:
                 meta[key]["alias_of"] = base
         for key, like in _other_experts(module):  # experts other expert-parallel ranks hold

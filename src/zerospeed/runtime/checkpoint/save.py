@@ -69,10 +69,14 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
             ranges = {k: v for k, v in ranges.items() if k in tensors}
         for other in comm.all_gather_object(opt_layout, group=save_group(engine)):
             opt_layout.update(other)
+    grouped = {tp_ckpt.base_name(names[id(p)]) for g in groups for p in g.params}
+    if not exclude_frozen:  # MoE: frozen experts, per expert-data-parallel group (collective under ZeRO-3)
+        frozen, frozen_ranges = module_state.frozen_experts(engine.module, grouped)
+        tensors.update(frozen)
+        ranges.update(frozen_ranges)
     snap = RankSnapshot(rank, world, index=ranges)
     snap.tensor_files[layout.shard_file(rank)] = tensors
     snap.json_files[layout.rng_file(rank)] = rng_state()
-    grouped = {tp_ckpt.base_name(names[id(p)]) for g in groups for p in g.params}
     entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy, exclude_frozen)
     tp_ckpt.describe_split(engine.module, entries)
     if rank != 0:
