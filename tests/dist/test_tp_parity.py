@@ -35,14 +35,9 @@ def test_tp2_parity(kind: str) -> None:
     _check(kind, run_distributed(engine_run, 2, kind, 2, 0, STEPS, BATCH, CLIP, timeout=120))
 
 
-@pytest.mark.parametrize("kind", ["gpt", "gpt2"])
+@pytest.mark.parametrize("kind", ["gpt", "gpt2", "llama"])
 def test_tp2_sequence_parallel_parity(kind: str) -> None:
     _check(kind, run_distributed(engine_run, 2, kind, 2, 0, STEPS, BATCH, CLIP, None, True, timeout=120))
-
-
-def test_sequence_parallel_refuses_llama() -> None:
-    with pytest.raises(Exception, match="sequence_parallel with a 'llama' model is not supported yet"):
-        run_distributed(engine_run, 2, "llama", 2, 0, 1, BATCH, CLIP, None, True, timeout=60)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -25,7 +25,10 @@ from .policy import Placement, is_conv1d, plan_model
 
 REQUEST_ATTR = "_zerospeed_tp_request"
 STATE_ATTR = "_zerospeed_tp"
-_SP_MODEL_TYPES = (None, "gpt2")
+_SP_MODEL_TYPES = (None, "gpt2", "llama", "qwen2", "mistral")
+# Attention modules that read the sequence length from their input (``hidden_states.shape[:-1]``): under
+# sequence parallelism their input is gathered to the whole sequence at entry instead of in each q/k/v layer.
+_SHAPE_READING_ATTENTION = ("self_attn",)
 """Models whose attention takes its shapes from the q/k/v projections (which see the whole sequence)."""
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -225,9 +228,8 @@ def _sequence_region(model: nn.Module, state: TensorParallelModel, group: Any) -
 
     mtype = model_type_of(model)
     if mtype not in _SP_MODEL_TYPES:
-        raise ValueError(f"tensor_parallel.sequence_parallel with a '{mtype}' model is not supported yet by zerospeed "
-                         "(its attention reads the sequence length from its sharded input); supported: zerospeed's GPT, "
-                         "models without config.model_type, and gpt2")
+        raise ValueError(f"tensor_parallel.sequence_parallel with a '{mtype}' model is not supported yet by zerospeed; "
+                         f"supported: zerospeed's GPT, models without config.model_type, and {_SP_MODEL_TYPES[1:]}")
     blocks = block_names(model)
     if not blocks:
         raise ValueError("tensor_parallel.sequence_parallel: the model has no repeated blocks (nn.ModuleList)")
@@ -245,11 +247,41 @@ def _sequence_region(model: nn.Module, state: TensorParallelModel, group: Any) -
 
     first.register_forward_pre_hook(enter, with_kwargs=True)
     last.register_forward_hook(leave)
+    if mtype not in (None, "gpt2"):
+        _gather_at_attention(model, blocks, group)
     split_ids = state.split_params(model)
     tp_layer_params = {id(p) for n, p in model.named_parameters() if n in state.specs}
     replicated = [p for b in blocks for p in model.get_submodule(b).parameters()
                   if id(p) not in split_ids and id(p) not in tp_layer_params]
     return SequenceParallelGradSync(replicated, group)
+
+
+def _gather_at_attention(model: nn.Module, blocks: list[str], group: Any) -> None:
+    """Llama-style attention reads ``(batch, seq)`` from its input, so it gets the whole sequence: gathered at
+    entry (backward keeps this rank's slice), its q/k/v column layers then run as plain tensor-parallel
+    layers (their input-gradient all-reduce sums the partial gradients; all-reduce then slice is the
+    reduce-scatter Megatron does). The output projection still reduce-scatters back to ``seq/tp`` tokens."""
+    from .column import LinearLayer
+    from .mappings import gather_from_sequence_parallel_region
+
+    def gather(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if args:
+            return (gather_from_sequence_parallel_region(args[0], group, tensor_parallel_output_grad=False),
+                    *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        return args, {**kwargs, key: gather_from_sequence_parallel_region(kwargs[key], group,
+                                                                          tensor_parallel_output_grad=False)}
+
+    for b in blocks:
+        block = model.get_submodule(b)
+        for name in _SHAPE_READING_ATTENTION:
+            attn = getattr(block, name, None)
+            if attn is None:
+                continue
+            for child in attn.modules():
+                if isinstance(child, LinearLayer):
+                    child.sequence_parallel = False
+            attn.register_forward_pre_hook(gather, with_kwargs=True)
 
 
 def _grad_allreduce_hooks(model: nn.Module, config: Any, group: Any) -> None:
