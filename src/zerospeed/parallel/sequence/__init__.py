@@ -1,0 +1,1 @@
+"""Sequence parallelism and tiled long-sequence compute (Arctic Long Sequence Training)."""
