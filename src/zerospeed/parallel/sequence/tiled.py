@@ -165,8 +165,15 @@ class _TiledMLPFunction(torch.autograd.Function):
         ctx.bounds = shard_bounds(x.shape[-2], shards)
         ctx.rng = RngReplay(x.device)
         ctx.save_for_backward(x, *params)
-        outs = [fn(module, x.narrow(-2, a, b - a)) for a, b in ctx.bounds]
-        return torch.cat(outs, dim=-2)
+        out: torch.Tensor | None = None
+        for a, b in ctx.bounds:  # each shard written into the output at once: no second copy for a cat
+            shard = fn(module, x.narrow(-2, a, b - a))
+            if out is None:
+                shape = (*shard.shape[:-2], x.shape[-2], shard.shape[-1])
+                out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+            out.narrow(-2, a, b - a).copy_(shard)
+        assert out is not None
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
