@@ -35,8 +35,11 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
     "zerospeed.runtime.fp16.onebit.zoadam": "zerospeed.optim.onebit.zoadam",
     "zerospeed.runtime.fp16.onebit.lamb": "zerospeed.optim.onebit.lamb",
+    "zerospeed.sequence": "zerospeed.parallel.sequence",
+    "zerospeed.sequence.layer": "zerospeed.parallel.sequence.layer",
     "zerospeed.runtime.sequence_parallel": "zerospeed.parallel.sequence",
     "zerospeed.runtime.sequence_parallel.ulysses_sp": "zerospeed.parallel.sequence.ulysses_sp",
+    "zerospeed.runtime.sequence_parallel.parallel_state_sp": "zerospeed.parallel.sequence.groups",
 }
 
 

@@ -79,6 +79,9 @@ class ZeroSpeedConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ulysses sequence parallelism: ranks per sequence group (1 = off). The world splits into
+    world/sequence_parallel_size data-parallel replicas; batch sizes count those replicas."""
     use_data_before_expert_parallelism: bool = False
     """MoE groups: ``true`` puts expert-data-parallel peers adjacent ("D + E") instead of expert peers."""
     comms_timeout_s: float | None = Field(None, gt=0)

@@ -3,8 +3,8 @@
 A listed key that is present and switched on raises ``NotSupportedYetError`` naming it; one that is
 present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``, an object whose
 values are all off) is accepted, since honouring "off" is not ignoring it. A few keys are "off" at a
-value of their own (``ACCEPTED_VALUES``: ``sequence_parallel_size: 1``, DeepSpeed's "no sequence
-parallelism"; ``gradient_allreduce_op: "mean"``, what zerospeed always does; ...).
+value of their own (``ACCEPTED_VALUES``: ``seq_parallel_communication_data_type: "fp32"``, DeepSpeed's
+default; ``gradient_allreduce_op: "mean"``, what zerospeed always does; ...).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
     "tensor_parallel": "tensor parallelism (AutoTP)",
-    "sequence_parallel_size": "sequence parallelism (Ulysses)",
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
@@ -74,7 +73,6 @@ for _k in STAGE3_KEYS:
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "sequence_parallel_size": (None, 1),
     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
     "managed_gradient_accumulation": (None, True),
     "gradient_allreduce_op": (None, "mean"),

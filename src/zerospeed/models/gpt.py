@@ -62,8 +62,18 @@ def bench() -> GPTConfig:
     return GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal SDPA in the ``[batch, seq, heads, head_dim]`` layout (in and out)."""
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                                       is_causal=True)
+    return y.transpose(1, 2)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention where position t sees only positions <= t."""
+    """Multi-head attention where position t sees only positions <= t.
+
+    ``core_attention`` (None: ``causal_attention``) replaces the core ``(q, k, v, dropout_p) -> y`` over
+    ``[b, t, h, d]``: the hook sequence parallelism uses (``parallel/sequence/gpt.py``)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -72,14 +82,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.core_attention: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head) for z in self.qkv(x).split(c, dim=2))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        core = causal_attention if self.core_attention is None else self.core_attention
+        y = core(q, k, v, dropout_p=p)
+        return self.resid_drop(self.proj(y.contiguous().view(b, t, c)))
 
 
 class MLP(nn.Module):
@@ -152,12 +163,15 @@ class GPT(nn.Module):
         return n - self.wpe.weight.numel() if non_embedding else n
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``position_ids`` (default ``0..t-1``): positions of ``idx``'s tokens, e.g. a sequence shard's."""
         t = idx.size(1)
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
+        if position_ids is not None and int(pos.max()) >= self.config.block_size:
+            raise ValueError(f"position {int(pos.max())} exceeds block_size {self.config.block_size}")
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

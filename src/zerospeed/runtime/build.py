@@ -330,6 +330,31 @@ def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
     return mpu
 
 
+def _sequence_grid(cfg: ZeroSpeedConfig, model: nn.Module, mpu: Any) -> Any:
+    """The (data, sequence) grid when ``sequence_parallel_size`` > 1 or ``mpu`` is a sequence-parallel grid
+    (``parallel/sequence/groups.py``), else None. The two must agree when both are given."""
+    from_mpu = mpu is not None and callable(getattr(mpu, "get_sequence_parallel_world_size", None))
+    sp = mpu.get_sequence_parallel_world_size() if from_mpu else cfg.sequence_parallel_size
+    if from_mpu and "sequence_parallel_size" in cfg.model_fields_set and cfg.sequence_parallel_size != sp:
+        raise ConfigError("sequence_parallel_size", f"{cfg.sequence_parallel_size} but the mpu passed to "
+                          f"initialize() has a sequence group of {sp}; make them equal")
+    if sp == 1 and not from_mpu:
+        return None
+    from ..parallel.pipeline.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise NotSupportedYetError("sequence_parallel_size", "sequence parallelism with a PipelineModule is not "
+                                   "supported yet by zerospeed")
+    if from_mpu:
+        return mpu
+    if mpu is not None:
+        raise NotSupportedYetError("sequence_parallel_size", "sequence_parallel_size with an mpu that has no "
+                                   "sequence groups is not supported yet by zerospeed")
+    from ..parallel.sequence.groups import SequenceParallelGrid
+
+    return SequenceParallelGrid(sp)
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
@@ -347,22 +372,32 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     _join(dist_init_required, distributed_port, early.comms_timeout_s)
     if early.comms_timeout_s is not None:
         comm.set_timeout(early.comms_timeout_s, comm.world_group())
-    grid = _parallel_grid(model, mpu)
+    seq_grid = _sequence_grid(early, model, mpu)
+    grid = _parallel_grid(model, mpu) if seq_grid is None else None
     # The engine's own connections (docs/recovery.md): dropped and rebuilt after a failed step, leaving the
     # world group the user's code talks on untouched. A pipeline or a user's mpu brings its grid's groups.
+    # Under sequence parallelism ZeRO partitions and reduces over every rank (data x sequence, DeepSpeed's
+    # seq_data_parallel_group): the average over it is the sum over a sequence group of its ranks' losses
+    # averaged over the group, so a per-rank mean loss gives the unsharded gradient.
     dp_group = comm.RecoverableGroup(early.comms_timeout_s) if grid is None else grid.get_data_parallel_group()
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
-    cfg = load_config(early, dp_size)
+    # Samples: sequence peers share theirs, so batch sizes and the data loader count data-parallel replicas.
+    data_size, data_rank = ((dp_size, dp_rank) if seq_grid is None else
+                            (seq_grid.get_data_parallel_world_size(), seq_grid.get_data_parallel_rank()))
+    cfg = load_config(early, data_size)
     pipelined = grid is not None and grid is getattr(model, "_grid", None)
     if pipelined and cfg.zero_stage >= 2:
         raise ConfigError("zero_optimization.stage", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism "
                           f"(got stage {cfg.zero_stage}); use stage 0 or 1")
     if grid is not None and cfg.comms_timeout_s is not None:
         comm.set_timeout(cfg.comms_timeout_s, dp_group)
-    batch = cfg.batch(dp_size)
+    batch = cfg.batch(data_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
     moe = _moe_training(cfg, model, dp_group)
+    if moe is not None and seq_grid is not None:
+        raise NotSupportedYetError("sequence_parallel_size", "sequence parallelism with Mixture-of-Experts layers "
+                                   "is not supported yet by zerospeed")
     stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank)
     raw_groups = _param_groups(model, model_parameters, optimizer)
     if moe is not None:
@@ -390,7 +425,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, batch.micro_batch_per_gpu, dp_rank, dp_size, collate_fn,
+        loader = build_dataloader(training_data, batch.micro_batch_per_gpu, data_rank, data_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
     if zero_opt is not None:
         zero_opt.reducer.names = {p: n for n, p in model.named_parameters()}
@@ -401,6 +436,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine_cls = PipelineEngine
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
+    if seq_grid is not None:
+        engine.set_sequence_groups(seq_grid)
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
         if cfg.vocabulary_size and cfg.vocabulary_size % 8:

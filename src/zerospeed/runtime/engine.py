@@ -60,6 +60,14 @@ class Engine(nn.Module):
         self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(dp_group)
         self.mp_world_size = 1
+        # Sequence parallelism (DeepSpeed's names; set_sequence_groups): without it the data-parallel and the
+        # sequence-data-parallel groups are both the ZeRO group.
+        self.sequence_parallel_size = 1
+        self.seq_parallel_group: Any = None
+        self.seq_data_parallel_group = dp_group
+        self.seq_dp_world_size = self.dp_world_size
+        self.data_parallel_group = dp_group
+        self.mpu: Any = None
         self.observer = StepObserver(self, config, self.global_rank)
         self.timers = self.observer.timers
         self.backwards_in_window = 0
@@ -75,6 +83,21 @@ class Engine(nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self._batch.gradient_accumulation_steps
+
+    def set_sequence_groups(self, grid: Any) -> None:
+        """Sequence parallelism (``parallel/sequence/groups.py``): ``dp_group`` stays ZeRO's group over every
+        rank (``seq_data_parallel_group``); ``data_parallel_group``/``dp_world_size`` count replicas."""
+        self.mpu = grid
+        self.sequence_parallel_size = grid.get_sequence_parallel_world_size()
+        self.seq_parallel_group = grid.get_sequence_parallel_group()
+        self.data_parallel_group = grid.get_data_parallel_group()
+        self.dp_world_size = grid.get_data_parallel_world_size()
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.seq_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mpu.get_data_parallel_rank() if self.mpu is not None else comm.get_rank(self.dp_group)
 
     def zero_optimization_stage(self) -> int:
         return self.config.zero_stage
@@ -162,7 +185,7 @@ class Engine(nn.Module):
             self.optimizer.reducer.release_in_flight()
         if self.zero3 is not None:
             self.zero3.fetcher.reset()
-        if isinstance(self.dp_group, comm.RecoverableGroup) and self.dp_world_size > 1:
+        if isinstance(self.dp_group, comm.RecoverableGroup) and self.seq_dp_world_size > 1:
             self.dp_group.drop()
         if self.optimizer is not None:
             self.optimizer.abandon_step()
