@@ -21,15 +21,17 @@ parameter per backward, and a weight used elsewhere too (a tied embedding) is ac
 other uses. Any other leaf the function uses is found in the shard's graph and gets its gradient by one
 nested ``backward`` at the end. The RNG state is replayed for the recompute, so dropout inside ``fn`` draws
 the same masks both times. Only the grad-requiring input and parameters get gradients: other tensors passed
-to ``fn`` are detached.
+to ``fn`` are detached. Under ZeRO stage 3 the listed parameters are gathered (:func:`gathered`)
+around the tiled forward and the recompute, so autograd sees their full shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import contextmanager
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ from torch import nn
 __all__ = ["SequenceTiledCompute", "TiledMLP", "sequence_tiled_compute", "shard_bounds"]
 
 REDUCTIONS = (None, "mean", "sum")
+_STAGE3_GATHERED = "zerospeed.zero.stage3.gathered"
 
 
 def shard_bounds(length: int, shards: int) -> list[tuple[int, int]]:
@@ -53,6 +56,13 @@ def shard_bounds(length: int, shards: int) -> list[tuple[int, int]]:
         return [(0, 0)]
     step = -(-length // shards)
     return [(start, min(start + step, length)) for start in range(0, length, step)]
+
+
+def gathered(params: Sequence[torch.Tensor]) -> AbstractContextManager[Any]:
+    """ZeRO stage 3's ``GatheredParameters(params)`` when stage 3 is loaded (only then can a parameter be
+    partitioned), else nothing. Looked up, not imported: models using tiling stay free of ``zero``."""
+    stage3 = sys.modules.get(_STAGE3_GATHERED)
+    return stage3.GatheredParameters(params) if stage3 is not None else nullcontext()
 
 
 def trainable_params(module: Any, compute_params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -182,7 +192,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         need_x = ctx.needs_input_grad[3]
         x_grad = torch.empty_like(x) if need_x else None
         sink = ShardGrads([p for p, need in zip(params, ctx.needs_input_grad[4:]) if need])
-        with ctx.rng.replayed():
+        with ctx.rng.replayed(), gathered(params):
             for a, b in ctx.bounds:
                 x_shard = x.narrow(-2, a, b - a).detach().requires_grad_(need_x)
                 with torch.enable_grad():
@@ -212,7 +222,8 @@ class TiledMLP:
             raise ValueError(f"TiledMLP needs x with a sequence dimension ([..., seq, hidden]); got shape "
                              f"{tuple(x.shape)}")
         params = trainable_params(self, compute_params)
-        return _TiledMLPFunction.apply(fn, self, int(shards), x, *params)
+        with gathered(params):
+            return _TiledMLPFunction.apply(fn, self, int(shards), x, *params)
 
 
 # --- sequence_tiled_compute ------------------------------------------------------------------------------
@@ -242,7 +253,7 @@ class _SequenceTiledFunction(torch.autograd.Function):
         need_params = ctx.needs_input_grad[7 + ctx.n_sharded:]
         sink = ShardGrads([p for p, need in zip(params, need_params) if need])
         offset = 0
-        with ctx.rng.replayed():
+        with ctx.rng.replayed(), gathered(params):
             for i, (a, b) in enumerate(ctx.bounds):
                 kwargs = {k: v[:, a:b] for k, v in sharded.items()}
                 kwargs[ctx.grad_key] = kwargs[ctx.grad_key].detach().requires_grad_(need_x)
@@ -293,8 +304,9 @@ def sequence_tiled_compute(
     sharded = [kwargs_to_shard[k] if k == grad_requiring_tensor_key else kwargs_to_shard[k].detach() for k in keys]
     passed = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs_to_pass.items()}
     params = trainable_params(None, compute_params)
-    out = _SequenceTiledFunction.apply(fn, shard_bounds(seqlen, shards), keys, grad_requiring_tensor_key, passed,
-                                       output_unshard_dimension, len(keys), *sharded, *params)
+    with gathered(params):
+        out = _SequenceTiledFunction.apply(fn, shard_bounds(seqlen, shards), keys, grad_requiring_tensor_key,
+                                           passed, output_unshard_dimension, len(keys), *sharded, *params)
     if output_reduction == "mean":
         return out.mean()
     if output_reduction == "sum":

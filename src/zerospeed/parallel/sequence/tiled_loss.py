@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .tiled import ShardGrads, shard_bounds, trainable_params
+from .tiled import ShardGrads, gathered, shard_bounds, trainable_params
 
 __all__ = ["TiledFusedLogitsLoss", "fused_logits_loss"]
 
@@ -97,7 +97,8 @@ class TiledFusedLogitsLoss:
         train = torch.is_grad_enabled() and (x.requires_grad or bool(params))
         y = y.detach()
         mask = mask.detach() if mask is not None else None
-        return _TiledLossFunction.apply(fn, self, y, mask, int(shards), output_reduction, train, x, *params)
+        with gathered(params):  # ZeRO stage 3: whole while autograd records them
+            return _TiledLossFunction.apply(fn, self, y, mask, int(shards), output_reduction, train, x, *params)
 
 
 def _summed_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor
