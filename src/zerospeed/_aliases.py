@@ -39,7 +39,6 @@ ALIASES: dict[str, str] = {
     "zerospeed.sequence.layer": "zerospeed.parallel.sequence.layer",
     "zerospeed.runtime.sequence_parallel": "zerospeed.parallel.sequence",
     "zerospeed.runtime.sequence_parallel.ulysses_sp": "zerospeed.parallel.sequence.ulysses_sp",
-    "zerospeed.runtime.sequence_parallel.parallel_state_sp": "zerospeed.parallel.sequence.groups",
 }
 
 

@@ -22,12 +22,12 @@ def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _reference(dp: int) -> tuple[list[float], list[float]]:
+def _reference(dp: int, gas: int = 1) -> tuple[list[float], list[float]]:
     model = GPT(CFG, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = _batch(step, MB * dp)
+        x, y = _batch(step, MB * dp * gas)
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
@@ -37,10 +37,10 @@ def _reference(dp: int) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
-def _train(stage: int, sp: int) -> dict:
+def _train(stage: int, sp: int, gas: int = 1, zero_extra: dict | None = None) -> dict:
     model = GPT(CFG, seed=3)
-    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-              "sequence_parallel_size": sp, "zero_optimization": {"stage": stage},
+    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+              "sequence_parallel_size": sp, "zero_optimization": {"stage": stage, **(zero_extra or {})},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
     engine, *_ = zerospeed.initialize(model=model, config=config)
     sequence_parallel_gpt(model, engine.seq_parallel_group)
@@ -48,18 +48,20 @@ def _train(stage: int, sp: int) -> dict:
     r = comm.get_rank(engine.seq_parallel_group)
     chunk = SEQ // sp
     losses, norms = [], []
+    cols, pos = slice(r * chunk, (r + 1) * chunk), torch.arange(r * chunk, (r + 1) * chunk)
     for step in range(STEPS):
-        x, y = _batch(step, MB * dp)
-        rows, cols = slice(d * MB, (d + 1) * MB), slice(r * chunk, (r + 1) * chunk)
-        pos = torch.arange(r * chunk, (r + 1) * chunk)
-        _, loss = engine(x[rows, cols], y[rows, cols], position_ids=pos)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        comm.all_reduce(mean)  # every rank's shard holds the same number of tokens
-        losses.append(mean.item() / comm.get_world_size())
+        x, y = _batch(step, MB * dp * gas)
+        total = torch.zeros(())
+        for micro in range(gas):  # micro-batch ``micro`` of data replica d: rows as a data-parallel loader gives
+            rows = slice((micro * dp + d) * MB, (micro * dp + d + 1) * MB)
+            _, loss = engine(x[rows, cols], y[rows, cols], position_ids=pos)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        comm.all_reduce(total)  # every rank's shard holds the same number of tokens
+        losses.append(total.item() / comm.get_world_size() / gas)
         norms.append(engine.get_global_grad_norm())
-    return {"losses": losses, "norms": norms, "dp": dp, "train_batch": engine.train_batch_size(),
+    return {"losses": losses, "norms": norms, "dp": dp, "train_batch": engine.train_batch_size() // gas,
             "sp_size": comm.get_world_size(engine.seq_parallel_group)}
 
 
@@ -72,3 +74,51 @@ def test_gpt_ulysses_matches_one_process(stage: int, world: int) -> None:
         assert (r["dp"], r["train_batch"], r["sp_size"]) == (dp, MB * dp, 2)
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_ulysses_with_accumulation_and_cpu_offload(stage: int) -> None:
+    ref_losses, ref_norms = _reference(2, gas=2)
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    for r in run_distributed(_train, 4, stage, 2, 2, offload, timeout=180):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+
+
+def _resume(stage: int, path: str) -> tuple[list[float], list[float]]:
+    """Four steps straight, and two steps + save + a new engine that loads and runs two more."""
+    import os
+
+    def engine_and_loop(model: GPT):
+        config = {"train_micro_batch_size_per_gpu": MB, "sequence_parallel_size": 2, "zero_optimization":
+                  {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
+        engine, *_ = zerospeed.initialize(model=model, config=config)
+        sequence_parallel_gpt(model, engine.seq_parallel_group)
+        r, chunk = comm.get_rank(engine.seq_parallel_group), SEQ // 2
+        cols, pos = slice(r * chunk, (r + 1) * chunk), torch.arange(r * chunk, (r + 1) * chunk)
+
+        def run(steps: range) -> list[float]:
+            out = []
+            for step in steps:
+                x, y = _batch(step, MB)
+                _, loss = engine(x[:, cols], y[:, cols], position_ids=pos)
+                engine.backward(loss)
+                engine.step()
+                out.append(loss.item())
+            return out
+        return engine, run
+
+    _, run = engine_and_loop(GPT(CFG, seed=3))
+    straight = run(range(4))
+    engine, run = engine_and_loop(GPT(CFG, seed=3))
+    resumed = run(range(2))
+    engine.save_checkpoint(os.path.join(path, "ckpt"), tag="t")
+    engine, run = engine_and_loop(GPT(CFG, seed=9))  # other weights: the load must restore them
+    engine.load_checkpoint(os.path.join(path, "ckpt"), tag="t")
+    return straight, resumed + run(range(2, 4))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_ulysses_checkpoint_resume(stage: int, tmp_path) -> None:
+    for straight, resumed in run_distributed(_resume, 2, stage, str(tmp_path), timeout=180):
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=1e-7)

@@ -38,3 +38,28 @@ def test_unsplittable_heads_name_the_numbers(q: int, kv: int, world: int, words:
 def test_world_one_is_identity() -> None:
     x = torch.randn(3, 5, 4, 2)
     assert seq_to_head(x, None, 1, 2, (4,)) is x and head_to_seq(x, None, 1, 2, (4,)) is x
+
+
+# --- the (data, sequence) grid -----------------------------------------------------------------------------
+def test_sequence_grid_puts_sequence_peers_adjacent() -> None:
+    from zerospeed.parallel.sequence.groups import sequence_topology
+
+    topo = sequence_topology(8, 2)
+    assert topo.get_axis_comm_lists("sequence") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.get_axis_comm_lists("data") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert sequence_topology(4, 4).get_axis_comm_lists("data") == [[0], [1], [2], [3]]
+
+
+def test_sequence_size_must_divide_the_world() -> None:
+    from zerospeed.parallel.sequence.groups import sequence_topology
+
+    with pytest.raises(ValueError, match="sequence_parallel_size 3 does not divide the world size 4"):
+        sequence_topology(4, 3)
+
+
+def test_sequence_parallel_size_is_a_config_key() -> None:
+    from zerospeed.config import load_config
+
+    assert load_config({"train_batch_size": 8, "sequence_parallel_size": 2}).sequence_parallel_size == 2
+    with pytest.raises(Exception, match="sequence_parallel_size"):
+        load_config({"train_batch_size": 8, "sequence_parallel_size": 0})
