@@ -232,8 +232,8 @@ class _SequenceTiledFunction(torch.autograd.Function):
     def forward(ctx: Any, fn: Callable[..., torch.Tensor], bounds: list[tuple[int, int]], keys: list[str],
                 grad_key: str, passed: dict[str, Any], out_dim: int, n_sharded: int, *tensors: torch.Tensor
                 ) -> torch.Tensor:
-        ctx.fn, ctx.bounds, ctx.keys, ctx.grad_key, ctx.passed, ctx.out_dim = fn, bounds, keys, grad_key, passed, out_dim
-        ctx.n_sharded = n_sharded
+        ctx.fn, ctx.bounds, ctx.keys, ctx.grad_key, ctx.passed = fn, bounds, keys, grad_key, passed
+        ctx.out_dim, ctx.n_sharded = out_dim, n_sharded
         ctx.rng = RngReplay(tensors[0].device)
         ctx.save_for_backward(*tensors)
         sharded = dict(zip(keys, tensors[:n_sharded]))

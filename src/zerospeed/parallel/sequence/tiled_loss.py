@@ -119,7 +119,8 @@ def fused_logits_loss(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch
     ignored) or ``shift_labels`` (already shifted, e.g. by the Ulysses data-loader adapter). Tokens labelled
     ``-100`` do not count. ``reduction="mean"`` is the mean over counted tokens (what
     ``F.cross_entropy`` gives untiled, for any shard count); ``"sum"`` their sum. Half-precision logits
-    are upcast to fp32 for the loss. ``head`` is a module (its parameters get gradients) or a function of ``compute_params``.
+    are upcast to fp32 for the loss. ``head`` is a module (its parameters get gradients) or a function of
+    ``compute_params``.
     """
     if (labels is None) == (shift_labels is None):
         raise ValueError("give exactly one of labels (unshifted) or shift_labels (already shifted)")
