@@ -19,7 +19,7 @@ from torch import nn
 from zerospeed.parallel.sequence.tiled import TiledMLP
 from zerospeed.profiling.memory import measure_memory, rss_bytes
 
-SEQ, HIDDEN, LAYERS, SHARDS = 8192, 64, 4, 4
+SEQ, HIDDEN, LAYERS, SHARDS = 16384, 64, 4, 4
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs") or not hasattr(os, "fork"),
@@ -35,6 +35,7 @@ def _measure(shards: int) -> dict[str, int]:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
+    torch.set_num_threads(1)  # one allocation pattern, whatever the parent's thread settings
     torch.manual_seed(0)
     mlps = [nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
             for _ in range(LAYERS)]
@@ -85,8 +86,8 @@ def _in_child(shards: int) -> dict[str, int]:
 def test_tiled_mlp_activation_memory_is_lower_by_the_shard_factor() -> None:
     plain, tiled = _in_child(1), _in_child(SHARDS)
     mib = {k: (plain[k] / 2**20, tiled[k] / 2**20) for k in plain}
-    # Untiled, each MLP keeps its [seq, 4*hidden] GELU input and output (2 x 8 MiB here) for backward; tiled
+    # Untiled, each MLP keeps its [seq, 4*hidden] GELU input and output (2 x 16 MiB here) for backward; tiled
     # keeps only its input (the residual stream, shared), and recomputes one shard at a time.
-    assert plain["held"] >= 12 * 2**20, mib
+    assert plain["held"] >= 24 * 2**20, mib
     assert tiled["held"] * SHARDS <= plain["held"], mib
     assert tiled["stack_peak"] * SHARDS <= plain["stack_peak"], mib
