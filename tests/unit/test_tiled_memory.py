@@ -2,13 +2,15 @@
 
 Each measurement runs in its own forked process with glibc told to serve every allocation over 64 KiB by
 ``mmap`` (``mallopt``), so a freed tensor leaves the resident set at once and the kernel's high-water mark
-follows live tensor bytes. ``[seq, hidden]`` tensors every variant must hold (the input gradient) are
+follows live tensor bytes; the garbage collector is run first and then paused, so garbage inherited from
+the parent is not freed in the middle of a measurement. ``[seq, hidden]`` tensors every variant must hold (the input gradient) are
 subtracted; what remains is activation memory.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import pickle
 
@@ -17,13 +19,22 @@ import torch
 from torch import nn
 
 from zerospeed.parallel.sequence.tiled import TiledMLP
-from zerospeed.profiling.memory import measure_memory, rss_bytes
+from zerospeed.profiling.memory import measure_memory
 
 SEQ, HIDDEN, LAYERS, SHARDS = 16384, 64, 4, 4
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs") or not hasattr(os, "fork"),
                                 reason="needs Linux's resettable peak RSS and fork")
+
+
+def _anon_rss() -> int:
+    """Anonymous resident memory (tensors, heap), without file-backed pages the kernel may fault in or drop."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
 
 
 def _mlp_fn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +46,8 @@ def _measure(shards: int) -> dict[str, int]:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
+    gc.collect()  # garbage inherited from the parent (a long test session) must not be freed mid-measurement
+    gc.disable()
     torch.set_num_threads(1)  # one allocation pattern, whatever the parent's thread settings
     torch.manual_seed(0)
     mlps = [nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
@@ -57,9 +70,9 @@ def _measure(shards: int) -> dict[str, int]:
             h.backward(grad)
             del h
         out["stack_peak"] = stack.growth_bytes - x.grad.nbytes  # type: ignore[union-attr]
-        before = rss_bytes()
+        before = _anon_rss()
         y = mlp(mlps[0], x)
-        out["held"] = rss_bytes() - before - y.nbytes  # kept from forward to backward, beyond the output
+        out["held"] = _anon_rss() - before - y.nbytes  # kept from forward to backward, beyond the output
         del y
     return out
 
