@@ -5,7 +5,8 @@
 It is the DeepSpeed training loop unchanged: ``initialize`` returns an engine; each micro-batch is
 ``loss = engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` (the engine accumulates gradients and
 steps the optimizer only at the accumulation boundary). ``--steps`` counts optimizer steps. Rank 0 shows a
-progress bar; at the end every rank reports its memory and rank 0 prints a summary.
+progress bar; at the end every rank reports its memory, rank 0 prints a summary and a text sampled from the
+trained model, and ``--out`` receives the checkpoint, the loss curve (PNG) and the TensorBoard logs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import resource
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from zerospeed.models import GPT, PRESETS
 from zerospeed.profiling._device import device_name
 from zerospeed.profiling.flops_profiler import get_model_profile
 from zerospeed.profiling.flops_profiler.peaks import mfu
+from zerospeed.profiling.plot import write_curve_png
 
 MiB = 1024 * 1024
 
@@ -39,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="model size")
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed")
     p.add_argument("--eval-batches", type=int, default=16, help="validation micro-batches, split over ranks")
+    p.add_argument("--out", default="runs/demo", help="where the checkpoint, loss curve and TensorBoard logs go")
+    p.add_argument("--sample-bytes", type=int, default=240, help="length of the text sampled at the end")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < 2:
@@ -101,6 +106,30 @@ def evaluate(engine: Any, block_size: int, micro_batch: int, batches: int) -> fl
     return (totals[0] / totals[1]).item()
 
 
+@torch.no_grad()
+def sample(engine: Any, block_size: int, length: int, prompt: str = "The ", temperature: float = 0.8,
+           seed: int = 0) -> str:
+    """Text sampled byte by byte from the trained model. Every rank samples the same text in step (under
+    ZeRO-3 each forward gathers parameters collectively); the caller prints rank 0's."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=engine.device)
+    engine.eval()
+    for _ in range(length):
+        logits, _ = engine.module(idx[:, -block_size:])
+        probs = torch.softmax(logits[0, -1].float().cpu() / temperature, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen).to(engine.device)
+        idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+    engine.train()
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+def with_tensorboard(config_path: str, out: Path) -> dict[str, Any]:
+    """The config, with TensorBoard logs under ``out`` unless the config says otherwise."""
+    config = json.loads(Path(config_path).read_text())
+    config.setdefault("tensorboard", {"enabled": True, "output_path": str(out / "tensorboard"), "job_name": "demo"})
+    return config
+
+
 def memory_line(engine: Any) -> str:
     """This rank's peak RSS and, when the engine counts them, the bytes of model state it holds."""
     line = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"  # Linux: KiB
@@ -135,8 +164,10 @@ def main() -> None:
     cfg = PRESETS[args.preset]()
     model = GPT(cfg, seed=args.seed)
     dataset = ByteDataset(cfg.block_size, "train")
+    out = Path(args.out)
+    config = with_tensorboard(args.config, out)
     engine, _, loader, _ = zerospeed.initialize(
-        model=model, model_parameters=model.parameters(), config=args.config, training_data=dataset
+        model=model, model_parameters=model.parameters(), config=config, training_data=dataset
     )
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = micro * gas * world * cfg.block_size
@@ -154,6 +185,10 @@ def main() -> None:
     ends = torch.tensor([losses[0], sum(losses[-last:]) / last], device=engine.device)
     comm.all_reduce(ends)  # mean over ranks
     first, final = (ends / world).tolist()
+    curve = torch.tensor(losses, device=engine.device)
+    comm.all_reduce(curve)
+    engine.save_checkpoint(str(out / "checkpoint"))
+    text = sample(engine, cfg.block_size, args.sample_bytes, seed=args.seed)
     mem = comm.all_gather_object(memory_line(engine))
     if rank == 0:
         s_per_step = timed / (args.steps - 1)
@@ -167,6 +202,11 @@ def main() -> None:
         summary = {"first_loss": first, "last_loss": final, "val_loss": val_loss, "s_per_step": s_per_step,
                    "tokens_per_s": tok_s}
         print("summary " + json.dumps({k: round(v, 4) for k, v in summary.items()}))
+        write_curve_png(out / "loss.png", (curve / world).tolist())
+        tb = config["tensorboard"]
+        print(f"\nsample (temperature 0.8, prompt 'The '):\n{text}\n")
+        print(f"checkpoint: {out / 'checkpoint'} | loss curve: {out / 'loss.png'}"
+              + (f" | TensorBoard: tensorboard --logdir {tb['output_path']}" if tb.get("enabled") else ""))
     comm.barrier()  # leave together: a rank tearing down Gloo while its peer still talks can abort the peer
     comm.destroy()
 

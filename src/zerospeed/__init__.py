@@ -17,6 +17,7 @@ _LAZY = {
     "Engine": ("zerospeed.runtime", "Engine"),
     "DeepSpeedEngine": ("zerospeed.runtime", "Engine"),
     "init_distributed": ("zerospeed.runtime.distributed", "init_distributed"),
+    "add_config_arguments": ("zerospeed.runtime.arguments", "add_config_arguments"),
     "init_inference": ("zerospeed.inference", "init_inference"),
     "InferenceEngine": ("zerospeed.inference", "InferenceEngine"),
     "ConfigError": ("zerospeed.config", "ConfigError"),
@@ -24,6 +25,7 @@ _LAZY = {
     "zero": ("zerospeed.zero", None),
     "comm": ("zerospeed.comm", None),
     "checkpointing": ("zerospeed.checkpointing", None),
+    "tp_model_init": ("zerospeed.parallel.tensor.model_init", "tp_model_init"),
 }
 
 __all__ = ["__version__", *_LAZY]

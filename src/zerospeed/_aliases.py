@@ -16,7 +16,8 @@ from types import ModuleType
 from typing import Any
 
 # DeepSpeed path (with deepspeed -> zerospeed)   ->  where the code lives
-ALIASES: dict[str, str] = {
+# (a tuple of targets: the alias re-exports the public names of each, in order)
+ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.pipe": "zerospeed.parallel.pipeline",
     "zerospeed.runtime.pipe": "zerospeed.parallel.pipeline",
     "zerospeed.runtime.pipe.module": "zerospeed.parallel.pipeline.module",
@@ -24,7 +25,17 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.pipe.topology": "zerospeed.parallel.topology",
     "zerospeed.runtime.pipe.schedule": "zerospeed.parallel.pipeline.schedule",
     "zerospeed.runtime.utils": "zerospeed.parallel.pipeline.partition",
-    "zerospeed.utils": "zerospeed.data.repeating",
+    "zerospeed.utils": ("zerospeed.data.repeating", "zerospeed.runtime.log", "zerospeed.zero.fragments"),
+    "zerospeed.utils.logging": "zerospeed.runtime.log",
+    "zerospeed.utils.tensor_fragment": "zerospeed.zero.fragments",
+    "zerospeed.runtime.lr_schedules": "zerospeed.optim.schedules",
+    "zerospeed.runtime.zero": "zerospeed.zero",
+    "zerospeed.runtime.zero.stage_1_and_2": "zerospeed.zero.estimate",
+    "zerospeed.runtime.zero.stage3": "zerospeed.zero.estimate",
+    "zerospeed.ops": "zerospeed.optim.named",
+    "zerospeed.ops.adam": "zerospeed.optim.named",
+    "zerospeed.ops.adagrad": "zerospeed.optim.named",
+    "zerospeed.ops.lamb": "zerospeed.optim.named",
     "zerospeed.moe": "zerospeed.parallel.expert",
     "zerospeed.moe.layer": "zerospeed.parallel.expert.layer",
     "zerospeed.moe.sharded_moe": "zerospeed.parallel.expert",
@@ -35,6 +46,9 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
     "zerospeed.runtime.fp16.onebit.zoadam": "zerospeed.optim.onebit.zoadam",
     "zerospeed.runtime.fp16.onebit.lamb": "zerospeed.optim.onebit.lamb",
+    "zerospeed.module_inject": "zerospeed.parallel.tensor",
+    "zerospeed.module_inject.layers": "zerospeed.parallel.tensor",
+    "zerospeed.module_inject.tp_shard": "zerospeed.parallel.tensor.shard",
     "zerospeed.sequence": "zerospeed.parallel.sequence",
     "zerospeed.sequence.layer": "zerospeed.parallel.sequence.layer",
     "zerospeed.runtime.sequence_parallel": "zerospeed.parallel.sequence",
@@ -43,23 +57,30 @@ ALIASES: dict[str, str] = {
 
 
 class _AliasLoader(importlib.abc.Loader):
-    def __init__(self, target: str) -> None:
-        self.target = target
+    def __init__(self, target: str | tuple[str, ...]) -> None:
+        self.targets = (target,) if isinstance(target, str) else tuple(target)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None  # a fresh, empty module
 
     def exec_module(self, module: ModuleType) -> None:
-        real = importlib.import_module(self.target)
-        names = getattr(real, "__all__", None) or [n for n in vars(real) if not n.startswith("_")]
-        for name in names:
-            setattr(module, name, getattr(real, name))
-        module.__all__ = list(names)  # type: ignore[attr-defined]
-        module.__doc__ = f"DeepSpeed-path alias of :mod:`{self.target}` (see zerospeed/_aliases.py)."
+        reals = [importlib.import_module(t) for t in self.targets]
+        exported: list[str] = []
+        for real in reals:
+            names = getattr(real, "__all__", None) or [n for n in vars(real) if not n.startswith("_")]
+            for name in names:
+                setattr(module, name, getattr(real, name))
+                if name not in exported:
+                    exported.append(name)
+        module.__all__ = exported  # type: ignore[attr-defined]
+        module.__doc__ = f"DeepSpeed-path alias of {', '.join(self.targets)} (see zerospeed/_aliases.py)."
         module.__path__ = []  # type: ignore[attr-defined]  # may be the parent of other aliases
 
         def __getattr__(name: str) -> Any:  # noqa: N807 - module-level attribute fallback
-            return getattr(real, name)
+            for real in reals:
+                if hasattr(real, name):
+                    return getattr(real, name)
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
 
         module.__getattr__ = __getattr__  # type: ignore[attr-defined]
 

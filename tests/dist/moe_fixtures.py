@@ -13,6 +13,9 @@ from zerospeed.moe.layer import MoE
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 NUM_EXPERTS = 4
 AUX = 0.01
+# Adam with an eps well above gradient rounding noise: the key bias's gradient is 0 up to rounding (softmax is
+# shift-invariant), and Adam would turn that noise into lr-sized steps that differ between summation orders.
+ADAM_EPS = 1e-3
 
 
 class MoEMLP(nn.Module):
@@ -64,10 +67,10 @@ def batch(step: int, rank: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(steps: int, world: int, mb: int, k: int, clip: float, lr: float,
-              gas: int = 1) -> tuple[list[list[float]], MoEGPT, dict[str, torch.Tensor]]:
+              gas: int = 1, adam: bool = False) -> tuple[list[list[float]], MoEGPT, dict[str, torch.Tensor]]:
     """Plain PyTorch, one process: each rank's micro-batch routed on its own (as on that rank), losses averaged."""
     model = MoEGPT(1, k, 0)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=ADAM_EPS) if adam else torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], {}
     for step in range(steps):
         opt.zero_grad()
@@ -89,7 +92,9 @@ def reference(steps: int, world: int, mb: int, k: int, clip: float, lr: float,
 
 
 def engine_config(stage: int, clip: float, lr: float, mb: int, world: int, gas: int = 1) -> dict[str, Any]:
+    """Stage 3 cuts every parameter (persistence threshold 0) and prefetches (a bucket of a few tensors)."""
+    zero3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 600} if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas,
             "train_batch_size": mb * world * gas, "gradient_clipping": clip,
             "optimizer": {"type": "SGD", "params": {"lr": lr}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300, **zero3}}

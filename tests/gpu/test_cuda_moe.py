@@ -15,10 +15,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS, MB, LR = 10, 2, 0.5
 
 
-def _train(ep: int, stage: int) -> list[float]:
+def _train(ep: int, stage: int, offload: bool = False) -> list[float]:
     rank, world = comm.get_rank(), comm.get_world_size()
     model = MoEGPT(ep, 1, rank % ep)
-    engine, *_ = zerospeed.initialize(model=model, config=engine_config(stage, 0.0, LR, MB, world))
+    cfg = engine_config(stage, 0.0, LR, MB, world)
+    if offload:  # masters and step on the host, gradients copied off the device as they are reduced
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
     losses = []
     for step in range(STEPS):
         x, y = batch(step, rank, MB)
@@ -29,12 +32,12 @@ def _train(ep: int, stage: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_moe_cuda_matches_cpu_reference(stage: int) -> None:
+@pytest.mark.parametrize("stage,offload", [(0, False), (2, False), (3, False), (2, True), (3, True)])
+def test_moe_cuda_matches_cpu_reference(stage: int, offload: bool) -> None:
     world = 2 if torch.cuda.device_count() >= 2 else 1
     ep = world
     ref, _, _ = reference(STEPS, world, MB, 1, 0.0, LR)
-    results = run_distributed(_train, world, ep, stage, backend="nccl", timeout=300)
+    results = run_distributed(_train, world, ep, stage, offload, backend="nccl", timeout=300)
     for rank, losses in enumerate(results):
         # TF32 may be on for matmuls on the device: a looser tolerance than CPU's 1e-5.
         torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in ref]), rtol=2e-3, atol=1e-4)

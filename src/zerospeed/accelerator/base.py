@@ -42,6 +42,72 @@ class Accelerator(ABC):
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    # --- DeepSpeed's accelerator surface that training scripts call ------------------------------------
+    def device_name(self, device_index: int | None = None) -> str:
+        """``"cuda"`` / ``"cpu"``, or ``"cuda:1"`` with an index (DeepSpeed's ``device_name``)."""
+        return self.name if device_index is None else f"{self.name}:{device_index}"
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_device_name(self) -> str:
+        return str(self.device())
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_synchronized_device(self) -> bool:
+        """True where work runs synchronously with the host (CPU), as DeepSpeed's."""
+        return True
+
+    def communication_backend_name(self) -> str:
+        return self.communication_backend
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        out = [torch.float32]
+        if self.is_fp16_supported():
+            out.append(torch.float16)
+        if self.is_bf16_supported():
+            out.append(torch.bfloat16)
+        return out
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def empty_cache(self) -> None:
+        return None
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.name
+
+    def total_memory(self) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+    def available_memory(self) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    def max_memory_reserved(self) -> int:
+        return self.max_memory_allocated()
+
+    def memory_reserved(self) -> int:
+        return self.memory_allocated()
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
     # --- copies to the host off the compute stream (offload) ----------------------------------------
     def side_stream(self) -> Any:
         """A stream for copies that overlap compute, or None where copies are synchronous (CPU)."""

@@ -47,6 +47,43 @@ class CudaAccelerator(Accelerator):
     def is_bf16_supported(self) -> bool:
         return torch.cuda.is_bf16_supported()
 
+    def current_device(self) -> int:
+        return int(torch.cuda.current_device())
+
+    def device_count(self) -> int:
+        return int(torch.cuda.device_count())
+
+    def is_available(self) -> bool:
+        return self.available()
+
+    def is_synchronized_device(self) -> bool:
+        return False
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def total_memory(self) -> int:
+        return int(torch.cuda.get_device_properties(self.current_device()).total_memory)
+
+    def available_memory(self) -> int:
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved())
+
+    def max_memory_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved())
+
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
 

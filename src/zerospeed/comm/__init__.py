@@ -4,6 +4,7 @@ Every other package reaches communication through these functions, with the proc
 passed explicitly, so communication is counted in one place and fails with a precise message.
 """
 
+from .along_dim import PendingTensor, all_gather_along_dim, reduce_scatter_along_dim
 from .backend import (
     DEFAULT_TIMEOUT,
     Group,
@@ -12,6 +13,8 @@ from .backend import (
     destroy,
     device_for_backend,
     file_store,
+    get_local_rank,
+    get_local_world_size,
     get_rank,
     get_world_size,
     init_distributed,
@@ -47,9 +50,11 @@ __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
     "P2P", "P2PHandle", "device_mesh", "exchange", "global_rank_of",
     "RecoverableGroup", "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_object", "all_reduce", "all_reduce_flags", "all_reduce_max_flag", "all_to_all_single", "backend_name",
-    "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "exchange_ints", "file_store", "get_rank",
+    "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "exchange_ints", "file_store", "get_local_rank",
+    "get_local_world_size", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
     "sparse_all_reduce", "topk_count",
+    "PendingTensor", "all_gather_along_dim", "reduce_scatter_along_dim",
     "QuantizedGather", "dequantize_int8", "quant_groups", "quantize_int8", "quantized_all_gather",
 ]

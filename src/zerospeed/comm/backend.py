@@ -184,6 +184,21 @@ def get_world_size(group: Group | None = None) -> int:
     return dist.get_world_size(resolve(group)) if is_initialized() else 1
 
 
+def get_local_rank() -> int:
+    """This process's rank on its node, as the launcher set it (``LOCAL_RANK``, or Open MPI's
+    ``OMPI_COMM_WORLD_LOCAL_RANK``); 0 without a launcher. DeepSpeed's ``deepspeed.comm.get_local_rank()``."""
+    value = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={value!r} is not an integer") from None
+
+
+def get_local_world_size() -> int:
+    """Processes on this node (``LOCAL_WORLD_SIZE`` from torchrun); 1 without a launcher."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+
+
 def new_group(ranks: list[int], timeout: timedelta | None = None) -> Group:
     """A subgroup; every rank of the world must call this with the same ranks."""
     return dist.new_group(ranks=ranks, timeout=timeout)

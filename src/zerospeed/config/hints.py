@@ -15,6 +15,12 @@ from typing import Any
 from pydantic import BaseModel
 
 ACCEPTED_HINTS: dict[str, str] = {
+    "autotuning.model_info.hidden_size": (
+        "DeepSpeed's tuner reports it with the model info; zerospeed's memory pruning uses the measured "
+        "parameter count, and the micro-batch ascent finds the activation limit by running (it stops at the "
+        "first size that fails), so the tuned result is the same whatever it says"),
+    "autotuning.model_info.num_layers": (
+        "as autotuning.model_info.hidden_size: reported model info, not used to choose experiments"),
     "zero_optimization.contiguous_gradients": (
         "gradients are always copied into flat, contiguous bucket buffers as autograd produces them (the "
         "parameter's .grad is freed at once), which is what true asks for; the values are the same either way"),

@@ -7,10 +7,13 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+import math
+
+from pydantic import Field, PrivateAttr, field_validator
 
 from .base import Section, known_keys
 from .compression import GradientCompressionConfig
+from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .errors import ConfigError, UnknownKeyError
@@ -26,6 +29,7 @@ from .monitoring import (
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .pipeline import PipelineConfig
 from .precision import Bf16Config, Fp16Config
+from .tensor_parallel import TensorParallelConfig
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
 from .zero import ZeroConfig
 
@@ -82,12 +86,16 @@ class ZeroSpeedConfig(Section):
     sequence_parallel_size: int = Field(1, ge=1)
     """Ulysses sequence parallelism: ranks per sequence group (1 = off). The world splits into
     world/sequence_parallel_size data-parallel replicas; batch sizes count those replicas."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP training (``zerospeed.tp_model_init``): degree, layer rules, presets."""
     use_data_before_expert_parallelism: bool = False
     """MoE groups: ``true`` puts expert-data-parallel peers adjacent ("D + E") instead of expert peers."""
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""
     zerospeed: ZerospeedOptions = Field(default_factory=ZerospeedOptions)
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """DeepSpeed's autotuner section: ``zerospeed autotune`` plans experiments from it; the engine profiles them."""
     gradient_compression: GradientCompressionConfig = Field(default_factory=GradientCompressionConfig)
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
 
@@ -103,12 +111,52 @@ class ZeroSpeedConfig(Section):
             raise ValueError("'auto' cannot be derived here; set a number (0 disables clipping)")
         return v
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _print_never(cls, v: Any) -> Any:
+        """Accelerate and the HF Trainer write ``float("inf")`` (JSON ``Infinity``): never print, as DeepSpeed."""
+        return None if isinstance(v, float) and math.isinf(v) and v > 0 else v
+
     @field_validator("communication_data_type", mode="before")
     @classmethod
     def _dtype_alias(cls, v: Any) -> Any:
         aliases = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "half": "fp16", "fp16": "fp16",
                    "bfloat16": "bf16", "bf16": "bf16"}
         return aliases.get(str(v).lower(), v) if v is not None else None
+
+    # --- DeepSpeed's ``engine.config`` is the user's dict: read access as a mapping ------------------
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        """``engine.config["zero_optimization"]``: the value as the user wrote it, else the validated
+        section (with its defaults) as a plain dict."""
+        if key in self._raw:
+            return self._raw[key]
+        if key in type(self).model_fields:
+            value = getattr(self, key)
+            return value.model_dump() if hasattr(value, "model_dump") else value
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def keys(self) -> list[str]:
+        return list(self._raw)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self._raw.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A copy of the config as the user wrote it (after dotted keys were expanded)."""
+        import copy
+
+        return copy.deepcopy(self._raw)
 
     # --- resolved views -------------------------------------------------------------------------
     def batch(self, dp_world_size: int) -> BatchSizes:
@@ -152,6 +200,29 @@ def _parse(raw: dict[str, Any]) -> ZeroSpeedConfig:
                          exc.key, exc.hint)
 
 
+def _expand_dotted(raw: dict[str, Any]) -> dict[str, Any]:
+    """``{"zero_optimization.stage": 3}`` (as some frameworks write keys) means ``{"zero_optimization":
+    {"stage": 3}}``. DeepSpeed ignores such keys without a word; zerospeed applies them, and refuses one that
+    contradicts the nested value."""
+    out = {k: v for k, v in raw.items() if "." not in k}
+    for key in [k for k in raw if "." in k]:
+        *parents, leaf = key.split(".")
+        node = out
+        for i, part in enumerate(parents):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(key, f"'{'.'.join(parents[:i + 1])}' is {child!r}, not a section")
+            node[part] = child = dict(child)
+            node = child
+        if leaf in node and node[leaf] != raw[key]:
+            raise ConfigError(key, f"the dotted key sets {raw[key]!r} but '{key}' is also given nested as "
+                                   f"{node[leaf]!r}; keep one")
+        node[leaf] = raw[key]
+    return out
+
+
 def _drop(raw: dict[str, Any], loc: tuple[str, ...]) -> None:
     """Remove ``loc`` from ``raw`` (copying the dicts on the way, so the caller's config stays intact)."""
     node = raw
@@ -169,11 +240,13 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
     if isinstance(config, ZeroSpeedConfig):
         cfg = config
     else:
-        raw = _read(config)
+        raw = _expand_dotted(_read(config))
         if "bfloat16" in raw and "bf16" not in raw:
             raw["bf16"] = raw.pop("bfloat16")
+        written = dict(raw)
         raw = check_not_supported(raw)
         cfg = _parse(raw)
+        cfg._raw = written
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:

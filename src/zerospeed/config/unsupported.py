@@ -15,13 +15,11 @@ from typing import Any
 from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "tensor_parallel": "tensor parallelism (AutoTP)",
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
     "sparse_attention": "sparse attention",
     "elasticity": "elastic training",
-    "autotuning": "the autotuner",
     "data_efficiency": "data efficiency (curriculum / random-LTD)",
     "curriculum_learning": "curriculum learning",
     "amp": "apex AMP",

@@ -78,6 +78,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -85,12 +86,13 @@ class CausalSelfAttention(nn.Module):
         self.core_attention: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head) for z in self.qkv(x).split(c, dim=2))
+        qkv = self.qkv(x)  # shapes read from the qkv output: a tensor-parallel shard (heads, sequence) works too
+        b, t, _ = qkv.shape
+        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in qkv.chunk(3, dim=2))
         p = self.dropout if self.training else 0.0
         core = causal_attention if self.core_attention is None else self.core_attention
         y = core(q, k, v, dropout_p=p)
-        return self.resid_drop(self.proj(y.contiguous().view(b, t, c)))
+        return self.resid_drop(self.proj(y.contiguous().view(b, t, -1)))
 
 
 class MLP(nn.Module):

@@ -176,7 +176,7 @@ def _join(dist_init_required: bool | None, distributed_port: int | None, cfg_tim
 
 
 def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, device: torch.device,
-                 dp_group: comm.Group | None, dp_rank: int) -> Any:
+                 dp_group: comm.Group | None, dp_rank: int, moe: Any = None) -> Any:
     """Cast and place the module and give every rank rank 0's values; under stage 3 also cut it."""
     offload_param = cfg.zero_optimization.offload_param
     if offload_param.enabled and cfg.zero_stage != 3:
@@ -190,7 +190,8 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
     from ..zero.stage3 import setup_stage3  # parameters partitioned too: cut them, install module hooks
 
     home = _param_home(cfg, model, compute, dp_rank) if offload_param.enabled else None
-    return setup_stage3(model, cfg.zero_optimization, compute, device, dp_group, home)
+    group_of = None if moe is None else moe.partition_groups(model)  # experts: over their expert-data group
+    return setup_stage3(model, cfg.zero_optimization, compute, device, dp_group, home, group_of)
 
 
 def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
@@ -210,11 +211,12 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
         options.append({k: v for k, v in g.items() if k != "params"})
         if not trainable:
             groups.append(None)
+        elif moe is not None and moe.expert_groups_of(trainable) is not None:  # partitioned over its edp group
+            groups.append(moe.sharded_group(trainable, options[-1], cfg.zero_stage, bucket, compute, stage3,
+                                            defer_master=on_disk, separate_master=separate))
         elif stage3 is not None:
             groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket, defer_master=on_disk,
                                             separate_master=separate))
-        elif moe is not None and moe.expert_groups_of(trainable) is not None:  # partitioned over its edp group
-            groups.append(moe.sharded_group(trainable, options[-1], cfg.zero_stage, bucket, compute))
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute,
                                        defer_master=on_disk, separate_master=separate))
@@ -253,7 +255,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
                               gradient_predivide_factor=cfg.gradient_predivide_factor,
                               partition_sink=_gradients_off_device(cfg, live), **_topk(cfg, base))
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
-        reducer = moe.make_reducer(live, settings)
+        reducer = moe.make_reducer(live, settings, stage3)
     else:
         reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
     reducer.ignore_unused_parameters = zcfg.ignore_unused_parameters
@@ -274,14 +276,14 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
 
 
-def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None) -> Any:
+def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None, grid: Any = None) -> Any:
     """Expert groups and gradient routing when the model holds MoE layers (None otherwise)."""
     from ..parallel.expert.training import MoETraining, moe_layers
 
     if not moe_layers(model):
         return None
-    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.enabled,
-                       cfg.use_data_before_expert_parallelism)
+    return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.device,
+                       cfg.use_data_before_expert_parallelism, grid)
 
 
 def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
@@ -324,7 +326,9 @@ def _parallel_grid(model: nn.Module, mpu: Any) -> Any:
             raise ValueError(f"initialize(mpu=...): the object has no {name}() (expected an mpu such as "
                              "zerospeed.runtime.pipe.topology.PipelineParallelGrid)")
     tp = getattr(mpu, "get_model_parallel_world_size", lambda: 1)()
-    if tp != 1:
+    from ..parallel.expert.training import moe_layers
+
+    if tp != 1 and not any(m.enable_expert_tensor_parallelism for m in moe_layers(model)):  # expert TP: parallel/expert
         raise NotSupportedYetError("mpu", f"model parallelism through mpu (model-parallel world size {tp}) is not "
                                    "supported yet by zerospeed; only data-parallel groups from an mpu are")
     return mpu
@@ -353,6 +357,19 @@ def _sequence_grid(cfg: ZeroSpeedConfig, model: nn.Module, mpu: Any) -> Any:
     from ..parallel.sequence.groups import SequenceParallelGrid
 
     return SequenceParallelGrid(sp)
+def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
+    """AutoTP (``tensor_parallel`` section or ``tp_model_init``): split the model over the grid's model axis."""
+    from ..parallel.tensor.training import TensorParallelTraining, tp_requested
+
+    if not tp_requested(model, cfg.tensor_parallel):
+        return None
+    if cfg.zero_stage == 3:
+        raise NotSupportedYetError("zero_optimization.stage", "tensor parallelism with ZeRO stage 3 is not supported "
+                                   "yet by zerospeed; use stage 0, 1 or 2")
+    if grid is not None and grid is not getattr(model, "_grid", None):
+        raise NotSupportedYetError("tensor_parallel", "tensor parallelism with an mpu is not supported yet by "
+                                   "zerospeed (a PipelineModule's topology with a 'model' axis is)")
+    return TensorParallelTraining(model, cfg.tensor_parallel, grid)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
@@ -374,6 +391,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         comm.set_timeout(early.comms_timeout_s, comm.world_group())
     seq_grid = _sequence_grid(early, model, mpu)
     grid = _parallel_grid(model, mpu) if seq_grid is None else None
+    tp = _tensor_parallel(early, model, grid)
+    if tp is not None and seq_grid is not None:
+        raise NotSupportedYetError("sequence_parallel_size", "Ulysses sequence parallelism together with tensor "
+                                   "parallelism is not supported yet by zerospeed")
+    grid = tp.grid if tp is not None and grid is None else grid
     # The engine's own connections (docs/recovery.md): dropped and rebuilt after a failed step, leaving the
     # world group the user's code talks on untouched. A pipeline or a user's mpu brings its grid's groups.
     # Under sequence parallelism ZeRO partitions and reduces over every rank (data x sequence, DeepSpeed's
@@ -385,6 +407,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     data_size, data_rank = ((dp_size, dp_rank) if seq_grid is None else
                             (seq_grid.get_data_parallel_world_size(), seq_grid.get_data_parallel_rank()))
     cfg = load_config(early, data_size)
+    from .autotuning_probe import profile_model_info
+
+    profile_model_info(cfg, model)  # an autotuner's model-info run ends here
     pipelined = grid is not None and grid is getattr(model, "_grid", None)
     if pipelined and cfg.zero_stage >= 2:
         raise ConfigError("zero_optimization.stage", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism "
@@ -394,11 +419,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     batch = cfg.batch(data_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
-    moe = _moe_training(cfg, model, dp_group)
+    moe = _moe_training(cfg, model, dp_group, grid)
     if moe is not None and seq_grid is not None:
         raise NotSupportedYetError("sequence_parallel_size", "sequence parallelism with Mixture-of-Experts layers "
                                    "is not supported yet by zerospeed")
-    stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank)
+    if moe is not None and tp is not None:
+        raise NotSupportedYetError("tensor_parallel", "AutoTP with Mixture-of-Experts layers is not supported yet by "
+                                   "zerospeed (expert tensor parallelism through an mpu is)")
+    stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank, moe)
     raw_groups = _param_groups(model, model_parameters, optimizer)
     if moe is not None:
         moe.sync_experts(model)
@@ -419,7 +447,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if pipelined and zero_opt is not None:  # one grad norm / overflow verdict over every stage
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 
-        zero_opt = PipelineZeroOptimizer.wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
+        wrap = PipelineZeroOptimizer.wrap if moe is None else moe.wrap_pipeline  # MoE: its own norm, then stages
+        zero_opt = wrap(zero_opt, grid.get_pipe_parallel_group(), model.replicated)
+    if tp is not None and zero_opt is not None:  # one grad norm / overflow verdict over the split model
+        zero_opt = tp.wrap_optimizer(zero_opt)
     scheduler = _build_scheduler(cfg, lr_scheduler, base)
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
@@ -438,6 +469,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine.zero3 = stage3
     if seq_grid is not None:
         engine.set_sequence_groups(seq_grid)
+    if tp is not None:
+        engine.tensor_parallel = tp
+        engine.checkpoint_group = comm.world_group()  # every rank writes: tp shards x dp partitions
+        engine.mp_world_size = tp.model.size
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank  # as DeepSpeed: scripts read args.local_rank after initialize()
     if comm.get_rank() == 0:
         log_accepted_hints(cfg)
         if cfg.vocabulary_size and cfg.vocabulary_size % 8:

@@ -57,6 +57,7 @@ class Engine(nn.Module):
         self.last_step_comm_volume = 0
         self.last_checkpoint_stats: Any = None
         self.global_rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()  # DeepSpeed's engine.local_rank (initialize() sets args.local_rank)
         self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(dp_group)
         self.mp_world_size = 1
@@ -73,6 +74,13 @@ class Engine(nn.Module):
         self.backwards_in_window = 0
         self._checked_generation = 0
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
+        if optimizer is not None:
+            from ..zero import fragments
+
+            fragments.bind(optimizer)  # zerospeed.utils.safe_get_full_fp32_param & co. find each parameter's shard
+        from .autotuning_probe import AutotuningProbe
+
+        self._autotuning = AutotuningProbe.create(config)  # an autotuning experiment: profile, report, end
 
     # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
     def train_batch_size(self) -> int:
@@ -104,6 +112,15 @@ class Engine(nn.Module):
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step that ends an accumulation (or as set by ``set_gradient_accumulation_boundary``)."""
@@ -155,6 +172,8 @@ class Engine(nn.Module):
             raise
 
     def _ensure_usable(self) -> None:
+        if self.broken == "destroyed":
+            raise RuntimeError("this engine was destroyed (engine.destroy()); build a new one with zerospeed.initialize()")
         if self.broken is not None:
             raise RuntimeError(f"the engine cannot continue, its state may be inconsistent across ranks: "
                                f"{self.broken}. Reload a checkpoint (engine.load_checkpoint) into a new engine")
@@ -245,6 +264,8 @@ class Engine(nn.Module):
                                "were never reduced: leave the no_sync() block for the last backward before step()")
         with self._guarded("step"):
             self._step(boundary, lr_kwargs)
+        if self._autotuning is not None:
+            self._autotuning.after_step(self)
 
     def _step(self, boundary: bool, lr_kwargs: dict[str, Any] | None) -> None:
         assert self.optimizer is not None
@@ -335,18 +356,50 @@ class Engine(nn.Module):
         from ..config import ConfigError
         from ..zero.stage3 import save_16bit_model
 
-        if exclude_frozen_parameters:
-            raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) is not supported yet by zerospeed")
         from ..parallel.expert.training import moe_layers
 
-        if any(m.ep_size > 1 for m in moe_layers(self.module)):  # each rank holds only its own experts
-            raise NotImplementedError("save_16bit_model with expert parallelism (ep_size > 1) is not supported yet by "
-                                      "zerospeed: save_checkpoint() and `zerospeed to-fp32` give the full model")
         if self.zero3 is not None and not self.zero3.gather_16bit_on_save:
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "under ZeRO stage 3 saving a 16-bit model gathers the partitioned parameters; set it "
                               "to true (or export with zerospeed.zero.full_state_dict)")
-        return save_16bit_model(self.module, save_dir, save_filename, group=self.dp_group)
+        if any(m.ep_size > 1 for m in moe_layers(self.module)):  # each rank holds only its own experts
+            import os
+
+            from ..parallel.expert.checkpoint import with_all_experts
+            from ..zero.stage3 import full_state_dict, save_safetensors
+
+            if exclude_frozen_parameters:
+                raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) with expert parallelism "
+                                          "(ep_size > 1) is not supported yet by zerospeed")
+            state = with_all_experts(full_state_dict(self.module, group=self.dp_group), self.module, self.dp_group)
+            if comm.get_rank(self.dp_group) == 0:
+                save_safetensors(state, os.path.join(save_dir, save_filename))
+            return comm.get_rank(self.dp_group) == 0
+        return save_16bit_model(self.module, save_dir, save_filename, group=self.dp_group,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """Collective: the whole model in its compute dtype on rank 0 (``{}`` elsewhere), under any stage."""
+        from ..zero.stage3 import full_state_dict
+
+        state = full_state_dict(self.module, rank0_only=True, group=self.dp_group)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def destroy(self) -> None:
+        """Finish pending checkpoint writes and detach the engine from the module (hooks removed, monitors
+        closed); the engine refuses further use. The process group stays up (``zerospeed.comm.destroy``)."""
+        if self.broken == "destroyed":
+            return
+        self.wait_for_checkpoint()
+        if self.optimizer is not None:
+            self.optimizer.reducer.remove_hooks()
+        if self.zero3 is not None:
+            self.zero3.remove_hooks()
+        self.observer.close()
+        self.broken = "destroyed"
 
     # --- checkpoints (runtime/checkpoint/) ---------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
@@ -355,11 +408,9 @@ class Engine(nn.Module):
         """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's)."""
         from .checkpoint import save_checkpoint
 
-        if exclude_frozen_parameters:
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet by zerospeed")
         use_async = self.config.checkpoint.async_save if async_save is None else async_save
         self.last_checkpoint_stats = save_checkpoint(self, save_dir, tag, client_state, save_latest, use_async,
-                                                     self.config.comms_timeout_s)
+                                                     self.config.comms_timeout_s, exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,

@@ -16,13 +16,19 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from ... import comm
+
 from .layer import MoE
 
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
 
 
 def _layers(module: nn.Module) -> list[tuple[str, MoE]]:
-    return [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, MoE)]
+    layers = [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, MoE)]
+    if any(m.deepspeed_moe.tp is not None for _, m in layers):
+        raise NotImplementedError("checkpoints of tensor-parallel experts (enable_expert_tensor_parallelism with a "
+                                  "tensor-parallel mpu) are not supported yet by zerospeed")
+    return layers
 
 
 def _split(key: str, layers: list[tuple[str, MoE]]) -> tuple[str, MoE, int, str] | None:
@@ -66,3 +72,37 @@ def other_expert_keys(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Modu
         if gid == mine[0]:
             out += [(f"{head}{g}.{rest}", key) for g in range(layer.num_experts) if g not in mine]
     return out
+
+
+def expert_writers(pairs: Iterable[tuple[str, torch.Tensor]], module: nn.Module) -> dict[str, bool]:
+    """``renamed key of this rank's expert tensor -> whether this rank writes it`` (its expert-data-parallel
+    group's first rank does: the ranks of that group hold the same experts); ``pairs`` already renamed."""
+    layers = _layers(module)
+    out: dict[str, bool] = {}
+    for key, _ in pairs:
+        hit = _split(key, layers) if layers else None
+        if hit is not None:
+            eg = hit[1].expert_groups
+            out[key] = eg is None or not comm.is_initialized() or eg.edp_ranks[0] == comm.get_rank()
+    return out
+
+
+@torch.no_grad()
+def with_all_experts(state: dict[str, torch.Tensor], module: nn.Module, group: object) -> dict[str, torch.Tensor]:
+    """``state`` (rank 0's ``full_state_dict``) with every expert of every layer under its global id, as an
+    ``ep=1`` model names it. Collective over ``group`` (the data-parallel group): the first rank of each
+    expert-data-parallel group sends its experts' full values (gathered first under ZeRO-3)."""
+    from ...zero.stage3 import GatheredParameters
+
+    layers = _layers(module)
+    mine = [(k, t) for k, t in rename(module.named_parameters(), module) if _split(k, layers) is not None]
+    writes = expert_writers(mine, module)
+    with GatheredParameters([t for _, t in mine]):
+        values = {k: t.detach().cpu().clone() for k, t in mine if writes[k]}
+    gathered = comm.all_gather_object(values, group=group) if comm.is_initialized() else [values]
+    if state:  # rank 0: drop the local names, add every expert by global id
+        local = {k for k in state for head in (p + _EXPERTS for p, _ in layers) if k.startswith(head)}
+        state = {k: v for k, v in state.items() if k not in local}
+        for part in gathered:
+            state.update(part)
+    return state

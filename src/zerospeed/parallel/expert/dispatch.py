@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ... import comm
+from .tensor_parallel import TensorParallel, drop_tokens, gather_tokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -50,8 +51,12 @@ def gather_capacities(capacity: int, group: Any, device: torch.device) -> list[i
     return [int(c) for c in out.tolist()]
 
 
-def run_experts_parallel(buf: Tensor, experts: Any, group: Any, ep_size: int) -> Tensor:
-    """``buf`` ``[E, C, M]`` -> expert outputs ``[E, C, M]`` with experts spread over ``group``."""
+def run_experts_parallel(buf: Tensor, experts: Any, group: Any, ep_size: int, tp: TensorParallel | None = None) -> Tensor:
+    """``buf`` ``[E, C, M]`` -> expert outputs ``[E, C, M]`` with experts spread over ``group``; with ``tp``
+    (expert tensor parallelism) each tensor-parallel rank moves a ``1/tp`` slice of the slots
+    (``tensor_parallel.py``)."""
+    full = buf
+    buf = drop_tokens(buf, 1, tp)
     e, c, m = buf.shape
     local = e // ep_size
     caps = gather_capacities(c, group, buf.device)
@@ -60,11 +65,12 @@ def run_experts_parallel(buf: Tensor, experts: Any, group: Any, ep_size: int) ->
     got = all_to_all(group, buf.reshape(e * c, m), recv, send)                       # [sum_i local*C_i, M]
     per_src = got.split(recv)                                                         # i -> [local*C_i, M]
     per_src = [t.reshape(local, ci, m) for t, ci in zip(per_src, caps)]
-    inputs = torch.cat(per_src, dim=1)                                                # [local, sum C_i, M]
-    out = experts(inputs.unsqueeze(0)).reshape(local, sum(caps), m)
+    inputs = gather_tokens(torch.cat(per_src, dim=1), 1, tp)                         # [local, sum C_i (x tp), M]
+    out = experts(inputs.unsqueeze(0)).reshape(local, inputs.shape[1], m)
+    out = drop_tokens(out, 1, tp)                                                     # [local, sum C_i, M]
     back = [t.reshape(local * ci, m) for t, ci in zip(out.split(caps, dim=1), caps)]
     returned = all_to_all(group, torch.cat(back), send, recv)                        # [E*C, M]
-    return returned.reshape(e, c, m)
+    return gather_tokens(returned.reshape(e, c, m), 1, tp).reshape(full.shape)
 
 
 def encode(tokens: Tensor, expert: Tensor, location: Tensor, num_experts: int, capacity: int) -> Tensor:

@@ -12,6 +12,14 @@ from .gating import Routing, multiplicative_jitter, route_top1, route_top2, rout
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
 
+class _Fp32Linear(nn.Linear):
+    """The router's linear layer, applied in fp32 whatever the model's dtype (as DeepSpeed does); called
+    as a module, so ZeRO-3 gathers its weight around the call."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return torch.nn.functional.linear(input.float(), self.weight.float())
+
+
 class TopKGate(nn.Module):
     """DeepSpeed's ``TopKGate(model_dim, num_experts, k, ...)``.
 
@@ -32,7 +40,7 @@ class TopKGate(nn.Module):
             raise ValueError(f"Unsupported noisy_gate_policy: {noisy_gate_policy!r} (use None, 'Jitter' or 'RSample')")
         if not 1 <= k <= num_experts:
             raise ValueError(f"TopKGate: k={k} must be between 1 and num_experts={num_experts}")
-        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.wg = _Fp32Linear(model_dim, num_experts, bias=False)
         self.ep_group = ep_group
         self.k = k
         self.capacity_factor = capacity_factor
@@ -53,7 +61,7 @@ class TopKGate(nn.Module):
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = multiplicative_jitter(x)
-        logits = torch.nn.functional.linear(x, self.wg.weight.float())
+        logits = self.wg(x)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None

@@ -21,6 +21,7 @@ from .dispatch import decode, encode, run_experts_parallel
 from .experts import Experts
 from .gate import NOISY_GATE_POLICIES, TopKGate
 from .groups import ExpertGroups, create_expert_groups, group_name
+from .tensor_parallel import TensorParallel, tensor_parallel_of
 
 
 class MOELayer(nn.Module):
@@ -39,6 +40,7 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_local_experts
         self.l_aux: Tensor | None = None
         self.exp_counts: Tensor | None = None
+        self.tp: TensorParallel | None = None  # expert tensor parallelism (set with the groups)
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
@@ -56,7 +58,7 @@ class MOELayer(nn.Module):
             if self.ep_group is None:
                 raise RuntimeError("MoE with ep_size > 1 has no expert-parallel group: call "
                                    "set_deepspeed_parallelism() or pass the model to zerospeed.initialize()")
-            out = run_experts_parallel(buf, self.experts, self.ep_group, self.ep_size)
+            out = run_experts_parallel(buf, self.experts, self.ep_group, self.ep_size, self.tp)
         else:
             e, c, m = buf.shape
             out = self.experts(buf.unsqueeze(0)).reshape(e, c, m)
@@ -77,10 +79,8 @@ class MoE(nn.Module):
                              f"({ep_size})")
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"Unsupported noisy_gate_policy: {noisy_gate_policy!r}")
-        if enable_expert_tensor_parallelism:
-            raise NotImplementedError("enable_expert_tensor_parallelism is not supported yet by zerospeed")
         self.use_residual = use_residual
-        self.enable_expert_tensor_parallelism = False
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
         self.expert_group_name = group_name(ep_size)
         self.num_experts = num_experts
@@ -96,10 +96,20 @@ class MoE(nn.Module):
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
-                                  registry: dict[str, ExpertGroups] | None = None) -> None:
-        """Create (or take from ``registry``) this layer's expert groups. Collective over the world."""
-        self.expert_groups = create_expert_groups(self.ep_size, use_data_before_expert_parallel_, registry)
+                                  registry: dict[str, ExpertGroups] | None = None, mpu: Any = None) -> None:
+        """Create (or take from ``registry``) this layer's expert groups, inside the data-parallel groups of
+        ``mpu``'s grid when given (a pipeline's, or a tensor-parallel one). Collective over the world."""
+        tp = tensor_parallel_of(mpu)
+        if tp is not None and not self.enable_expert_tensor_parallelism:
+            raise NotImplementedError("MoE layers with tensor parallelism but experts that are not tensor-parallel "
+                                      "are not supported yet by zerospeed; build the MoE layer with "
+                                      "enable_expert_tensor_parallelism=True (experts split over the tensor group)")
+        self.expert_groups = create_expert_groups(self.ep_size, use_data_before_expert_parallel_, registry, mpu)
         self.deepspeed_moe._set_ep_group(self.expert_groups.ep_group)
+        self.deepspeed_moe.tp = tp
+        for m in self.deepspeed_moe.experts.modules():  # split expert layers get their tensor-parallel group
+            if tp is not None and hasattr(m, "set_tensor_parallel_group"):
+                m.set_tensor_parallel_group(tp.group)
 
     def global_expert_ids(self) -> list[int]:
         """Global ids of this rank's local experts (expert-parallel rank p holds ``p*E_local ...``)."""

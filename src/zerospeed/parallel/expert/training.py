@@ -9,13 +9,20 @@ of its expert-data-parallel (``edp``) group. So, as in DeepSpeed:
   them independent of ``ep_size``: ``ep=2`` trains exactly like ``ep=1``;
 * ZeRO-1/2 partition expert state over the ``edp`` group and dense state over the data-parallel group,
   in separate sharded groups (optimizer param groups with ``moe: True`` and the expert group ``name``);
+  ZeRO-3 also cuts the expert parameters themselves over their ``edp`` group (``partition_groups``);
 * the global gradient norm (clipping) is the true norm: dense squares summed over the dense shards,
-  expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts);
+  expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts),
+  parameters split over a tensor group (expert tensor parallelism) over that group, and, inside a
+  pipeline, everything over the stages;
 * at start, dense parameters come from data-parallel rank 0, expert parameters from ``edp`` rank 0.
+
+With a pipeline or a tensor-parallel ``mpu`` (``grid``) the expert groups are cut inside the grid's
+data-parallel groups (``groups.expert_rank_lists``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -27,6 +34,7 @@ from ...config.errors import NotSupportedYetError
 from ...zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from .groups import ExpertGroups
 from .layer import MoE
+from .tensor_parallel import is_tensor_parallel_param
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 
@@ -37,27 +45,28 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 class MoETraining:
     """The expert groups of one engine (a registry it owns) and the helpers ``runtime/build.py`` calls."""
 
-    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload: bool,
-                 data_before_expert: bool = False) -> None:
-        if comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
-            raise NotSupportedYetError("mpu", "MoE layers with pipeline or model parallelism (a data-parallel "
-                                       "group smaller than the world) are not supported yet by zerospeed")
-        if stage == 3:
-            raise NotSupportedYetError("zero_optimization.stage", "MoE layers under ZeRO stage 3 are not "
-                                       "supported yet by zerospeed; use stage 0, 1 or 2")
-        if offload:
-            raise NotSupportedYetError("zero_optimization.offload_optimizer", "MoE layers with optimizer offload "
-                                       "are not supported yet by zerospeed")
+    def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload_device: str = "none",
+                 data_before_expert: bool = False, grid: Any = None) -> None:
+        """``grid``: the pipeline's (or a user's mpu) grid; expert groups are cut inside its data-parallel groups."""
+        if grid is None and comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
+            raise ValueError("MoE layers with a data-parallel group smaller than the world need the grid that "
+                             "defines it (initialize(mpu=...) or a PipelineModule)")
         self.registry: dict[str, ExpertGroups] = {}
         for layer in moe_layers(model):
-            layer.set_deepspeed_parallelism(data_before_expert, self.registry)
+            layer.set_deepspeed_parallelism(data_before_expert, self.registry, grid)
         self.dp_group = dp_group
+        self.stage = stage
+        self.tp = next((m.deepspeed_moe.tp for m in moe_layers(model)), None)  # expert tensor parallelism
+        if self.tp is not None and offload_device == "nvme":  # per-group squares only: no split by tensor slice
+            raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "expert tensor parallelism "
+                                       "with NVMe optimizer offload is not supported yet by zerospeed; use cpu")
         self.hooks = []
         for layer in moe_layers(model):
             ep = layer.ep_size
             if ep > 1:  # the all-to-all backward summed ep ranks' contributions: average them
                 for p in layer.deepspeed_moe.experts.parameters():
-                    self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
+                    if p.requires_grad:  # frozen experts take no gradient
+                        self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
 
     # --- parameter groups ---------------------------------------------------------------------------------
     def split_groups(self, raw_groups: list[dict[str, Any]], from_client: bool) -> list[dict[str, Any]]:
@@ -89,19 +98,29 @@ class MoETraining:
                              "split it with split_params_into_different_moe_groups_for_optimizer")
         return self.registry[names.pop()]
 
+    def partition_groups(self, model: nn.Module) -> dict[int, Any]:
+        """ZeRO-3: ``id(param) -> group`` to partition each expert parameter over (its ``edp`` group)."""
+        return {id(p): layer.expert_groups.edp_group for layer in moe_layers(model)
+                for p in layer.deepspeed_moe.experts.parameters()}
+
     def sharded_group(self, params: list[nn.Parameter], options: dict[str, Any], stage: int, bucket: int,
-                      compute: torch.dtype) -> ShardedGroup:
-        """An expert param group, partitioned over its ``edp`` group (stages 1-2)."""
+                      compute: torch.dtype, stage3: Any = None, **kwargs: Any) -> ShardedGroup:
+        """An expert param group, partitioned over its ``edp`` group (stages 1-3)."""
         eg = self.expert_groups_of(params)
         assert eg is not None
         rank = eg.edp_ranks.index(comm.get_rank()) if comm.is_initialized() else 0
-        grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute)
+        if stage3 is not None:
+            grp = stage3.make_group(params, options, rank, bucket, group=eg.edp_group, **kwargs)
+        else:
+            grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute, **kwargs)
         grp.replica_rank = rank  # type: ignore[attr-defined]  # checkpoints: edp rank 0 writes unpartitioned experts
         return grp
 
     @torch.no_grad()
     def sync_experts(self, model: nn.Module) -> None:
-        """Every ``edp`` group starts from the expert values of its first rank."""
+        """Every ``edp`` group starts from the expert values of its first rank (ZeRO-3 did it while cutting)."""
+        if self.stage == 3:
+            return
         for layer in moe_layers(model):
             eg = layer.expert_groups
             assert eg is not None
@@ -110,7 +129,7 @@ class MoETraining:
                     comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
 
     # --- reduction and the step -------------------------------------------------------------------------
-    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings) -> "MoEGradReducer":
+    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings, stage3: Any = None) -> "MoEGradReducer":
         by_set: dict[str, list[int]] = {}
         for gi, grp in enumerate(live):
             eg = self.expert_groups_of(grp.params)
@@ -119,27 +138,71 @@ class MoETraining:
         for name in sorted(by_set):  # dense ("") first, then expert groups by name: the same order on every rank
             idx = by_set[name]
             if name == "":
-                parts.append((GradReducer([live[i] for i in idx], settings, self.dp_group), idx))
+                group, s = self.dp_group, settings
             else:
                 eg = self.registry[name]
-                s = ReduceSettings(stage=settings.stage, dp_size=eg.edp_size, accum_dtype=settings.accum_dtype,
-                                   comm_dtype=settings.comm_dtype, reduce_scatter=settings.reduce_scatter,
-                                   overlap_comm=settings.overlap_comm, prescale_gradients=settings.prescale_gradients,
-                                   gradient_predivide_factor=settings.gradient_predivide_factor)
-                parts.append((GradReducer([live[i] for i in idx], s, eg.edp_group), idx))
+                group, s = eg.edp_group, dataclasses.replace(settings, dp_size=eg.edp_size)
+            grps = [live[i] for i in idx]
+            parts.append((GradReducer(grps, s, group) if stage3 is None else stage3.make_reducer(grps, s, group), idx))
         return MoEGradReducer(parts)
 
     def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
         return MoEZeroOptimizer.wrap(opt, self)
 
+    def wrap_pipeline(self, opt: "MoEZeroOptimizer", pipe_group: Any, replicated: set[int]) -> "MoEZeroOptimizer":
+        """Inside a pipeline: the norm and overflow verdict also over the stages (a tied weight counted once)."""
+        opt.pipe_group = pipe_group
+        opt.replicated = frozenset(replicated)
+        return opt
+
+
+class _SinkView:
+    """One part reducer's window on the engine's gradient sink (offload): its group numbers mapped to the
+    optimizer's; the sink's bytes counted by the first part only."""
+
+    def __init__(self, sink: Any, groups: list[int], first: bool) -> None:
+        self.sink, self.groups, self.first = sink, groups, first
+
+    def add(self, g: int, lo: int, values: torch.Tensor) -> None:
+        self.sink.add(self.groups[g], lo, values)
+
+    def end_micro_step(self) -> None:
+        self.sink.end_micro_step()
+
+    def zero(self) -> None:
+        self.sink.zero()
+
+    def host_bytes(self) -> int:
+        return self.sink.host_bytes() if self.first else 0
+
 
 class MoEGradReducer:
     """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
+
+    _sink: Any = None
+
+    @property
+    def sink(self) -> Any:
+        """Where reduced gradients go under offload (set by ``runtime/build.py``); each part writes through
+        a view that numbers its groups as the optimizer does."""
+        return self._sink
+
+    @sink.setter
+    def sink(self, value: Any) -> None:
+        self._sink = value
+        for n, (r, idx) in enumerate(self.parts):
+            r.sink = None if value is None else _SinkView(value, idx, n == 0)
 
     def __init__(self, parts: list[tuple[GradReducer, list[int]]]) -> None:
         self.parts = parts
         self.index = {gi: (r, local) for r, idx in parts for local, gi in enumerate(idx)}
         self.groups = [self.index[gi][0].groups[self.index[gi][1]] for gi in range(len(self.index))]
+        # parameter -> (group, index), groups numbered as the optimizer's (the pipeline's tied-weight reduction)
+        self.where = {p: (gi, i) for gi, grp in enumerate(self.groups) for i, p in enumerate(grp.params)}
+
+    def _bucket_buffer(self, g: int, b: int) -> torch.Tensor:
+        reducer, local = self.index[g]
+        return reducer._bucket_buffer(local, b)
 
     def partition_buffer(self, g: int) -> torch.Tensor:
         reducer, local = self.index[g]
@@ -197,9 +260,12 @@ class MoEGradReducer:
 
 
 class MoEZeroOptimizer(ZeroOptimizer):
-    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow."""
+    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow.
+    Inside a pipeline (``pipe_group`` set) the norm and the overflow verdict are also taken over the stages."""
 
     moe: MoETraining
+    pipe_group: Any = None
+    replicated: frozenset[int] = frozenset()  # tied weights held by several stages: counted on one
 
     @classmethod
     def wrap(cls, opt: ZeroOptimizer, moe: MoETraining) -> "MoEZeroOptimizer":
@@ -215,27 +281,61 @@ class MoEZeroOptimizer(ZeroOptimizer):
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        return comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
+        if self._sink is not None and not self._sink.resident:  # NVMe offload: flags kept as grads were written
+            local = local or not self._sink.all_finite()
+        flag = comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
+        if self.moe.tp is not None:
+            flag = comm.all_reduce_max_flag(flag, group=self.moe.tp.group)
+        return flag if self.pipe_group is None else comm.all_reduce_max_flag(flag, group=self.pipe_group)
+
+    def _squares(self, grp: ShardedGroup, g: torch.Tensor) -> torch.Tensor:
+        """[squares of params replicated over the tensor group, of params split over it] in ``g``, leaving
+        out tied weights another pipeline stage counts."""
+        out = torch.zeros(2, dtype=torch.float32, device=g.device)
+        if not self.replicated and self.moe.tp is None:
+            out[0] = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            return out
+        for i, p in enumerate(grp.params):
+            if id(p) not in self.replicated:
+                out[int(self.moe.tp is not None and is_tensor_parallel_param(p))] += \
+                    torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square()
+        return out
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """Dense squares over the dense shards; each expert set's over its edp shards and its ep ranks;
+        params split over the tensor group over that group too; then over the pipeline stages."""
         dev = comm.device_for_backend(self.dp_group)
-        dense = torch.zeros(1, dtype=torch.float32, device=dev)
+        dense = torch.zeros(2, dtype=torch.float32, device=dev)
         experts: dict[str, torch.Tensor] = {}
         for grp, g, eg in zip(self.groups, grads, self._expert_sets):
-            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square().to(dev)
+            sq = self._squares(grp, g).to(dev)
             if eg is None:
                 dense += sq
             else:
-                experts.setdefault(eg.name, torch.zeros(1, dtype=torch.float32, device=dev)).add_(sq)
+                experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32, device=dev)).add_(sq)
+        if self._sink is not None and not self._sink.resident:  # NVMe offload: squares recorded per group
+            for (gi, _), sq in self._sink.sq.items():
+                eg = self._expert_sets[gi]
+                into = dense if eg is None else experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32,
+                                                                                        device=dev))
+                into[0] += sq.to(dev)
         if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
             comm.all_reduce(dense, group=self.dp_group)
-        total = float(dense)
+        total = dense
         for name in sorted(self.moe.registry):
             eg = self.moe.registry[name]
-            sq = experts.get(name, torch.zeros(1, dtype=torch.float32, device=dev))
+            sq = experts.get(name, torch.zeros(2, dtype=torch.float32, device=dev))
             if any(g.num_partitions > 1 for g, e in zip(self.groups, self._expert_sets) if e is eg):
                 comm.all_reduce(sq, group=eg.edp_group)  # shards of the same experts
             if eg.ep_size > 1:
                 comm.all_reduce(sq, group=eg.ep_group)   # different experts
-            total += float(sq)
-        return math.sqrt(total)
+            total = total + sq
+        if self.moe.tp is not None:
+            split = total[1:].clone()
+            comm.all_reduce(split, group=self.moe.tp.group)  # the other slices of split params
+            total = total[:1] + split
+        else:
+            total = total[:1] + total[1:]
+        if self.pipe_group is not None:
+            comm.all_reduce(total, group=self.pipe_group)  # the other stages' layers
+        return math.sqrt(max(float(total), 0.0))

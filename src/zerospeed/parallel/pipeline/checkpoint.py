@@ -40,9 +40,18 @@ def _replicated_names(engine: Any) -> set[str]:
     return {names[id(p)] for p in engine.module.parameters() if id(p) in engine.module.replicated}
 
 
+def _no_tensor_parallel(engine: Any) -> None:
+    if getattr(engine, "tensor_parallel", None) is not None:
+        from ...config.errors import NotSupportedYetError
+
+        raise NotSupportedYetError("tensor_parallel", "checkpoints of a pipeline with tensor parallelism are not "
+                                   "supported yet by zerospeed")
+
+
 def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                              save_latest: bool = True, commit_timeout_s: float | None = None) -> str:
     """Collective over every rank of the job; returns the checkpoint directory."""
+    _no_tensor_parallel(engine)
     world = comm.world_group()
     grank, gworld = comm.get_rank(world), comm.get_world_size(world)
     tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
@@ -62,6 +71,9 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
     ranges = {k: v for k, v in ranges.items() if _param_name(k) not in skip}
     opt_layout = {k: v for k, v in opt_layout.items() if k not in skip}
     grouped = {names[id(p)] for g in groups for p in g.params}
+    frozen, frozen_ranges = module_state.frozen_experts(module, grouped)  # MoE: per expert-data group
+    tensors.update(frozen)
+    ranges.update(frozen_ranges)
     entries, module_tensors = module_state.describe(module, grouped, dp_rank, copy=True)
     module_tensors = {k: v for k, v in module_tensors.items() if k not in skip}
     gathered = comm.all_gather_object((entries, opt_layout, module_tensors), group=world)
@@ -118,6 +130,7 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
                              load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                              load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
     """Collective over every rank; each rank reads its own layers by name (any saved pipeline degree)."""
+    _no_tensor_parallel(engine)
     world = comm.world_group()
     opened = open_checkpoint(load_dir, tag, world)
     if opened is None:

@@ -64,11 +64,13 @@ class PipelineEngine(Engine):
 
     def __init__(self, module: PipelineModule, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
-        if module.mpu().get_slice_parallel_world_size() > 1:
+        from ..tensor.model_init import tp_state
+
+        if module.mpu().get_slice_parallel_world_size() > 1 and tp_state(module) is None:
             from ...config.errors import NotSupportedYetError
 
             raise NotSupportedYetError("tensor_parallel", "a pipeline topology with a 'model' (tensor-parallel) axis "
-                                       "larger than 1 is not supported yet by zerospeed")
+                                       "needs the tensor_parallel section (autotp_size) or tp_model_init")
         self.grid = module.mpu()
         self.mpu = self.grid
         self.num_stages = self.grid.get_pipe_parallel_world_size()

@@ -8,6 +8,7 @@ the directory and commit protocol, ``universal`` for how state is addressed per 
 from typing import Any
 
 from .consolidate import consolidate, verify_checkpoint
+from .deepspeed_convert import convert_deepspeed
 from .errors import CheckpointError
 from .load import load_checkpoint
 from .save import save_checkpoint, writer_of
@@ -18,5 +19,5 @@ def wait_for_checkpoint(engine: Any) -> None:
     writer_of(engine).wait()
 
 
-__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "save_checkpoint", "verify_checkpoint",
+__all__ = ["CheckpointError", "consolidate", "convert_deepspeed", "load_checkpoint", "save_checkpoint", "verify_checkpoint",
            "wait_for_checkpoint"]

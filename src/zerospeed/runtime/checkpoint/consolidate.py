@@ -18,6 +18,7 @@ from . import layout
 from .errors import CheckpointError
 from .tensor_file import TensorReader, TensorSpec, TensorWriter
 from .universal import CheckpointReader
+from ...parallel.tensor.checkpoint import TPReader, saved_shape
 
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16}
@@ -59,11 +60,14 @@ def consolidate(checkpoint_dir: str, output: str, tag: str | None = None, dtype:
     entries: dict[str, Any] = meta["tensors"]
     specs = []
     for key, e in entries.items():
+        if entries[e.get("alias_of", key)]["source"] == "excluded":
+            continue  # saved with exclude_frozen_parameters: the frozen base model is not in the checkpoint
         saved = getattr(torch, entries[e.get("alias_of", key)]["dtype"])
         if entries[e.get("alias_of", key)]["source"] == "master":
             saved = torch.float32
-        specs.append(TensorSpec(key, _out_dtype(saved, target), tuple(e["shape"])))
-    reader = CheckpointReader(ckpt, index)
+        shape = saved_shape(entries[e.get("alias_of", key)], False)  # tensor-parallel shards: the original layout
+        specs.append(TensorSpec(key, _out_dtype(saved, target), tuple(shape)))
+    reader = TPReader(CheckpointReader(ckpt, index), entries, None)  # reassembles tensor-parallel shards
     part = output + ".part.safetensors"
     try:
         with TensorReader(os.path.join(ckpt, layout.MODULE_FILE)) as module_file:

@@ -18,7 +18,7 @@ from ...precision import NoScaler
 from . import layout, module_state
 from .agree import check_same_checkpoint
 from .errors import CheckpointError
-from .save import CLIENT_FILE, writer_of
+from .save import CLIENT_FILE, save_group, writer_of
 from .state import from_json, restore_param_group_options, set_rng_state
 from .tensor_file import TensorReader
 from .universal import CheckpointReader, load_optimizer_state, load_params, names_by_id
@@ -53,7 +53,10 @@ def check_partitioning(engine: Any, meta: dict[str, Any], ckpt: str) -> None:
     if engine.config.checkpoint.load_universal or engine.optimizer is None or meta.get("optimizer") is None:
         return
     world = comm.get_world_size(engine.dp_group)
-    saved = _partitioning(int(meta["zero_stage"]), int(meta["world_size"]))
+    tp = int(meta.get("tensor_parallel_size", 1))
+    saved = _partitioning(int(meta["zero_stage"]), int(meta["world_size"]) // tp)
+    if tp != int(getattr(engine, "mp_world_size", 1)):
+        saved += f" with tensor parallelism {tp}"
     here = _partitioning(engine.zero_optimization_stage(), world)
     if saved != here:
         raise CheckpointError(
@@ -86,8 +89,10 @@ def open_checkpoint(load_dir: str, tag: Any, group: Any) -> tuple[str, dict, dic
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    from ...parallel.tensor.checkpoint import TPReader, base_name
+
     writer_of(engine).wait()
-    group = engine.dp_group
+    group = save_group(engine)
     rank = comm.get_rank(group)
     opened = open_checkpoint(load_dir, tag, group)
     if opened is None:
@@ -98,8 +103,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     module_state.check_names(engine.module, meta["tensors"], load_module_strict)
     names = names_by_id(engine.module)
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
-    grouped = {names[id(p)] for g in groups for p in g.params}
-    reader = CheckpointReader(ckpt, index)
+    grouped = {base_name(names[id(p)]) for g in groups for p in g.params}
+    reader = TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module)
     try:
         load_params(groups, names, reader, from_fp32=engine.config.zero_optimization.load_from_fp32_weights)
         module_state.load_rest(engine.module, grouped, meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE), reader)
@@ -117,7 +122,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     return ckpt, from_json(meta.get("client_state") or {}, client_tensors)
 
 
-def _load_training_state(engine: Any, meta: dict[str, Any], reader: CheckpointReader, names: dict[int, str],
+def _load_training_state(engine: Any, meta: dict[str, Any], reader: Any, names: dict[int, str],
                          load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
     saved_opt = meta.get("optimizer")
     if engine.optimizer is not None and saved_opt is not None and load_optimizer_states:
@@ -126,7 +131,9 @@ def _load_training_state(engine: Any, meta: dict[str, Any], reader: CheckpointRe
             warnings.warn(f"checkpoint optimizer is {saved_opt['type']}, the engine's is {type(opt).__name__}; "
                           "loading its state by name anyway", stacklevel=4)
         restore_param_group_options(opt.param_groups, saved_opt["param_groups"])
-        load_optimizer_state(list(engine.optimizer.groups), names, reader, saved_opt["layout"], opt)
+        from ...parallel.tensor.checkpoint import remap_layout
+
+        load_optimizer_state(list(engine.optimizer.groups), names, reader, remap_layout(saved_opt["layout"], names), opt)
         if not isinstance(engine.optimizer.loss_scaler, NoScaler):  # bf16/fp32 keep scale 1 whatever was saved
             engine.optimizer.loss_scaler.load_state_dict(saved_opt["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:

@@ -42,21 +42,43 @@ class RankSnapshot:
     index: dict[str, list[int]] = field(default_factory=dict)
 
 
+def save_group(engine: Any) -> Any:
+    """The ranks that write one checkpoint: the data-parallel group, or every rank under tensor parallelism."""
+    return getattr(engine, "checkpoint_group", None) or engine.dp_group
+
+
 def _groups(engine: Any) -> list[Any]:
     return list(engine.optimizer.groups) if engine.optimizer is not None else []
 
 
-def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool) -> RankSnapshot:
-    """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall)."""
+def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool,
+             exclude_frozen: bool = False) -> RankSnapshot:
+    """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall).
+    ``exclude_frozen``: parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
+    ``exclude_frozen_parameters``); a load keeps the values the model has for them."""
+    from ...parallel.tensor import checkpoint as tp_ckpt
+
     names = names_by_id(engine.module)
     groups = _groups(engine)
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
-    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, rank)
+    dp_rank = comm.get_rank(engine.dp_group)
+    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, dp_rank)
+    if save_group(engine) is not engine.dp_group:  # tensor parallelism: replicated tensors by the first tp rank
+        if not tp_ckpt.writes_replicated(engine.module):
+            tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[2] != tp_ckpt.base_name(k.rpartition("/")[2])}
+            ranges = {k: v for k, v in ranges.items() if k in tensors}
+        for other in comm.all_gather_object(opt_layout, group=save_group(engine)):
+            opt_layout.update(other)
+    grouped = {tp_ckpt.base_name(names[id(p)]) for g in groups for p in g.params}
+    if not exclude_frozen:  # MoE: frozen experts, per expert-data-parallel group (collective under ZeRO-3)
+        frozen, frozen_ranges = module_state.frozen_experts(engine.module, grouped)
+        tensors.update(frozen)
+        ranges.update(frozen_ranges)
     snap = RankSnapshot(rank, world, index=ranges)
     snap.tensor_files[layout.shard_file(rank)] = tensors
     snap.json_files[layout.rng_file(rank)] = rng_state()
-    grouped = {names[id(p)] for g in groups for p in g.params}
-    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy)
+    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy, exclude_frozen)
+    tp_ckpt.describe_split(engine.module, entries)
     if rank != 0:
         return snap
     client_tensors: dict[str, torch.Tensor] = {}
@@ -65,6 +87,7 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     meta = {
         "format": layout.FORMAT, "version": layout.VERSION,
         "world_size": world, "zero_stage": engine.zero_optimization_stage(),
+        "tensor_parallel_size": int(getattr(engine, "mp_world_size", 1)),
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         "tensors": entries,
         "optimizer": None if opt is None else {
@@ -113,14 +136,15 @@ def _check_accumulation(engine: Any) -> None:
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
-                    save_latest: bool = True, async_save: bool = False, commit_timeout_s: float | None = None) -> SaveStats:
+                    save_latest: bool = True, async_save: bool = False, commit_timeout_s: float | None = None,
+                    exclude_frozen: bool = False) -> SaveStats:
     """Collective over the engine's data-parallel group; see ``layout`` for the commit protocol and
     ``agree`` for what the ranks must agree on. A failure on any rank fails the save on every rank."""
     writer = writer_of(engine)
     writer.wait()
     _check_accumulation(engine)
     t0 = time.perf_counter()
-    group = engine.dp_group
+    group = save_group(engine)
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     save_dir = os.fspath(save_dir)
@@ -145,10 +169,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     timeout = commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S
     final = os.path.join(save_dir, tag)
     if async_save:
-        return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0)
+        return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0,
+                           exclude_frozen)
     error, nbytes, t1 = "", 0, time.perf_counter()
     try:
-        snap = snapshot(engine, rank, world, client_state or {}, copy=False)
+        snap = snapshot(engine, rank, world, client_state or {}, copy=False, exclude_frozen=exclude_frozen)
         t1 = time.perf_counter()
         nbytes = write_snapshot(snap, staging)
     except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
@@ -175,7 +200,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
 
 def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, client_state: dict[str, Any] | None,
-                save_dir: str, tag: str, staging: str, save_latest: bool, timeout: float, t0: float) -> SaveStats:
+                save_dir: str, tag: str, staging: str, save_latest: bool, timeout: float, t0: float,
+                exclude_frozen: bool = False) -> SaveStats:
     """Snapshot now; write, then (rank 0) commit or (others) wait for the outcome, in the writer thread.
 
     A failure on any rank is published into the staging directory, so every rank's save fails within a
@@ -190,7 +216,7 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
                                f"on rank {rank}: {error}")
 
     try:
-        snap = snapshot(engine, rank, world, client_state or {}, copy=True)
+        snap = snapshot(engine, rank, world, client_state or {}, copy=True, exclude_frozen=exclude_frozen)
     except Exception as exc:
         raise fail(exc) from exc
     stats = SaveStats(os.path.join(save_dir, tag), stall_s=0.0)

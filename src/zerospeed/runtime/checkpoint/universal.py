@@ -32,8 +32,9 @@ from .tensor_file import TensorReader
 def names_by_id(module: nn.Module) -> dict[int, str]:
     """Checkpoint name of each parameter: its ``named_parameters`` name, MoE experts by global expert id."""
     from ...parallel.expert.checkpoint import global_param_names
+    from ...parallel.tensor.checkpoint import rename_split
 
-    return global_param_names(module)
+    return rename_split(global_param_names(module), module)  # tensor-parallel shards: name@tp<r>of<T>
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,13 @@ def save_safetensors(state: dict[str, torch.Tensor], path: str) -> None:
 
 
 def save_16bit_model(module: nn.Module, save_dir: str, save_filename: str = "model.safetensors",
-                     group: comm.Group | None = None) -> bool:
-    """Gather the model in its compute dtype and write it on rank 0 as safetensors; True on rank 0."""
+                     group: comm.Group | None = None, exclude_frozen_parameters: bool = False) -> bool:
+    """Gather the model in its compute dtype and write it on rank 0 as safetensors; True on rank 0.
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False`` (e.g. a LoRA base model)."""
     state = full_state_dict(module, rank0_only=True, group=group)
+    if exclude_frozen_parameters:
+        frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
     if comm.get_rank(group) != 0:
         return False
     save_safetensors(state, os.path.join(save_dir, save_filename))

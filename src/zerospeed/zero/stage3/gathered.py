@@ -60,7 +60,8 @@ class GatheredParameters:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 for s in self.shards:
-                    comm.broadcast(s.param.data, src=self.modifier_rank, group=s.group)
+                    # the modifier's rank in the parameter's group, as DeepSpeed (an MoE expert's: its edp group)
+                    comm.broadcast(s.param.data, src=comm.global_rank_of(s.group, self.modifier_rank), group=s.group)
                     s.refresh_local()
                     for callback in s.on_modified:
                         callback()  # type: ignore[operator]

@@ -66,7 +66,7 @@ class _Persistence:
 
 @torch.no_grad()
 def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
-             zcfg: ZeroConfig, home: ShardHome | None) -> list[ParamShard]:
+             zcfg: ZeroConfig, home: ShardHome | None, group_of: dict[int, comm.Group] | None = None) -> list[ParamShard]:
     world = comm.get_world_size(group)
     persists = _Persistence(zcfg.stage3_param_persistence_threshold, zcfg.stage3_model_persistence_threshold,
                             always=world == 1 and home is None)
@@ -74,15 +74,21 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
     for p in _params(module):
         state = shard_of(p)
         target = dtype if p.is_floating_point() or (state and state.dtype.is_floating_point) else None
+        own = (group_of or {}).get(id(p), group)  # MoE experts: their expert-data-parallel group
         if state is not None:
+            if own is not group and comm.get_world_size(own) != world:
+                raise ValueError("a parameter with a partition group of its own (an MoE expert's) was partitioned "
+                                 "by zero.Init over the whole data-parallel group: build the MoE layers outside "
+                                 "zero.Init, or with ep_size 1")
             state.cast_(target or state.dtype, device)
-            state.group = group  # zero.Init cut it on its group: gather on the engine's from now on
+            state.group = own  # zero.Init cut it on its group: gather on the engine's from now on
             if state.persistent:
                 persists.total += state.numel
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
-            comm.broadcast(p.data, src=0, group=group)
-            state = partition(p, group, persistent=persists(p.numel()))
+            comm.broadcast(p.data, src=comm.global_rank_of(own, 0), group=own)
+            whole = comm.get_world_size(own) == 1 and home is None  # nothing to cut it over
+            state = partition(p, own, persistent=whole or persists(p.numel()))
             if home is not None and not state.persistent:
                 home.adopt(state)
         shards.append(state)
@@ -96,14 +102,15 @@ class Stage3Runtime:
     """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
 
     def __init__(self, module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
-                 dp_group: comm.Group | None, param_home: ShardHome | None = None) -> None:
+                 dp_group: comm.Group | None, param_home: ShardHome | None = None,
+                 group_of: dict[int, comm.Group] | None = None) -> None:
         self.module = module
         self.dp_group = dp_group
         self.compute_dtype = compute_dtype
         self.device = device
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
         self.param_home = param_home
-        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home)
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home, group_of)
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
             s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
                                  else zcfg.zero_quantized_nontrainable_weights)
@@ -139,12 +146,15 @@ class Stage3Runtime:
 
     # --- parts for initialize() ----------------------------------------------------------------------
     def make_group(self, params: list[nn.Parameter], options: dict[str, Any], rank: int,
-                   bucket_numel: int, defer_master: bool = False, separate_master: bool = False) -> Stage3Group:
-        return Stage3Group(params, options, comm.get_world_size(self.dp_group), rank, bucket_numel,
-                           self.compute_dtype, self.dp_group, defer_master, separate_master)
+                   bucket_numel: int, defer_master: bool = False, separate_master: bool = False,
+                   group: comm.Group | None = None) -> Stage3Group:
+        """``group``: the one the params are partitioned over when not the data-parallel group (MoE experts)."""
+        group = self.dp_group if group is None else group
+        return Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
+                           self.compute_dtype, group, defer_master, separate_master)
 
-    def make_reducer(self, groups: list[Any], settings: ReduceSettings) -> Stage3Reducer:
-        return Stage3Reducer(groups, settings, self.dp_group, self.fetcher)
+    def make_reducer(self, groups: list[Any], settings: ReduceSettings, group: comm.Group | None = None) -> Stage3Reducer:
+        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher)
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
@@ -161,8 +171,11 @@ class Stage3Runtime:
 
 
 def setup_stage3(module: nn.Module, zcfg: ZeroConfig, compute_dtype: torch.dtype, device: torch.device,
-                 dp_group: comm.Group | None, param_home: ShardHome | None = None) -> Stage3Runtime:
-    return Stage3Runtime(module, zcfg, compute_dtype, device, dp_group, param_home)
+                 dp_group: comm.Group | None, param_home: ShardHome | None = None,
+                 group_of: dict[int, comm.Group] | None = None) -> Stage3Runtime:
+    """``group_of``: ``id(param) -> group`` for parameters partitioned over another group than ``dp_group``
+    (MoE experts over their expert-data-parallel group); broadcast from that group's first rank."""
+    return Stage3Runtime(module, zcfg, compute_dtype, device, dp_group, param_home, group_of)
 
 
 __all__ = ["Stage3Runtime", "register_external_parameter", "setup_stage3"]
