@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerospeed.parallel.sequence.tiled import TiledMLP
+from zerospeed.parallel.sequence.tiled_loss import fused_logits_loss
+
 __all__ = ["GPT", "GPTConfig", "bench", "demo", "tiny"]
 
 
@@ -30,11 +33,14 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    tiled_mlp_shards: int = 1  # > 1: MLPs run as TiledMLP over this many sequence shards (long context)
+    tiled_loss_shards: int = 1  # > 1: LM head + loss tiled (no [seq, vocab] logits; forward returns None logits)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "tiled_mlp_shards",
+                     "tiled_loss_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
@@ -97,9 +103,16 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.shards = cfg.tiled_mlp_shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        if self.shards > 1:
+            return self.drop(TiledMLP.apply(_mlp_core, self, x, self.shards, None))
+        return self.drop(_mlp_core(self, x))
+
+
+def _mlp_core(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    return mlp.proj(F.gelu(mlp.fc(x)))
 
 
 class Block(nn.Module):
@@ -118,7 +131,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer over bytes; ``forward(idx, targets)`` returns ``(logits, loss or None)``."""
+    """Decoder-only transformer over bytes; ``forward(idx, targets)`` returns ``(logits, loss or None)``
+    (``(None, loss)`` with ``tiled_loss_shards > 1``: the full logits are never made)."""
 
     def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
@@ -152,7 +166,7 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``position_ids`` (default ``0..t-1``): positions of ``idx``'s tokens, e.g. a sequence shard's."""
         t = idx.size(1)
         if t > self.config.block_size:
@@ -163,6 +177,10 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
+        if targets is not None and self.config.tiled_loss_shards > 1:
+            loss = fused_logits_loss(self.ln_f(x), self.lm_head, shift_labels=targets,
+                                     shards=self.config.tiled_loss_shards)
+            return None, loss
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
