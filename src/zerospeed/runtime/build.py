@@ -401,6 +401,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     # Under sequence parallelism ZeRO partitions and reduces over every rank (data x sequence, DeepSpeed's
     # seq_data_parallel_group): the average over it is the sum over a sequence group of its ranks' losses
     # averaged over the group, so a per-rank mean loss gives the unsharded gradient.
+    if grid is None and seq_grid is None:  # the batch rules fail on every rank before a new group connects (a rank
+        load_config(early, comm.get_world_size())  # leaving while its peer is still connecting breaks the peer)
     dp_group = comm.RecoverableGroup(early.comms_timeout_s) if grid is None else grid.get_data_parallel_group()
     dp_size, dp_rank = comm.get_world_size(dp_group), comm.get_rank(dp_group)
     # Samples: sequence peers share theirs, so batch sizes and the data loader count data-parallel replicas.
