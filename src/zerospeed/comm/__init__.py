@@ -37,6 +37,7 @@ from .collectives import (
     reduce_scatter,
 )
 from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_signs, padded_numel, unpack_signs
+from .hierarchy import Hierarchy, intra_node_group
 from .logger import COMMS_LOGGER, CommsLogger, OpStats
 from .quantized import QuantizedGather, dequantize_int8, quant_groups, quantize_int8, quantized_all_gather
 from .sparse import sparse_all_reduce, topk_count
@@ -51,5 +52,6 @@ __all__ = [
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
     "sparse_all_reduce", "topk_count",
+    "Hierarchy", "intra_node_group",
     "QuantizedGather", "dequantize_int8", "quant_groups", "quantize_int8", "quantized_all_gather",
 ]

@@ -42,6 +42,9 @@ class ZeroConfig(Section):
     """ZeRO++ qwZ (stage 3): the forward/backward parameter all-gathers move block-wise int8 (comm/quantized.py)."""
     zero_quantized_nontrainable_weights: bool = False
     """ZeRO++: the same for parameters with ``requires_grad=False``."""
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    """ZeRO++ hpZ (stage 3): > 1 keeps a secondary copy of each parameter partitioned over groups of this many
+    consecutive ranks (a node); gathers read it until the next optimizer step, so backward stays intra-node."""
     round_robin_gradients: bool = False
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False

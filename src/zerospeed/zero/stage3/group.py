@@ -108,6 +108,7 @@ class Stage3Group(ShardedGroup):
         for i, s in enumerate(self.shards):
             if s.local is not None:
                 s.release()  # a gathered value kept for reuse would be stale after the step
+                s.drop_secondary()  # hpZ: so is the secondary partition (DeepSpeed's invalidate_secondary_tensor)
             slot = self.master_range(*self.slot_range(i))
             if s.local is not None and s.local.data_ptr() == slot.data_ptr():
                 continue  # aliased fp32 shard: the optimizer already updated it in place

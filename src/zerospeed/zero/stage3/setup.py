@@ -7,7 +7,8 @@ than ``stage3_param_persistence_threshold`` or, once the parameters kept whole s
 ``stage3_model_persistence_threshold`` elements in all, any parameter that would exceed that total
 (DeepSpeed's rule, in ``model.parameters()`` order); under parameter offload, hand each cut shard to its
 home (host memory or a swap file; at world size 1 too, where a "shard" is the whole parameter); group
-each module's directly-owned partitioned parameters into a unit; give the fetcher DeepSpeed's reuse
+each module's directly-owned partitioned parameters into a unit; with ZeRO++ hpZ, give each cut shard its
+node-sized group for a secondary partition; give the fetcher DeepSpeed's reuse
 distance and a ``Lockstep`` (every gather checked to be the same on all ranks); install the module hooks.
 """
 
@@ -21,13 +22,14 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import comm
+from ...config.errors import ConfigError, NotSupportedYetError
 from ...config.zero import ZeroConfig
 from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
 from .lockstep import Lockstep
-from .param_store import ParamShard, ShardHome, ShardState, partition, shard_of
+from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
 _EXTERNAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -92,6 +94,25 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
     return shards
 
 
+def _hpz_group(size: int, dp_group: comm.Group | None, home: ShardHome | None) -> HpzGroup | None:
+    """ZeRO++ hpZ: the node-sized group of consecutive ranks that secondary partitions are cut over."""
+    key = "zero_optimization.zero_hpz_partition_size"
+    world = comm.get_world_size(dp_group)
+    if size <= 1 or world == 1:
+        return None
+    if home is not None:
+        raise NotSupportedYetError(key, "hpZ with parameter offload (offload_param) is not supported yet by zerospeed")
+    if world != comm.get_world_size():
+        raise NotSupportedYetError(key, "hpZ with model, pipeline or expert parallel groups (a data-parallel group "
+                                   "smaller than the world) is not supported yet by zerospeed")
+    if world % size:
+        raise ConfigError(key, f"zero_hpz_partition_size {size} must divide the data-parallel world size {world}")
+    if size == world:
+        return None  # the secondary partition would be the primary one
+    group = comm.intra_node_group(size)
+    return HpzGroup(group, size, comm.get_rank(group))
+
+
 class Stage3Runtime:
     """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
 
@@ -107,6 +128,10 @@ class Stage3Runtime:
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
             s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
                                  else zcfg.zero_quantized_nontrainable_weights)
+        self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
+        for s in self.shards:
+            if not s.persistent:
+                s.hpz = self.hpz
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():
@@ -152,7 +177,11 @@ class Stage3Runtime:
 
         An fp32 shard that is a view of its optimizer master slot costs nothing extra (counted as master).
         """
-        return sum(0 if s.local is not None and s.local._base is not None else s.local_bytes() for s in self.shards)
+        def kept(s: ParamShard) -> int:
+            aliased = s.local is not None and s.local._base is not None
+            return s.local_bytes() - (s.local.numel() * s.local.element_size() if aliased else 0)  # type: ignore[union-attr]
+
+        return sum(kept(s) for s in self.shards)
 
     def remove_hooks(self) -> None:
         for h in self.handles:
