@@ -37,8 +37,9 @@ from .collectives import (
     reduce_scatter,
 )
 from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_signs, padded_numel, unpack_signs
-from .hierarchy import Hierarchy, intra_node_group
+from .hierarchy import Hierarchy, intra_node_group, ranks_per_node_from_env
 from .logger import COMMS_LOGGER, CommsLogger, OpStats
+from .quantized_grads import dequantize_int4, quantize_int4, quantized_reduce_scatter
 from .quantized import QuantizedGather, dequantize_int8, quant_groups, quantize_int8, quantized_all_gather
 from .sparse import sparse_all_reduce, topk_count
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
@@ -52,6 +53,6 @@ __all__ = [
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
     "sparse_all_reduce", "topk_count",
-    "Hierarchy", "intra_node_group",
+    "Hierarchy", "intra_node_group", "ranks_per_node_from_env", "dequantize_int4", "quantize_int4", "quantized_reduce_scatter",
     "QuantizedGather", "dequantize_int8", "quant_groups", "quantize_int8", "quantized_all_gather",
 ]

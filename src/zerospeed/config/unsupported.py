@@ -48,7 +48,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow": "ZenFlow",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",
     "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",

@@ -14,6 +14,7 @@ distance and a ``Lockstep`` (every gather checked to be the same on all ranks); 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
 from .lockstep import Lockstep
+from .qgz import QuantizedGradients
 from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
@@ -113,6 +115,22 @@ def _hpz_group(size: int, dp_group: comm.Group | None, home: ShardHome | None) -
     return HpzGroup(group, size, comm.get_rank(group))
 
 
+def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | None:
+    """ZeRO++ qgZ over the launcher's nodes (``LOCAL_WORLD_SIZE`` ranks each); one node: plain reduce-scatter."""
+    world = comm.get_world_size(dp_group)
+    if not enabled or world == 1:
+        return None
+    if world != comm.get_world_size():
+        raise NotSupportedYetError("zero_optimization.zero_quantized_gradients", "qgZ with model, pipeline or "
+                                   "expert parallel groups is not supported yet by zerospeed")
+    per_node = comm.ranks_per_node_from_env()
+    if per_node >= world:
+        warnings.warn("zero_quantized_gradients: all ranks are on one node (LOCAL_WORLD_SIZE = world size), so "
+                      "gradients are reduce-scattered unquantised, as DeepSpeed does", stacklevel=3)
+        return None
+    return QuantizedGradients(comm.Hierarchy(per_node), dp_group)
+
+
 class Stage3Runtime:
     """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
 
@@ -129,6 +147,7 @@ class Stage3Runtime:
             s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
                                  else zcfg.zero_quantized_nontrainable_weights)
         self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
+        self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
         for s in self.shards:
             if not s.persistent:
                 s.hpz = self.hpz
@@ -169,7 +188,10 @@ class Stage3Runtime:
                            self.compute_dtype, self.dp_group, defer_master, separate_master)
 
     def make_reducer(self, groups: list[Any], settings: ReduceSettings) -> Stage3Reducer:
-        return Stage3Reducer(groups, settings, self.dp_group, self.fetcher)
+        if self.qgz is not None and not settings.reduce_scatter:
+            raise ConfigError("zero_optimization.zero_quantized_gradients", "qgZ replaces the gradient "
+                              "reduce-scatter: it needs zero_optimization.reduce_scatter: true")
+        return Stage3Reducer(groups, settings, self.dp_group, self.fetcher, self.qgz)
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
