@@ -36,9 +36,11 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     table = {
         "Adam": (adam, "Adam"),
         "OneBitAdam": ({"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze}}, "Adam"),
-        "ZeroOneAdam": ({"type": "ZeroOneAdam", "params": {"lr": LR, "var_freeze_step": freeze,
-                                                            "var_update_scaler": 16, "local_step_scaler": 32,
-                                                            "local_step_clipper": 4}}, "Adam"),
+        # DeepSpeed's recommended (default) var_update_scaler 16, local_step_scaler 32678, local_step_clipper 16
+        "ZeroOneAdam": ({"type": "ZeroOneAdam", "params": {"lr": LR, "var_freeze_step": freeze}}, "Adam"),
+        "ZeroOneAdam-local": ({"type": "ZeroOneAdam", "params": {"lr": LR, "var_freeze_step": freeze,
+                                                                  "var_update_scaler": 16, "local_step_scaler": 32,
+                                                                  "local_step_clipper": 4}}, "Adam"),
         "Lamb": ({"type": "Lamb", "params": {"lr": 1e-2}}, "Lamb"),
         "OneBitLamb": ({"type": "OneBitLamb", "params": {"lr": 1e-2, "freeze_step": freeze}}, "Lamb"),
     }
@@ -50,6 +52,10 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     out["Adam-b2.99"] = ({"optimizer": {"type": "Adam", "params": fast_v}}, "Adam-b2.99")
     out["OneBitAdam-b2.99"] = ({"optimizer": {"type": "OneBitAdam", "params": {**fast_v, "freeze_step": freeze}}},
                                "Adam-b2.99")
+    # DeepSpeed's own update without compression (freeze_step beyond the run): separates the cost of
+    # compression from that of the missing bias correction.
+    out["OneBitAdam-nocomp"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": 10**9}}},
+                                "Adam")
     out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
     out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
     return out
@@ -61,7 +67,7 @@ def batch(data: ByteDataset, step: int, rank: int, world: int) -> tuple[torch.Te
     return torch.stack([data[i][0] for i in idx]), torch.stack([data[i][1] for i in idx])
 
 
-def run(extras: dict[str, Any], steps: int) -> dict[str, Any]:
+def run(extras: dict[str, Any], steps: int, warmup: int = 0) -> dict[str, Any]:
     import zerospeed
     from zerospeed import comm
 
@@ -71,6 +77,10 @@ def run(extras: dict[str, Any], steps: int) -> dict[str, Any]:
     data = ByteDataset(cfg.block_size, "train")
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, **extras}
+    if warmup > 0:  # the same linear learning-rate warm-up for every contender (DeepSpeed's WarmupLR)
+        lr = extras["optimizer"]["params"]["lr"]
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                              "warmup_num_steps": warmup, "warmup_type": "linear"}}
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses, volumes, t0 = [], [], 0.0
     for step in range(steps):
@@ -100,18 +110,22 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated contender names (default: all; a compressed one "
                                               "is compared with its baseline only when that runs first)")
     p.add_argument("--freeze-frac", type=float, default=0.2, help="share of the steps before compression starts")
+    p.add_argument("--warmup-frac", type=float, default=0.0,
+                   help="share of the steps with a linear learning-rate warm-up (WarmupLR), for every contender")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     table = contenders(args.steps, args.freeze_frac)
     names = [n for n in table if not args.only or n in args.only.split(",")]
     results: dict[str, dict[str, Any]] = {}
     n_params = GPT(PRESETS["demo"](), seed=0).num_params()
-    print(f"GPT[demo] {n_params / 1e6:.2f}M params | world {args.world} | micro {MICRO} x seq 128 | {args.steps} steps")
+    print(f"GPT[demo] {n_params / 1e6:.2f}M params | world {args.world} | micro {MICRO} x seq 128 | {args.steps} steps"
+          f" | compression from {args.freeze_frac:.0%} | lr warm-up {args.warmup_frac:.0%}")
     print(f"{'optimizer':<12}{'first':>8}{'last20':>9}{'vs base':>9}{'warm B/step':>14}{'last B/step':>14}"
           f"{'ratio':>8}{'s/step':>8}")
     for name in names:
         extras, base = table[name]
-        r = run_distributed(run, args.world, extras, args.steps, timeout=6 * 3600)[0]
+        r = run_distributed(run, args.world, extras, args.steps, int(args.steps * args.warmup_frac),
+                            timeout=6 * 3600)[0]
         results[name] = r
         last20 = _tail(r["losses"])
         base_r = results.get(base)
