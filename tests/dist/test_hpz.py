@@ -45,8 +45,11 @@ def run(zero: dict[str, Any], steps: int) -> dict[str, Any]:
         total = loss.detach().clone()
         comm.all_reduce(total)
         losses.append(float(total) / world)
+    with torch.no_grad():  # gathers (int8 under qwZ) and, on release, cuts secondaries from what it gathered
+        engine(*micro_batch(steps, 0, rank, world, 2, 1))
     fp32 = full_state_dict(model, optimizer=opt, fp32=True, rank0_only=False)
-    return {"losses": losses, "fwd": fwd, "bwd": bwd, "fp32": fp32,
+    exported = full_state_dict(model, rank0_only=False)  # an exact gather: never from a dequantised secondary
+    return {"losses": losses, "fwd": fwd, "bwd": bwd, "fp32": fp32, "exported": exported,
             "param_bytes": engine.zero3.param_bytes()}
 
 
@@ -90,6 +93,8 @@ def test_with_quantized_weights_the_node_gathers_move_int8() -> None:
         assert set(both["bwd"][step]) <= NODES
         # int8 values (a quarter of fp32) plus one fp32 scale per block, padded to multiples of 8
         assert sum(both["bwd"][step].values()) <= 0.4 * sum(plain["bwd"][step].values())
+    for k, v in both["fp32"].items():
+        assert torch.equal(both["exported"][k], v), k
     assert both["losses"] != plain["losses"]
     for a, b in zip(both["losses"], plain["losses"]):
         assert abs(a - b) <= 0.02 * b

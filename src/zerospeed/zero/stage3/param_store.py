@@ -106,6 +106,8 @@ class ParamShard:
         self.quantize_gather = False  # ZeRO++ qwZ: the fetcher's gathers move int8 blocks (comm/quantized.py)
         self.hpz: HpzGroup | None = None  # ZeRO++ hpZ: the group of the secondary partition (set by setup)
         self.secondary: torch.Tensor | None = None  # this rank's secondary partition, while valid
+        self.full_exact = True  # the gathered value is exact (not dequantised from a qwZ gather)
+        self.secondary_exact = True  # the secondary was cut from an exact value: exact gathers may use it
 
     @property
     def secondary_shard(self) -> int:
@@ -123,6 +125,7 @@ class ParamShard:
         if hi > lo:
             sec[: hi - lo].copy_(self.param.data.reshape(-1)[lo:hi])
         self.secondary = sec
+        self.secondary_exact = self.full_exact
 
     def drop_secondary(self) -> None:
         """The parameter's value changed (optimizer step, modifier): the secondary partition is stale."""
@@ -204,6 +207,7 @@ class ParamShard:
         self.param.data = full.view(self.shape)
         self.state = ShardState.GATHERED
         self.pending = None
+        self.full_exact = True
 
     def release(self) -> None:
         """GATHERED -> SHARDED when nobody holds it any more (persistent parameters stay)."""
@@ -297,7 +301,8 @@ def partition(param: nn.Parameter, group: comm.Group | None, persistent: bool) -
 class GatherOp:
     """One all-gather bringing in several parameters (same dtype, device and group): a single collective."""
 
-    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: bool = False) -> None:
+    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: bool = False,
+                 secondary: bool = False) -> None:
         for s in shards:
             s._expect(ShardState.SHARDED, action="start a gather")
             assert s.local is not None
@@ -307,8 +312,8 @@ class GatherOp:
         for home, group in _by_home(self.shards).items():
             home.load(group)  # offloaded shards: read them in (prefetched reads are waited for)
         first = self.shards[0]
-        secondary = first.hpz is not None and all(s.secondary is not None for s in self.shards)
-        assert secondary or all(s.secondary is None for s in self.shards), "start_gather separates the two kinds"
+        assert not secondary or all(s.secondary is not None for s in self.shards), "hpZ gather without secondaries"
+        self.quantize = quantize
         self.world = first.hpz.world if secondary and first.hpz is not None else first.world
         self.widths = [s.secondary_shard if secondary else s.shard for s in self.shards]
         self.cols = []
@@ -352,6 +357,7 @@ class GatherOp:
             with torch.autograd._unsafe_preserve_version_counter(full):
                 gather_from(out2d, col, width, full)
             s.set_full(full)
+            s.full_exact = not self.quantize
         self.out = None
 
 
@@ -366,14 +372,17 @@ def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
 def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = False) -> list[GatherOp]:
     """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group, hpZ
     secondary or not); with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go int8."""
-    buckets: dict[tuple[torch.dtype, torch.device, int, bool], list[ParamShard]] = {}
+    buckets: dict[tuple[torch.dtype, torch.device, int, bool, bool], list[ParamShard]] = {}
     seen: set[int] = set()
     for s in shards:
         if s.state is ShardState.SHARDED and id(s) not in seen:
             seen.add(id(s))
-            key = (s.dtype, s.device, id(s.group), quantize and s.quantize_gather, s.secondary is not None)
-            buckets.setdefault(key, []).append(s)
-    return [GatherOp(b, async_op, key[3]) for key, b in buckets.items()]
+            lossy = quantize and s.quantize_gather
+            # hpZ: an exact gather (GatheredParameters, exports, no qwZ) never reads a secondary cut from a
+            # dequantised value
+            secondary = s.secondary is not None and (lossy or s.secondary_exact)
+            buckets.setdefault((s.dtype, s.device, id(s.group), lossy, secondary), []).append(s)
+    return [GatherOp(b, async_op, key[3], key[4]) for key, b in buckets.items()]
 
 
 def ensure_gathered(shards: Iterable[ParamShard], quantize: bool = False) -> None:
