@@ -65,6 +65,20 @@ def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
     return CollectiveError(f"rank {get_rank()}: collective '{op}' on group {_group_name(group)} failed: {text}{hint}")
 
 
+def _ranks(group: Group | None) -> tuple[int, ...] | None:
+    """The global ranks of ``group`` (for the per-group byte counts), None when not known."""
+    if isinstance(group, RecoverableGroup):
+        return tuple(group.ranks)
+    if not is_initialized():
+        return None
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - accounting only
+        return None
+
+
 def _run(op: str, group: Group | None, nbytes: int, volume: int, async_op: bool, fn: Any) -> Handle | None:
     t0 = time.perf_counter()
     try:
@@ -72,9 +86,9 @@ def _run(op: str, group: Group | None, nbytes: int, volume: int, async_op: bool,
     except RuntimeError as exc:
         raise _error(op, group, exc) from exc
     if async_op:
-        COMMS_LOGGER.record(op, nbytes, volume)
+        COMMS_LOGGER.record(op, nbytes, volume, ranks=_ranks(group))
         return Handle(work, op, group, t0)
-    COMMS_LOGGER.record(op, nbytes, volume, time.perf_counter() - t0)
+    COMMS_LOGGER.record(op, nbytes, volume, time.perf_counter() - t0, ranks=_ranks(group))
     return None
 
 

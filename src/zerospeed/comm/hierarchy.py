@@ -64,6 +64,13 @@ def ranks_per_node_from_env(default: int | None = None) -> int:
     return default if default is not None else get_world_size()
 
 
+def intra_node_group(ranks_per_node: int) -> Group:
+    """This rank's node group: consecutive blocks of ``ranks_per_node`` world ranks (every rank must call it)."""
+    layout = NodeLayout(get_world_size(), ranks_per_node)
+    groups = [new_group(layout.intra_ranks(n)) for n in range(layout.nodes)]
+    return groups[layout.node_of(get_rank())]
+
+
 class Hierarchy:
     """The intra- and inter-node groups of this rank (every rank must build it, in the same order)."""
 

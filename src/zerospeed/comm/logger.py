@@ -24,6 +24,7 @@ class OpStats:
     seconds: float = 0.0
     sizes: dict[int, int] = field(default_factory=dict)
     callers: dict[str, int] = field(default_factory=dict)  # with ``debug``: calls per calling function
+    groups: dict[tuple[int, ...], int] = field(default_factory=dict)  # message bytes per group (its global ranks)
 
 
 def caller_function() -> str:
@@ -57,12 +58,15 @@ class CommsLogger:
         self.prof_ops = list(prof_ops or [])
         self.debug = debug
 
-    def record(self, op: str, nbytes: int, volume: int, seconds: float = 0.0) -> None:
+    def record(self, op: str, nbytes: int, volume: int, seconds: float = 0.0,
+               ranks: tuple[int, ...] | None = None) -> None:
         st = self.stats.setdefault(op, OpStats())
         st.count += 1
         st.bytes += nbytes
         st.volume += volume
         st.seconds += seconds
+        if ranks is not None:
+            st.groups[ranks] = st.groups.get(ranks, 0) + nbytes
         if self.enabled and (self.prof_all or op in self.prof_ops):
             st.sizes[nbytes] = st.sizes.get(nbytes, 0) + 1
             caller = caller_function() if self.debug else ""
@@ -79,7 +83,7 @@ class CommsLogger:
         self.stats.clear()
 
     def snapshot(self) -> dict[str, OpStats]:
-        return {k: OpStats(v.count, v.bytes, v.volume, v.seconds, dict(v.sizes), dict(v.callers))
+        return {k: OpStats(v.count, v.bytes, v.volume, v.seconds, dict(v.sizes), dict(v.callers), dict(v.groups))
                 for k, v in self.stats.items()}
 
     def total_volume(self) -> int:

@@ -45,8 +45,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow": "ZenFlow",
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",
     "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",
@@ -76,7 +74,6 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "gradient_allreduce_op": (None, "mean"),
     "checkpoint.checkpoint_serialization": (None, True),
     "zero_optimization.mics_shard_size": (None, -1),
-    "zero_optimization.zero_hpz_partition_size": (None, 1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
 }
 

@@ -42,6 +42,12 @@ class ZeroConfig(Section):
     """ZeRO++ qwZ (stage 3): the forward/backward parameter all-gathers move block-wise int8 (comm/quantized.py)."""
     zero_quantized_nontrainable_weights: bool = False
     """ZeRO++: the same for parameters with ``requires_grad=False``."""
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    """ZeRO++ hpZ (stage 3): > 1 keeps a secondary copy of each parameter partitioned over groups of this many
+    consecutive ranks (a node); gathers read it until the next optimizer step, so backward stays intra-node."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ (stage 3): gradients reduce-scattered as int4 by a two-level (intra-, inter-node) all-to-all
+    over nodes of ``LOCAL_WORLD_SIZE`` ranks (the launcher's)."""
     round_robin_gradients: bool = False
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
@@ -113,3 +119,13 @@ class ZeroConfig(Section):
         if v == "auto":
             return _AUTO_DEFAULTS[info.field_name]  # type: ignore[attr-defined]
         return v
+
+    @model_validator(mode="after")
+    def _zeropp_needs_stage3(self) -> "ZeroConfig":
+        """ZeRO++ hpZ / qgZ act on stage 3's gathers and reduce-scatters only: a warning below it (ignored)."""
+        on = [k for k, v in (("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
+                             ("zero_quantized_gradients", self.zero_quantized_gradients)) if v]
+        if on and self.stage < 3:
+            _log.warning("zero_optimization.%s has no effect at ZeRO stage %d (ZeRO++ needs stage 3; as in DeepSpeed, "
+                         "it is ignored)", " and ".join(on), self.stage)
+        return self

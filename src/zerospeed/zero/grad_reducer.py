@@ -287,9 +287,13 @@ class GradReducer:
             handle = comm.all_reduce(send, group=self.dp_group, async_op=True)
             self.pending.append(_Pending(g, b, handle, send, None))
         else:
-            out = torch.empty(grp.plan.buckets[b].shard_numel, dtype=send.dtype, device=send.device)
-            handle = comm.reduce_scatter(out, send, group=self.dp_group, async_op=True)
+            out, handle = self._reduce_scatter(g, b, send)
             self.pending.append(_Pending(g, b, handle, send, out))
+
+    def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
+        """Launch bucket (g, b)'s reduce-scatter: this rank's chunk, and the handle to wait for."""
+        out = torch.empty(self.groups[g].plan.buckets[b].shard_numel, dtype=send.dtype, device=send.device)
+        return out, comm.reduce_scatter(out, send, group=self.dp_group, async_op=True)
 
     def _complete(self, item: _Pending) -> None:
         if item.handle is not None:

@@ -20,6 +20,7 @@ from ..layout import gather_from
 from ..sharded_group import ShardedGroup
 from .fetcher import Fetcher
 from .param_store import ParamShard, shard_of
+from .qgz import QuantizedGradients
 
 
 def _shards(params: list[nn.Parameter]) -> list[ParamShard]:
@@ -108,6 +109,7 @@ class Stage3Group(ShardedGroup):
         for i, s in enumerate(self.shards):
             if s.local is not None:
                 s.release()  # a gathered value kept for reuse would be stale after the step
+                s.drop_secondary()  # hpZ: so is the secondary partition (DeepSpeed's invalidate_secondary_tensor)
             slot = self.master_range(*self.slot_range(i))
             if s.local is not None and s.local.data_ptr() == slot.data_ptr():
                 continue  # aliased fp32 shard: the optimizer already updated it in place
@@ -137,9 +139,15 @@ class Stage3Reducer(GradReducer):
     """The stage-2 reducer, telling the fetcher when a parameter's gradient has been taken."""
 
     def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None,
-                 fetcher: Fetcher) -> None:
+                 fetcher: Fetcher, qgz: QuantizedGradients | None = None) -> None:
         super().__init__(groups, settings, dp_group)
         self.fetcher = fetcher
+        self.qgz = qgz  # ZeRO++ qgZ: buckets reduce-scattered as int4 (zero/stage3/qgz.py)
+
+    def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
+        if self.qgz is None:
+            return super()._reduce_scatter(g, b, send)
+        return self.qgz.reduce_scatter(g, self.groups[g], b, send), None
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -18,11 +18,20 @@ Under parameter offload (ZeRO-Infinity) a shard has a *home* (:class:`ShardHome`
 ``offload/param_home.py``): host memory or a swap file. Between uses ``local`` is then an empty
 placeholder (``resident`` is False); a gather loads the shards first and drops them once the full value
 is there; a new shard value (after the optimizer step) is written to the home.
+
+ZeRO++ hpZ (``zero_hpz_partition_size``): a shard with an :class:`HpzGroup` also keeps a *secondary*
+partition of the parameter over that node-sized group (rank ``i`` of the group owns elements
+``[i*t, (i+1)*t)``, ``t = ceil(n / group size)``), cut from the full value whenever the parameter leaves
+``GATHERED`` and none is held. While it is held, gathers read it over the intra-node group instead of the
+primary shard over all ranks. A new value of the parameter (the optimizer step, a modifier) drops it, so
+the first forward after a step gathers across nodes and its release refills the secondary for backward
+(DeepSpeed's ``ds_secondary_tensor``).
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
@@ -58,6 +67,15 @@ class ShardHome(Protocol):
     def store(self, shard: ParamShard, values: torch.Tensor) -> None: ...  # new shard value (flat)
 
 
+@dataclass(frozen=True)
+class HpzGroup:
+    """The node-sized group a secondary partition is cut over (hpZ), and this rank's place in it."""
+
+    group: comm.Group
+    world: int
+    rank: int
+
+
 class ParamShard:
     """One parameter's ZeRO-3 state: shape, this rank's shard, who holds it gathered."""
 
@@ -86,6 +104,32 @@ class ParamShard:
         # Called after the full value changed outside training (GatheredParameters with a modifier).
         self.on_modified: list[object] = []
         self.quantize_gather = False  # ZeRO++ qwZ: the fetcher's gathers move int8 blocks (comm/quantized.py)
+        self.hpz: HpzGroup | None = None  # ZeRO++ hpZ: the group of the secondary partition (set by setup)
+        self.secondary: torch.Tensor | None = None  # this rank's secondary partition, while valid
+        self.full_exact = True  # the gathered value is exact (not dequantised from a qwZ gather)
+        self.secondary_exact = True  # the secondary was cut from an exact value: exact gathers may use it
+
+    @property
+    def secondary_shard(self) -> int:
+        assert self.hpz is not None
+        return shard_size(self.numel, self.hpz.world)
+
+    @torch.no_grad()
+    def _cut_secondary(self) -> None:
+        """hpZ: keep this rank's slice of the (gathered) full value for gathers inside the node."""
+        assert self.hpz is not None
+        t = self.secondary_shard
+        lo = min(self.hpz.rank * t, self.numel)
+        hi = min(lo + t, self.numel)
+        sec = torch.zeros(t, dtype=self.param.dtype, device=self.param.device)
+        if hi > lo:
+            sec[: hi - lo].copy_(self.param.data.reshape(-1)[lo:hi])
+        self.secondary = sec
+        self.secondary_exact = self.full_exact
+
+    def drop_secondary(self) -> None:
+        """The parameter's value changed (optimizer step, modifier): the secondary partition is stale."""
+        self.secondary = None
 
     @property
     def param(self) -> nn.Parameter:
@@ -138,6 +182,7 @@ class ParamShard:
     def write_local(self, values: torch.Tensor) -> None:
         """Set the shard to ``values`` (flat, ``shard`` elements): in place, or written to its home."""
         assert self.local is not None, "only a partitioned parameter has a local shard"
+        self.drop_secondary()
         if self.home is None:
             self.local.copy_(values.reshape(-1))
         else:
@@ -162,6 +207,7 @@ class ParamShard:
         self.param.data = full.view(self.shape)
         self.state = ShardState.GATHERED
         self.pending = None
+        self.full_exact = True
 
     def release(self) -> None:
         """GATHERED -> SHARDED when nobody holds it any more (persistent parameters stay)."""
@@ -194,6 +240,9 @@ class ParamShard:
             self._full.untyped_storage().resize_(0)
 
     def _free(self) -> None:
+        if self.hpz is not None and self.secondary is None and self.state is ShardState.GATHERED \
+                and self.param.data.numel() == self.numel:
+            self._cut_secondary()
         if self._full is not None and self.param.data.untyped_storage() is not None and \
                 self.param.data.data_ptr() == self._full.data_ptr():
             self._full.untyped_storage().resize_(0)
@@ -210,14 +259,17 @@ class ParamShard:
             self.home.store(self, values)
         elif self.local is not None:
             self.local = self.local.to(device=device, dtype=dtype)
+        if self.secondary is not None:
+            self.secondary = self.secondary.to(device=device, dtype=dtype)
         p = self.param
         if p.dtype != dtype or p.device != device:
             p.data = p.data.to(device=device, dtype=dtype)
 
     def local_bytes(self) -> int:
-        """Bytes this rank keeps for the parameter between uses."""
+        """Bytes this rank keeps for the parameter between uses (hpZ: with its secondary partition)."""
         if self.local is not None:
-            return self.local.numel() * self.local.element_size()
+            sec = 0 if self.secondary is None else self.secondary.numel() * self.secondary.element_size()
+            return self.local.numel() * self.local.element_size() + sec
         p = self.param
         return p.numel() * p.element_size()
 
@@ -249,7 +301,8 @@ def partition(param: nn.Parameter, group: comm.Group | None, persistent: bool) -
 class GatherOp:
     """One all-gather bringing in several parameters (same dtype, device and group): a single collective."""
 
-    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: bool = False) -> None:
+    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: bool = False,
+                 secondary: bool = False) -> None:
         for s in shards:
             s._expect(ShardState.SHARDED, action="start a gather")
             assert s.local is not None
@@ -259,18 +312,23 @@ class GatherOp:
         for home, group in _by_home(self.shards).items():
             home.load(group)  # offloaded shards: read them in (prefetched reads are waited for)
         first = self.shards[0]
-        self.world = first.world
+        assert not secondary or all(s.secondary is not None for s in self.shards), "hpZ gather without secondaries"
+        self.quantize = quantize
+        self.world = first.hpz.world if secondary and first.hpz is not None else first.world
+        self.widths = [s.secondary_shard if secondary else s.shard for s in self.shards]
         self.cols = []
         col = 0
-        for s in self.shards:
+        for w in self.widths:
             self.cols.append(col)
-            col += s.shard
+            col += w
         self.width = col
-        send = torch.cat([s.local for s in self.shards]) if len(self.shards) > 1 else first.local
+        parts = [s.secondary if secondary else s.local for s in self.shards]
+        send = torch.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
         self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
         self.send: torch.Tensor | None = send  # kept alive while the collective runs
         gather = comm.quantized_all_gather if quantize else comm.all_gather
-        self.handle = gather(self.out, send, group=first.group, async_op=async_op)
+        group = first.hpz.group if secondary and first.hpz is not None else first.group
+        self.handle = gather(self.out, send, group=group, async_op=async_op)
         for s in self.shards:
             s.state = ShardState.GATHERING
             s.pending = self
@@ -292,13 +350,14 @@ class GatherOp:
         if self.out is None:
             return
         out2d = self.out.view(self.world, self.width)
-        for s, col in zip(self.shards, self.cols):
+        for s, col, width in zip(self.shards, self.cols, self.widths):
             if s.pending is not self:
                 continue
             full = s.full_buffer()
             with torch.autograd._unsafe_preserve_version_counter(full):
-                gather_from(out2d, col, s.shard, full)
+                gather_from(out2d, col, width, full)
             s.set_full(full)
+            s.full_exact = not self.quantize
         self.out = None
 
 
@@ -311,15 +370,19 @@ def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
 
 
 def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = False) -> list[GatherOp]:
-    """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group);
-    with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go int8."""
-    buckets: dict[tuple[torch.dtype, torch.device, int, bool], list[ParamShard]] = {}
+    """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group, hpZ
+    secondary or not); with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go int8."""
+    buckets: dict[tuple[torch.dtype, torch.device, int, bool, bool], list[ParamShard]] = {}
     seen: set[int] = set()
     for s in shards:
         if s.state is ShardState.SHARDED and id(s) not in seen:
             seen.add(id(s))
-            buckets.setdefault((s.dtype, s.device, id(s.group), quantize and s.quantize_gather), []).append(s)
-    return [GatherOp(b, async_op, key[3]) for key, b in buckets.items()]
+            lossy = quantize and s.quantize_gather
+            # hpZ: an exact gather (GatheredParameters, exports, no qwZ) never reads a secondary cut from a
+            # dequantised value
+            secondary = s.secondary is not None and (lossy or s.secondary_exact)
+            buckets.setdefault((s.dtype, s.device, id(s.group), lossy, secondary), []).append(s)
+    return [GatherOp(b, async_op, key[3], key[4]) for key, b in buckets.items()]
 
 
 def ensure_gathered(shards: Iterable[ParamShard], quantize: bool = False) -> None:

@@ -7,12 +7,14 @@ than ``stage3_param_persistence_threshold`` or, once the parameters kept whole s
 ``stage3_model_persistence_threshold`` elements in all, any parameter that would exceed that total
 (DeepSpeed's rule, in ``model.parameters()`` order); under parameter offload, hand each cut shard to its
 home (host memory or a swap file; at world size 1 too, where a "shard" is the whole parameter); group
-each module's directly-owned partitioned parameters into a unit; give the fetcher DeepSpeed's reuse
+each module's directly-owned partitioned parameters into a unit; with ZeRO++ hpZ, give each cut shard its
+node-sized group for a secondary partition; give the fetcher DeepSpeed's reuse
 distance and a ``Lockstep`` (every gather checked to be the same on all ranks); install the module hooks.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -21,13 +23,15 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import comm
+from ...config.errors import ConfigError, NotSupportedYetError
 from ...config.zero import ZeroConfig
 from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
 from .lockstep import Lockstep
-from .param_store import ParamShard, ShardHome, ShardState, partition, shard_of
+from .qgz import QuantizedGradients
+from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
 _EXTERNAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -98,6 +102,41 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
     return shards
 
 
+def _hpz_group(size: int, dp_group: comm.Group | None, home: ShardHome | None) -> HpzGroup | None:
+    """ZeRO++ hpZ: the node-sized group of consecutive ranks that secondary partitions are cut over."""
+    key = "zero_optimization.zero_hpz_partition_size"
+    world = comm.get_world_size(dp_group)
+    if size <= 1 or world == 1:
+        return None
+    if home is not None:
+        raise NotSupportedYetError(key, "hpZ with parameter offload (offload_param) is not supported yet by zerospeed")
+    if world != comm.get_world_size():
+        raise NotSupportedYetError(key, "hpZ with model, pipeline or expert parallel groups (a data-parallel group "
+                                   "smaller than the world) is not supported yet by zerospeed")
+    if world % size:
+        raise ConfigError(key, f"zero_hpz_partition_size {size} must divide the data-parallel world size {world}")
+    if size == world:
+        return None  # the secondary partition would be the primary one
+    group = comm.intra_node_group(size)
+    return HpzGroup(group, size, comm.get_rank(group))
+
+
+def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | None:
+    """ZeRO++ qgZ over the launcher's nodes (``LOCAL_WORLD_SIZE`` ranks each); one node: plain reduce-scatter."""
+    world = comm.get_world_size(dp_group)
+    if not enabled or world == 1:
+        return None
+    if world != comm.get_world_size():
+        raise NotSupportedYetError("zero_optimization.zero_quantized_gradients", "qgZ with model, pipeline or "
+                                   "expert parallel groups is not supported yet by zerospeed")
+    per_node = comm.ranks_per_node_from_env()
+    if per_node >= world:
+        warnings.warn("zero_quantized_gradients: all ranks are on one node (LOCAL_WORLD_SIZE = world size), so "
+                      "gradients are reduce-scattered unquantised, as DeepSpeed does", stacklevel=3)
+        return None
+    return QuantizedGradients(comm.Hierarchy(per_node), dp_group)
+
+
 class Stage3Runtime:
     """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
 
@@ -114,6 +153,11 @@ class Stage3Runtime:
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
             s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
                                  else zcfg.zero_quantized_nontrainable_weights)
+        self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
+        self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
+        for s in self.shards:
+            if not s.persistent:
+                s.hpz = self.hpz
         units: list[Unit] = []
         unit_of: dict[int, Unit] = {}
         for name, m in module.named_modules():
@@ -154,7 +198,11 @@ class Stage3Runtime:
                            self.compute_dtype, group, defer_master, separate_master)
 
     def make_reducer(self, groups: list[Any], settings: ReduceSettings, group: comm.Group | None = None) -> Stage3Reducer:
-        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher)
+        if self.qgz is not None and not settings.reduce_scatter:
+            raise ConfigError("zero_optimization.zero_quantized_gradients", "qgZ replaces the gradient "
+                              "reduce-scatter: it needs zero_optimization.reduce_scatter: true")
+        qgz = self.qgz if group is None else None  # qgZ's node layout is the data-parallel group's (MoE experts: none)
+        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz)
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
@@ -162,7 +210,11 @@ class Stage3Runtime:
 
         An fp32 shard that is a view of its optimizer master slot costs nothing extra (counted as master).
         """
-        return sum(0 if s.local is not None and s.local._base is not None else s.local_bytes() for s in self.shards)
+        def kept(s: ParamShard) -> int:
+            aliased = s.local is not None and s.local._base is not None
+            return s.local_bytes() - (s.local.numel() * s.local.element_size() if aliased else 0)  # type: ignore[union-attr]
+
+        return sum(kept(s) for s in self.shards)
 
     def remove_hooks(self) -> None:
         for h in self.handles:
