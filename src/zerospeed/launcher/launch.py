@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,25 +221,52 @@ def rank_env(plan: LaunchPlan, launch_dir: str, base: dict[str, str] | None = No
     return env
 
 
-def _stopper(procs: list[subprocess.Popen[bytes]]) -> nodewatch.EventHandler:
-    def on_event(node: int, text: str) -> None:
+class _Stopper:
+    """Stops torchrun when a peer node fails (SIGTERM, then SIGKILL of its group after ``grace_s``), also
+    when the peer's report comes before torchrun has started."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopping = threading.Event()
+
+    def started(self, proc: subprocess.Popen[bytes]) -> None:
+        self.procs.append(proc)
+        if self.stopping.is_set():
+            self._stop(proc)
+
+    def on_event(self, node: int, text: str) -> None:
         print(f"zerospeed launch: {text}; stopping this node's ranks", file=sys.stderr, flush=True)
-        for proc in procs:
+        self.stopping.set()
+        for proc in list(self.procs):
+            self._stop(proc)
+
+    def _stop(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except OSError:
+            return
+
+        def kill_later() -> None:
             try:
-                proc.send_signal(signal.SIGTERM)
-            except OSError:
-                pass
-    return on_event
+                proc.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+        threading.Thread(target=kill_later, daemon=True).start()
 
 
 def launch(plan: LaunchPlan, exports: dict[str, str] | None = None) -> int:
     """Start the ranks, wait for them, print a summary if any failed; return the exit code."""
     launch_dir = tempfile.mkdtemp(prefix="zerospeed-launch-")
-    procs: list[subprocess.Popen[bytes]] = []
+    stopper = _Stopper(grace_s=plan.shutdown_timeout + 5.0)
     watch = None
     if plan.nnodes > 1 and plan.elastic is None:
         watch = nodewatch.NodeWatch(plan.node_rank, plan.nnodes, plan.master_addr, plan.master_port,
-                                    plan.host or socket.gethostname(), _stopper(procs), plan.join_timeout)
+                                    plan.host or socket.gethostname(), stopper.on_event, plan.join_timeout)
     code, message = 1, ""
     try:
         if watch is not None:
@@ -250,7 +278,7 @@ def launch(plan: LaunchPlan, exports: dict[str, str] | None = None) -> int:
         env = rank_env(plan, launch_dir)
         env.update(exports or {})
         result = supervise.run_agent(torchrun_argv(plan), env, launch_dir,
-                                     grace_s=plan.shutdown_timeout + 5.0, on_start=procs.append)
+                                     grace_s=plan.shutdown_timeout + 5.0, on_start=stopper.started)
         if result.killed_leftovers:
             ranks = ", ".join(map(str, result.killed_leftovers))
             print(f"zerospeed launch: killed rank(s) {ranks}, still running after torchrun exited",
