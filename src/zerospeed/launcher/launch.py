@@ -218,6 +218,10 @@ def rank_env(plan: LaunchPlan, launch_dir: str, base: dict[str, str] | None = No
     env[RANKS_PER_NODE_ENV] = str(plan.nproc_per_node)
     if plan.visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = plan.visible_devices
+    if plan.elastic is not None:
+        # torch 2.13's c10d rendezvous shares its TCP store and publishes MASTER_ADDR only in the first round
+        # a node is rank 0 of: a node joining later waits for it forever. Not sharing the store avoids it.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 

@@ -31,13 +31,16 @@ CONFIG = {
 }
 
 
-def global_batch(step: int, block: int) -> torch.Tensor:
+def global_batch(step: int, block: int, size: int = GLOBAL_BATCH) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, 256, (GLOBAL_BATCH, block + 1), generator=g)
+    return torch.randint(0, 256, (size, block + 1), generator=g)
 
 
-def train(out_dir: str, steps: int, ckpt: str | None = None, sleep: float = 0.0, fail_rank: int = -1) -> list[float]:
-    """Train until ``steps`` optimizer steps are done; returns the global mean loss of each step run here."""
+def train(out_dir: str, steps: int, ckpt: str | None = None, sleep: float = 0.0, fail_rank: int = -1,
+          load_tag: str | None = None, save: bool = True, config: dict | None = None) -> list[float]:
+    """Train until ``steps`` optimizer steps are done; returns the global mean loss of each step run here.
+
+    ``load_tag``: resume from that tag of ``ckpt`` (default: its latest); ``save``: checkpoint each step."""
     zerospeed.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
     os.makedirs(out_dir, exist_ok=True)
@@ -46,30 +49,31 @@ def train(out_dir: str, steps: int, ckpt: str | None = None, sleep: float = 0.0,
         json.dump({"pid": os.getpid(), "world": world, **{k: os.environ.get(k) for k in keys}}, f)
     torch.manual_seed(0)
     cfg = tiny()
-    engine, *_ = zerospeed.initialize(model=GPT(cfg), config=CONFIG)
+    engine, *_ = zerospeed.initialize(model=GPT(cfg), config=config or CONFIG)
     start = 0
-    if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
-        _, client = engine.load_checkpoint(ckpt)
+    if ckpt and (load_tag or os.path.exists(os.path.join(ckpt, "latest"))):
+        _, client = engine.load_checkpoint(ckpt, tag=load_tag)
         start = int(client["step"])
-    gas = engine.gradient_accumulation_steps()
-    assert gas * MICRO * world == GLOBAL_BATCH
+    gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    batch = engine.train_batch_size()
+    assert gas * micro * world == batch
     losses = []
     for step in range(start, steps):
-        data = global_batch(step, cfg.block_size)
+        data = global_batch(step, cfg.block_size, batch)
         total = torch.zeros(1)
         for i in range(gas):
-            rows = data[(i * world + rank) * MICRO:(i * world + rank + 1) * MICRO]
+            rows = data[(i * world + rank) * micro:(i * world + rank + 1) * micro]
             _, loss = engine(rows[:, :-1], rows[:, 1:])
             engine.backward(loss)
             engine.step()
             total += loss.detach() / gas
         comm.all_reduce(total)
         losses.append(total.item() / world)
-        if ckpt:
+        if ckpt and save:
             engine.save_checkpoint(ckpt, tag=f"step{step + 1}", client_state={"step": step + 1})
         if rank == 0:
             with open(os.path.join(out_dir, "losses.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "loss": losses[-1], "world": world}) + "\n")
+                f.write(json.dumps({"step": step, "loss": losses[-1], "world": world, "start": start}) + "\n")
         if rank == fail_rank:
             print(f"rank {rank}: failing on purpose", file=sys.stderr, flush=True)
             sys.exit(1)
