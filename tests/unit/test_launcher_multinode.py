@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,70 @@ def test_ranks_per_node_come_from_the_launcher(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv(hierarchy.RANKS_PER_NODE_ENV)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "5")
     assert hierarchy.ranks_per_node_from_env() == 5
+
+
+def _free_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s2:
+                s2.bind(("", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def _wait(events: list, n: int = 1, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(events) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("how", ["failed", "lost", "early", "clean"])
+def test_node_watch_names_the_peer(how: str) -> None:
+    port = _free_pair()
+    seen0: list = []
+    seen1: list = []
+    node0 = nodewatch.NodeWatch(0, 2, "127.0.0.1", port, "h0", lambda n, t: seen0.append((n, t)), join_timeout=10)
+    node0.start()
+    node1 = nodewatch.NodeWatch(1, 2, "127.0.0.1", port, "h1", lambda n, t: seen1.append((n, t)), join_timeout=10)
+    try:
+        if how == "early":
+            nodewatch.report_early_failure("127.0.0.1", port, 1, "h1", 2, "training script 'x.py' not found")
+            _wait(seen0)
+            assert seen0 == [(1, "node 1 (h1) failed (exit code 2): training script 'x.py' not found")]
+            return
+        node1.start()
+        for _ in range(500):
+            if node0._peers and node1._peers:
+                break
+            time.sleep(0.02)
+        if how == "failed":
+            node1.finish(3, "rank 2 failed (exit code 3)")
+            _wait(seen0)
+            assert seen0 == [(1, "node 1 (h1) failed (exit code 3): rank 2 failed (exit code 3)")]
+        elif how == "lost":
+            node1._peers[0].shutdown(socket.SHUT_RDWR)  # the launcher died: closed without an exit line
+            _wait(seen0)
+            assert seen0[0][0] == 1 and "node 1 (h1) lost" in seen0[0][1]
+        else:
+            node0.finish(0)
+            node1.finish(0)
+            _wait(seen1, timeout=1.0)
+            assert seen0 == [] and seen1 == []
+    finally:
+        node0.finish(1)
+        node1.finish(1)
+
+
+def test_node_watch_names_a_node_that_never_joins() -> None:
+    seen: list = []
+    node0 = nodewatch.NodeWatch(0, 3, "127.0.0.1", _free_pair(), "h0", lambda n, t: seen.append((n, t)),
+                                join_timeout=0.5)
+    node0.start()
+    _wait(seen)
+    node0.finish(1)
+    assert seen and seen[0][0] == 1 and "node(s) 1, 2 did not join within" in seen[0][1]

@@ -36,7 +36,7 @@ def node_args(args: argparse.Namespace, resources: Resources) -> multinode.NodeA
         target_args=list(args.target_args), resources=resources,
         master_addr=args.master_addr or next(iter(resources)), master_port=args.master_port or 29500,
         module=args.module, pass_local_rank=args.pass_local_rank, max_restarts=restarts, elastic=elastic,
-        python=sys.executable,
+        python=sys.executable, join_timeout=args.node_join_timeout,
     )
 
 

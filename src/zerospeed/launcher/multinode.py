@@ -50,6 +50,7 @@ class NodeArgs:
     max_restarts: int = 0
     elastic: tuple[int, int] | None = None  # (min_nodes, max_nodes) with --elastic_training
     python: str = "python"
+    join_timeout: float = 600.0
 
 
 def encode_world_info(resources: Resources) -> str:
@@ -100,7 +101,8 @@ def node_launch_argv(args: NodeArgs, node_rank: str) -> list[str]:
     argv = [args.python, "-u", "-m", "zerospeed.launcher.cli", "launch",
             f"--world_info={encode_world_info(args.resources)}", f"--node_rank={node_rank}",
             f"--nnodes={len(args.resources)}", f"--master_addr={args.master_addr}",
-            f"--master_port={args.master_port}", f"--max_restarts={args.max_restarts}"]
+            f"--master_port={args.master_port}", f"--max_restarts={args.max_restarts}",
+            f"--node_join_timeout={args.join_timeout:g}"]
     if args.elastic is not None:
         argv += ["--elastic_training", f"--min_elastic_nodes={args.elastic[0]}",
                  f"--max_elastic_nodes={args.elastic[1]}"]

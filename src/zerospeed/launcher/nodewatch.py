@@ -122,7 +122,8 @@ class NodeWatch:
                 continue
             conn.settimeout(10.0)
             try:
-                hello = conn.recv(256).decode("utf-8", "replace").split("\n")[0].split()
+                first, _, more = conn.recv(4096).decode("utf-8", "replace").partition("\n")
+                hello = first.split()
                 node, host = int(hello[1]), hello[2] if len(hello) > 2 else ""
             except (OSError, ValueError, IndexError):
                 conn.close()
@@ -132,8 +133,9 @@ class NodeWatch:
                 self._peers[node] = conn
                 self._hosts[node] = host
             rest = hello[3:]  # an early failure report arrives in the hello: "node I HOST exit CODE MSG"
-            if rest and rest[0] == "exit":
-                self._fire(node, describe([" ".join(rest)], False, self._who(node)))
+            said = [" ".join(rest)] if rest and rest[0] == "exit" else [ln for ln in more.split("\n") if ln]
+            if any(line.startswith("exit ") for line in said):  # it ended already
+                self._fire(node, describe(said, False, self._who(node)))
                 continue
             threading.Thread(target=self._watch, args=(node, conn), daemon=True).start()
 
