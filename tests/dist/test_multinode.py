@@ -62,7 +62,7 @@ def _env(extra_path: Path | None = None) -> dict[str, str]:
 def _node(rank: int, port: int, *script_args: str, script: Path = TRAIN, timeout: float = 20) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "zerospeed.launcher.cli", "launch", "--nnodes", "2", "--node_rank", str(rank),
            "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-           "--node_join_timeout", str(timeout), str(script), *script_args]
+           "--node_join_timeout", str(timeout), "--shutdown-timeout", "3", str(script), *script_args]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
