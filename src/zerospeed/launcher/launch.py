@@ -7,6 +7,8 @@ reports how it failed; ``supervise.py`` forwards signals and leaves no process b
 ``failures.py`` turns what happened into one line naming the failing rank(s).
 
 The flags accept DeepSpeed's spellings (``--num_gpus``, ``--master_port`` ...) as well as torchrun's.
+Several nodes: a hostfile fans out to one node launcher per host (``multinode_flags.py``, ``fanout.py``);
+each node launcher keeps a line to node 0's (``nodewatch.py``) so a lost or failing node is named.
 """
 
 from __future__ import annotations
@@ -346,9 +348,10 @@ COMMAND = Command(
     name="launch",
     help="run a training script on N ranks per node (through torchrun)",
     description=(
-        "Start --nproc-per-node ranks of SCRIPT on this node through PyTorch's elastic agent. Each rank "
-        "gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. If a rank fails, the others are "
-        "stopped and the failing rank, its exit code and its traceback are named."
+        "Start --nproc-per-node ranks of SCRIPT on this node through PyTorch's elastic agent, or on every "
+        "host of a DeepSpeed hostfile (--hostfile, --launcher). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, "
+        "MASTER_ADDR and MASTER_PORT. If a rank or a node fails, the others are stopped and the failing rank "
+        "or node, its exit code and its traceback are named."
     ),
     add_arguments=add_arguments,
     run=run,
