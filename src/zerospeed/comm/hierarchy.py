@@ -56,11 +56,16 @@ class NodeLayout:
         return [n * self.ranks_per_node + local for n in range(self.nodes)]
 
 
+RANKS_PER_NODE_ENV = "ZEROSPEED_RANKS_PER_NODE"  # exported by ``zerospeed launch`` on every node
+
+
 def ranks_per_node_from_env(default: int | None = None) -> int:
-    """The launcher's ranks per node (torchrun's ``LOCAL_WORLD_SIZE``), else ``default``, else the world."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    if value:
-        return int(value)
+    """The launcher's ranks per node (``ZEROSPEED_RANKS_PER_NODE``, else torchrun's ``LOCAL_WORLD_SIZE``, else
+    Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``), else ``default``, else the world (one node)."""
+    for name in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(name)
+        if value:
+            return int(value)
     return default if default is not None else get_world_size()
 
 

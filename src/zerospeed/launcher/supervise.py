@@ -113,11 +113,17 @@ def kill_leftover_ranks(launch_dir: str, wait_s: float = 5.0) -> list[int]:
     return [rank for rank, _ in killed]
 
 
-def run_agent(argv: list[str], env: dict[str, str], launch_dir: str, grace_s: float) -> AgentResult:
-    """Run ``argv`` (torchrun) to completion, forwarding signals; then kill any rank left alive."""
+def run_agent(argv: list[str], env: dict[str, str], launch_dir: str, grace_s: float,
+              on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> AgentResult:
+    """Run ``argv`` (torchrun) to completion, forwarding signals; then kill any rank left alive.
+
+    ``on_start(proc)`` is called once torchrun runs (the node watch keeps it, to stop torchrun when a
+    peer node fails)."""
     proc = subprocess.Popen(
         argv, env=env, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent()
     )
+    if on_start is not None:
+        on_start(proc)
     assert proc.stderr is not None
     pump = _StderrPump(proc.stderr.fileno())
     pump.start()

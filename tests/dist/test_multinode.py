@@ -1,0 +1,238 @@
+"""Two simulated nodes on this machine: ``zerospeed launch`` per "node" sharing a rendezvous on 127.0.0.1.
+
+- a hostfile of two hosts with ``--launcher ssh`` (a fake ``ssh`` on PATH runs the remote command here)
+  starts two node launchers (``--nnodes 2 --node_rank 0/1``, 2 ranks each): the tiny GPT's losses equal a
+  4-rank single-node run; every rank sees 2 ranks per node and the ``--export``-ed variable;
+- killing one node's launcher makes the other exit with an error naming that node, within a bound, and
+  leaves no rank alive;
+- a node whose launch fails (bad script path) or whose rank exits 1 is named by the other node;
+- ``--elastic_training`` (opt-in, ``ZEROSPEED_ELASTIC_E2E=1``, 47-106 s): one of two nodes killed, torchrun
+  restarts the other at 2 ranks from the latest checkpoint; a node joining again brings it back to 4.
+
+Subprocess tests (each 10-40 s on a loaded machine: fresh interpreters import torch), marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from zerospeed.testing import run_distributed
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = SCRIPTS / "mn_train.py"
+pytestmark = pytest.mark.slow
+
+
+def ports() -> int:
+    """A port P with P and P+1 (the node watch) free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p < 65535:
+            try:
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def _env(extra_path: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = src + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if extra_path is not None:
+        env["PATH"] = f"{extra_path}:{env['PATH']}"
+    return env
+
+
+def _node(rank: int, port: int, *script_args: str, script: Path = TRAIN, timeout: float = 20) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "zerospeed.launcher.cli", "launch", "--nnodes", "2", "--node_rank", str(rank),
+           "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+           "--node_join_timeout", str(timeout), "--shutdown-timeout", "3", str(script), *script_args]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _reference(out: str, steps: int) -> list[float]:
+    from mn_train import train  # noqa: PLC0415 - the script's own loop, run by the forked harness
+
+    return train(out, steps)
+
+
+def test_two_nodes_over_ssh_match_one_node(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text('#!/bin/bash\n# fake ssh: run the remote command (the last argument) here\n'
+                              'exec bash -c "${@: -1}"\n')
+    (fake / "ssh").chmod(0o755)
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("# two simulated nodes\nnode-a slots=2\nnode-b slots=2\n")
+    out = tmp_path / "two_nodes"
+    cmd = [sys.executable, "-m", "zerospeed.launcher.cli", "--hostfile", str(hosts), "--launcher", "ssh",
+           "--master_addr", "127.0.0.1", "--master_port", str(ports()), "--export", "MN_EXPORTED=yes",
+           str(TRAIN), str(out), "3"]
+    result = subprocess.run(cmd, env=_env(fake), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+    assert [g["world"] for g in got] == [4, 4, 4]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["ZEROSPEED_RANKS_PER_NODE"] for r in ranks] == ["2"] * 4
+    assert [r["GROUP_RANK"] for r in ranks] == ["0", "0", "1", "1"]  # node-major ranks: real node boundaries
+    assert {r["MN_EXPORTED"] for r in ranks} == {"yes"} and {r["CUDA_VISIBLE_DEVICES"] for r in ranks} == {"0,1"}
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        ref = run_distributed(_reference, 4, str(tmp_path / "ref"), 3, timeout=120)[0]
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    torch.testing.assert_close(torch.tensor([g["loss"] for g in got]), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+def _wait_for(path: Path, lines: int, procs: list[subprocess.Popen[str]], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a node ended early: {p.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {lines} lines in {path} after {timeout} s")
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_killing_a_node_names_it_and_leaves_no_rank(tmp_path: Path, killed: int) -> None:
+    port = ports()
+    nodes = [_node(r, port, str(tmp_path), "50", "--sleep", "0.5") for r in range(2)]
+    try:
+        _wait_for(tmp_path / "losses.jsonl", 1, nodes)
+        pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in range(4)]
+        nodes[killed].send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        _, err = nodes[1 - killed].communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert nodes[1 - killed].returncode != 0
+    assert f"node {killed}" in err and "lost" in err, err[-3000:]
+    assert elapsed < 45
+    gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=20)[1]
+    assert not [p for p in gone if p.status() != psutil.STATUS_ZOMBIE], "ranks left running"
+
+
+@pytest.mark.parametrize("how", ["bad_script", "rank_exit_1"])
+def test_a_failing_node_is_named(tmp_path: Path, how: str) -> None:
+    port = ports()
+    node0 = _node(0, port, str(tmp_path), "5", "--sleep", "0.5")
+    if how == "bad_script":
+        node1 = _node(1, port, str(tmp_path), "5", script=tmp_path / "missing.py")
+        expect = ["node 1", "failed (exit code 2)", "missing.py", "not found"]
+    else:
+        node1 = _node(1, port, str(tmp_path), "5", "--sleep", "0.5", "--fail_rank", "2")
+        expect = ["node 1", "failed (exit code 1)", "rank 2"]
+    try:
+        _, err0 = node0.communicate(timeout=90)
+        node1.communicate(timeout=60)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    assert node0.returncode != 0 and node1.returncode != 0
+    for text in expect:
+        assert text in err0, err0[-3000:]
+
+
+def _elastic_node(port: int, out: Path, ckpt: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "zerospeed.launcher.cli", "launch", "--elastic_training", "--min_elastic_nodes",
+           "1", "--max_elastic_nodes", "2", "--max_restarts", "3", "--rdzv_conf", "last_call_timeout=1",
+           "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), str(TRAIN),
+           str(out), "200", "--ckpt", str(ckpt), "--sleep", "0.5"]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _phases(path: Path) -> list[list[dict]]:
+    """losses.jsonl split where a (re)started group begins."""
+    phases: list[list[dict]] = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if not phases or entry["step"] == entry["start"]:
+            phases.append([])
+        phases[-1].append(entry)
+    return phases
+
+
+def _wait_phase(path: Path, world: int, count: int, procs: list[subprocess.Popen[str]], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        phases = _phases(path) if path.exists() else []
+        if phases and phases[-1][0]["world"] == world and len(phases[-1]) >= count and len(phases) > 0:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"no phase at world {world} with {count} steps: {path.read_text() if path.exists() else ''}")
+
+
+@pytest.mark.skipif(os.environ.get("ZEROSPEED_ELASTIC_E2E") != "1",
+                    reason="47-106 s measured on 2 shared cores (three starts of fresh interpreters); "
+                    "set ZEROSPEED_ELASTIC_E2E=1 to run it. test_elastic_restart.py covers the resharded resume.")
+def test_elastic_launch_shrinks_and_grows(tmp_path: Path) -> None:
+    """--elastic_training: kill one of two nodes, torchrun restarts the other at 2 ranks from the latest
+    checkpoint; a node joining again restarts both at 4 ranks. Losses after each restart equal a 2-rank run
+    from the same checkpoint (rtol 1e-5)."""
+    port, out, ckpt = ports(), tmp_path / "out", tmp_path / "ckpt"
+    log = out / "losses.jsonl"
+    first = _elastic_node(port, out, ckpt)
+    time.sleep(2.0)  # the first node hosts the c10d store
+    second = _elastic_node(port, out, ckpt)
+    procs = [first, second]
+    try:
+        _wait_phase(log, 4, 2, procs)
+        second.send_signal(signal.SIGKILL)
+        second.wait()
+        _wait_phase(log, 2, 2, procs)
+        third = _elastic_node(port, out, ckpt)
+        procs.append(third)
+        _wait_phase(log, 4, 1, procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    phases = _phases(log)
+    worlds = [p[0]["world"] for p in phases]
+    assert worlds[:1] == [4] and 2 in worlds and worlds[-1] == 4, worlds
+    shrunk = next(p for p in phases if p[0]["world"] == 2)
+    grown = phases[-1]
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        for phase in (shrunk, grown):
+            start = phase[0]["start"]
+            ref = run_distributed(_ref_from, 2, str(tmp_path / f"ref{start}"), start + len(phase), str(ckpt),
+                                  f"step{start}", timeout=120)[0]
+            torch.testing.assert_close(torch.tensor([e["loss"] for e in phase]), torch.tensor(ref), rtol=1e-5,
+                                       atol=0)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def _ref_from(out: str, steps: int, ckpt: str, tag: str) -> list[float]:
+    from mn_train import train  # noqa: PLC0415
+
+    return train(out, steps, ckpt, load_tag=tag, save=False)
