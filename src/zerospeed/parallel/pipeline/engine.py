@@ -94,6 +94,7 @@ class PipelineEngine(Engine):
         self._fwd_outputs: list[Any] = []
         self._total_loss: torch.Tensor | None = None
         self._stats = PipeStepStats()
+        self._batch_t0 = 0.0
         self._train_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None:
             from ...data.repeating import RepeatingLoader
@@ -251,7 +252,7 @@ class PipelineEngine(Engine):
         self._buffers = [_Buffer() for _ in range(schedule.num_pipe_buffers())]
         self._stats = PipeStepStats()
         sent0, recv0 = self.channels.bytes_sent, self.channels.bytes_received
-        t0 = time.perf_counter()
+        t0 = self._batch_t0 = time.perf_counter()
         try:
             for step in schedule:
                 for cmd in step:
@@ -344,9 +345,10 @@ class PipelineEngine(Engine):
                 self._fwd_outputs.append([t.detach() for t in loss])
         else:
             buf.outputs = outputs
-        spent = time.perf_counter() - t0
-        self._stats.compute_seconds += spent
-        self._stats.forward_seconds += spent
+        end = time.perf_counter()
+        self._stats.compute_seconds += end - t0
+        self._stats.forward_seconds += end - t0
+        self._stats.pipeline_seconds = end - self._batch_t0
 
     def _exec_backward_pass(self, cmd: PipeInstruction) -> None:
         chunk = getattr(cmd, "chunk", 0)
@@ -374,9 +376,10 @@ class PipelineEngine(Engine):
         reducer.end_micro_step()
         self.observer.backward_end()
         buf.outputs, buf.out_grads, buf.loss = None, None, None
-        spent = time.perf_counter() - t0
-        self._stats.compute_seconds += spent
-        self._stats.backward_seconds += spent
+        end = time.perf_counter()
+        self._stats.compute_seconds += end - t0
+        self._stats.backward_seconds += end - t0
+        self._stats.pipeline_seconds = end - self._batch_t0
 
     def _exec_send_activations(self, cmd: PipeInstruction) -> None:
         buf = self._buffers[cmd.buffer_id]  # type: ignore[attr-defined]
