@@ -25,6 +25,7 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.pipe.schedule": "zerospeed.parallel.pipeline.schedule",
     "zerospeed.runtime.utils": "zerospeed.parallel.pipeline.partition",
     "zerospeed.utils": "zerospeed.data.repeating",
+    "zerospeed.elasticity.config": "zerospeed.config.elasticity",
     "zerospeed.moe": "zerospeed.parallel.expert",
     "zerospeed.moe.layer": "zerospeed.parallel.expert.layer",
     "zerospeed.moe.sharded_moe": "zerospeed.parallel.expert",
