@@ -4,12 +4,17 @@ Contenders (each in its own forked Gloo ranks, same layers, same data, same seed
   zerospeed pp=2, zerospeed pp=2 x dp=2, and DeepSpeed's PipelineEngine at the same shapes when
   ``deepspeed`` is importable (run with its venv: ``/tmp/dsvenv/bin/python``; ``DS_ACCELERATOR=cpu``).
 Reported per contender: median wall seconds per ``train_batch`` (max over ranks), peak RSS per rank, the
-last loss (a sanity check), and for zerospeed the *measured* bubble fraction (1 - compute / pipelined time,
-mean over ranks, from the engine's own per-step accounting) next to the theoretical (p-1)/(m+p-1) and to
-the bubble 1F1B implies for the measured per-stage forward/backward times (``simulate``: stage imbalance
-included, machine noise excluded), and the p2p bytes per step. Layers: a GPT (tied embedding/head) split by ``type:Block`` so stages are balanced.
+last loss (a sanity check), and for zerospeed the *measured* bubble: each stage's idle share of its
+pipeline's span (``accounting.pipeline_bubble``: 1 - the stage's forward+backward seconds / the longest
+span to a last forward/backward among the pipeline's stages, the definition behind (p-1)/(m+p-1)), per
+stage and its mean, next to the theory and to the bubble 1F1B implies for the measured per-stage
+forward/backward times (``simulate``: stage imbalance included, machine noise excluded), the per-stage
+forward+backward seconds per micro-batch (equal stages are the theory's premise) and the p2p bytes per
+step. Layers: a GPT (tied embedding/head) split by ``type:Block``; a small ``--vocab`` keeps the last
+stage's head and loss cheap, so the stages are balanced, and a large ``--embd``/``--seq`` keeps p2p latency
+small against compute:
 
-    python benchmarks/bench_pipeline.py [--micro-batches 8] [--steps 5] [--json]
+    python benchmarks/bench_pipeline.py --embd 512 --seq 256 --vocab 64 --micro-batches 8 --no-dp [--json]
 """
 
 from __future__ import annotations

@@ -167,10 +167,12 @@ class PipelineEngine(Engine):
         """Collective over every rank: per-parameter (layer-indexed) state, loadable at any pipeline degree."""
         from .checkpoint import save_pipeline_checkpoint
 
-        if exclude_frozen_parameters or async_save or (async_save is None and self.config.checkpoint.async_save):
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters / async_save) of a pipeline engine "
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) of a pipeline engine "
                                       "is not supported yet by zerospeed")
-        save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest, self.config.comms_timeout_s)
+        use_async = self.config.checkpoint.async_save if async_save is None else async_save
+        save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest, self.config.comms_timeout_s,
+                                 use_async)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
