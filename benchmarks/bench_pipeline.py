@@ -4,12 +4,17 @@ Contenders (each in its own forked Gloo ranks, same layers, same data, same seed
   zerospeed pp=2, zerospeed pp=2 x dp=2, and DeepSpeed's PipelineEngine at the same shapes when
   ``deepspeed`` is importable (run with its venv: ``/tmp/dsvenv/bin/python``; ``DS_ACCELERATOR=cpu``).
 Reported per contender: median wall seconds per ``train_batch`` (max over ranks), peak RSS per rank, the
-last loss (a sanity check), and for zerospeed the *measured* bubble fraction (1 - compute / pipelined time,
-mean over ranks, from the engine's own per-step accounting) next to the theoretical (p-1)/(m+p-1) and to
-the bubble 1F1B implies for the measured per-stage forward/backward times (``simulate``: stage imbalance
-included, machine noise excluded), and the p2p bytes per step. Layers: a GPT (tied embedding/head) split by ``type:Block`` so stages are balanced.
+last loss (a sanity check), and for zerospeed the *measured* bubble: each stage's idle share of its
+pipeline's span (``accounting.pipeline_bubble``: 1 - the stage's forward+backward seconds / the longest
+span to a last forward/backward among the pipeline's stages, the definition behind (p-1)/(m+p-1)), per
+stage and its mean, next to the theory and to the bubble 1F1B implies for the measured per-stage
+forward/backward times (``simulate``: stage imbalance included, machine noise excluded), the per-stage
+forward+backward seconds per micro-batch (equal stages are the theory's premise) and the p2p bytes per
+step. Layers: a GPT (tied embedding/head) split by ``type:Block``; a small ``--vocab`` keeps the last
+stage's head and loss cheap, so the stages are balanced, and a large ``--embd``/``--seq`` keeps p2p latency
+small against compute:
 
-    python benchmarks/bench_pipeline.py [--micro-batches 8] [--steps 5] [--json]
+    python benchmarks/bench_pipeline.py --embd 512 --seq 256 --vocab 64 --micro-batches 8 --no-dp [--json]
 """
 
 from __future__ import annotations
@@ -108,49 +113,61 @@ def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup:
                 yield w[:, :-1], w[:, 1:]
 
     source = it()
-    times, bubbles, p2p, fwd, bwd = [], [], [], [], []
+    times, steps_stats = [], []
     loss = 0.0
     for s in range(warmup + steps):
         t0 = time.perf_counter()
         loss = float(engine.train_batch(source))
         if s >= warmup:
             times.append(time.perf_counter() - t0)
-            st = getattr(engine, "last_step_stats", None)
-            if st is not None:
-                bubbles.append(st.bubble_fraction)
-                p2p.append(st.p2p_bytes_sent + st.p2p_bytes_received)
-                fwd.append(st.forward_seconds / gas)
-                bwd.append(st.backward_seconds / gas)
-    stage = engine.grid.get_pipe_parallel_rank()
-    return {"times": times, "bubble": statistics.median(bubbles) if bubbles else None, "stage": stage,
-            "fwd": statistics.median(fwd) if fwd else None, "bwd": statistics.median(bwd) if bwd else None,
-            "p2p": statistics.median(p2p) if p2p else None, "rss": peak_rss_bytes(), "loss": loss}
+            steps_stats.append(getattr(engine, "last_step_stats", None))
+    return {"times": times, "stats": steps_stats, "stage": engine.grid.get_pipe_parallel_rank(), "dp_rank": dp_rank,
+            "rss": peak_rss_bytes(), "loss": loss}
+
+
+def _bubbles(ranks: list[dict], pp: int, steps: int) -> tuple[list[float], list[float]]:
+    """Per stage: the median over steps of its idle share of its pipeline's span (``pipeline_bubble``, one
+    pipeline per data-parallel replica, averaged over replicas), and of its own span (the rank-local view)."""
+    from zerospeed.parallel.pipeline.accounting import pipeline_bubble
+
+    piped: list[list[float]] = [[] for _ in range(pp)]
+    own: list[list[float]] = [[] for _ in range(pp)]
+    for i in range(steps):
+        for d in sorted({r["dp_rank"] for r in ranks}):
+            stages = sorted((r for r in ranks if r["dp_rank"] == d), key=lambda r: r["stage"])
+            for s, b in enumerate(pipeline_bubble([r["stats"][i] for r in stages])):
+                piped[s].append(b)
+                own[s].append(stages[s]["stats"][i].bubble_fraction)
+    return [statistics.median(b) for b in piped], [statistics.median(b) for b in own]
 
 
 def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int,
         virtual: int = 1) -> dict:
     ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, virtual, timeout=3600)
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
-    bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
-    simulated = None
-    if bubbles:  # the bubble 1F1B implies for the measured per-stage forward/backward times (dp replica 0)
-        from zerospeed.parallel.pipeline.interleaved import InterleavedSchedule
-        from zerospeed.parallel.pipeline.schedule import TrainSchedule
-        from zerospeed.parallel.pipeline.simulate import simulate
+    row = {"contender": f"{framework} pp={pp} x dp={dp}" + (f" v={virtual}" if virtual > 1 else ""), "pp": pp,
+           "dp": dp, "virtual": virtual, "micro_batches": gas, "s_per_step": statistics.median(per_step),
+           "peak_rss_mib": max(r["rss"] for r in ranks) / MiB, "bubble_theory": (pp - 1) / (virtual * gas + pp - 1),
+           "bubble_measured": None, "bubble_per_stage": None, "bubble_own_span": None, "bubble_simulated": None,
+           "fwd_bwd_s_per_stage": None, "p2p_mib_per_step": None, "last_loss": ranks[0]["loss"]}
+    if ranks[0]["stats"][0] is None:  # DeepSpeed: no per-step accounting
+        return row
+    from zerospeed.parallel.pipeline.interleaved import InterleavedSchedule
+    from zerospeed.parallel.pipeline.schedule import TrainSchedule
+    from zerospeed.parallel.pipeline.simulate import simulate
 
-        by_stage = {r["stage"]: r for r in ranks}
-        fwd = [by_stage[s]["fwd"] for s in range(pp)]
-        bwd = [by_stage[s]["bwd"] for s in range(pp)]
-        scheds = [InterleavedSchedule(gas, pp, s, chunks=virtual) if virtual > 1 else TrainSchedule(gas, pp, s)
-                  for s in range(pp)]
-        simulated = statistics.mean(simulate(scheds, fwd, bwd, chunks=virtual).bubble)
-    name = f"{framework} pp={pp} x dp={dp}" + (f" v={virtual}" if virtual > 1 else "")
-    return {"contender": name, "pp": pp, "dp": dp, "virtual": virtual, "micro_batches": gas,
-            "s_per_step": statistics.median(per_step), "peak_rss_mib": max(r["rss"] for r in ranks) / MiB,
-            "bubble_measured": statistics.mean(bubbles) if bubbles else None,
-            "bubble_per_rank": [round(b, 3) for b in bubbles], "bubble_simulated": simulated,
-            "bubble_theory": (pp - 1) / (virtual * gas + pp - 1),
-            "p2p_mib_per_step": (max(r["p2p"] for r in ranks) / MiB) if bubbles else None, "last_loss": ranks[0]["loss"]}
+    per_stage, own = _bubbles(ranks, pp, steps)
+    by_stage = {r["stage"]: r for r in ranks if r["dp_rank"] == 0}
+    fwd = [statistics.median(st.forward_seconds / gas for st in by_stage[s]["stats"]) for s in range(pp)]
+    bwd = [statistics.median(st.backward_seconds / gas for st in by_stage[s]["stats"]) for s in range(pp)]
+    scheds = [InterleavedSchedule(gas, pp, s, chunks=virtual) if virtual > 1 else TrainSchedule(gas, pp, s)
+              for s in range(pp)]
+    row.update(bubble_measured=statistics.mean(per_stage), bubble_per_stage=[round(b, 3) for b in per_stage],
+               bubble_own_span=[round(b, 3) for b in own],
+               bubble_simulated=statistics.mean(simulate(scheds, fwd, bwd, chunks=virtual).bubble),
+               fwd_bwd_s_per_stage=[round(f + b, 4) for f, b in zip(fwd, bwd)],
+               p2p_mib_per_step=max(st.p2p_bytes_sent + st.p2p_bytes_received for r in ranks for st in r["stats"]) / MiB)
+    return row
 
 
 def main() -> int:
@@ -160,6 +177,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--embd", type=int, default=128)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256, help="a small vocabulary keeps the head+loss (last stage) cheap")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-deepspeed", action="store_true")
@@ -170,8 +189,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
-    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
-    shapes = [(2, 1)] + ([] if args.no_dp else [(2, 2)])
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
+    shapes = [(args.pp, 1)] + ([] if args.no_dp else [(args.pp, 2)])
     frameworks = ["zerospeed"]
     if not args.no_deepspeed:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -196,17 +215,18 @@ def main() -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"GPT {args.layers} blocks, n_embd {args.embd}, seq {args.seq}, micro-batch {args.micro_batch}, "
-          f"m={args.micro_batches} micro-batches, fp32, ZeRO-1, 1 thread/rank")
+    print(f"GPT {args.layers} blocks, n_embd {args.embd}, seq {args.seq}, vocab {args.vocab}, micro-batch "
+          f"{args.micro_batch}, m={args.micro_batches} micro-batches, fp32, ZeRO-1, 1 thread/rank")
     print(f"{'contender':<26}{'s/step':>9}{'peak RSS MiB':>14}{'bubble meas.':>14}{'simulated':>11}{'theory':>9}"
-          f"{'p2p MiB':>10}"
-          f"{'loss':>9}  bubble per rank")
+          f"{'p2p MiB':>10}{'loss':>9}  per stage: bubble / own-span bubble / fwd+bwd s")
     for r in rows:
         meas = f"{r['bubble_measured']:.3f}" if r["bubble_measured"] is not None else "-"
         p2p = f"{r['p2p_mib_per_step']:.2f}" if r["p2p_mib_per_step"] is not None else "-"
         sim = f"{r['bubble_simulated']:.3f}" if r["bubble_simulated"] is not None else "-"
+        stages = (f"{r['bubble_per_stage']} / {r['bubble_own_span']} / {r['fwd_bwd_s_per_stage']}"
+                  if r["bubble_per_stage"] is not None else "")
         print(f"{r['contender']:<26}{r['s_per_step']:>9.3f}{r['peak_rss_mib']:>14.0f}{meas:>14}{sim:>11}"
-              f"{r['bubble_theory']:>9.3f}{p2p:>10}{r['last_loss']:>9.4f}  {r['bubble_per_rank'] or ''}")
+              f"{r['bubble_theory']:>9.3f}{p2p:>10}{r['last_loss']:>9.4f}  {stages}")
     return 0
 
 

@@ -41,6 +41,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.moe.sharded_moe": "zerospeed.parallel.expert",
     "zerospeed.moe.experts": "zerospeed.parallel.expert.experts",
     "zerospeed.moe.utils": "zerospeed.parallel.expert.utils",
+    "zerospeed.elasticity.config": "zerospeed.config.elasticity",
     "zerospeed.runtime.fp16": "zerospeed.optim.onebit",
     "zerospeed.runtime.fp16.onebit": "zerospeed.optim.onebit",
     "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",

@@ -99,3 +99,27 @@ def test_pipeline_checkpoint_exports_to_a_plain_model(tmp_path) -> None:
     renamed = {k.replace("tied_modules.", "tied_"): v for k, v in sd.items()}
     plain.load_state_dict(renamed, strict=True)
     assert len(sd) == sum(1 for _ in plain.state_dict())
+
+
+def _async_save_then_resume(path: str) -> dict:
+    """pp=2: save asynchronously after step SAVE_AT and keep training while it is written; a second engine
+    loads it and must continue with bitwise the same losses."""
+    engine, gas = _engine(2, 2)
+    it = rank_iter(batches(STEPS, MICRO, GLOBAL), 0, gas)
+    for _ in range(SAVE_AT):
+        engine.train_batch(it)
+    engine.save_checkpoint(path, client_state={"note": "async"}, async_save=True)
+    after = [float(engine.train_batch(it)) for _ in range(STEPS - SAVE_AT)]  # updates params in place meanwhile
+    engine.wait_for_checkpoint()
+    resumed, _ = _engine(2, 2)
+    _, client = resumed.load_checkpoint(path)
+    it = rank_iter(batches(STEPS, MICRO, GLOBAL)[SAVE_AT:], 0, gas)
+    again = [float(resumed.train_batch(it)) for _ in range(STEPS - SAVE_AT)]
+    return {"after": after, "again": again, "client": client, "steps": resumed.global_steps}
+
+
+def test_pipeline_async_save_resumes_bitwise(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    for r in run_distributed(_async_save_then_resume, 2, path, timeout=120):
+        assert r["again"] == r["after"] and r["client"] == {"note": "async"} and r["steps"] == STEPS
+    assert os.path.isdir(os.path.join(path, "global_step3"))

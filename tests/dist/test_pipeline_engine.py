@@ -278,7 +278,8 @@ def _accounting() -> dict:
     st = engine.last_step_stats
     return {"first_sent": first.p2p_bytes_sent, "sent": st.p2p_bytes_sent, "received": st.p2p_bytes_received,
             "compute": st.compute_seconds, "total": st.total_seconds, "bubble": st.bubble_fraction,
-            "reduce": st.reduce_step_seconds, "split": st.forward_seconds + st.backward_seconds}
+            "reduce": st.reduce_step_seconds, "split": st.forward_seconds + st.backward_seconds,
+            "piped": st.pipeline_seconds}
 
 
 def test_per_step_accounting_counts_p2p_bytes_exactly() -> None:
@@ -289,6 +290,7 @@ def test_per_step_accounting_counts_p2p_bytes_exactly() -> None:
     for r in (r0, r1):
         assert 0 < r["compute"] < r["total"] and 0 <= r["bubble"] < 1 and r["reduce"] > 0
         assert r["split"] == pytest.approx(r["compute"])
+        assert r["compute"] < r["piped"] <= r["total"]  # span to the rank's last forward/backward
 
 
 def _mpu() -> dict:

@@ -189,3 +189,20 @@ def test_interleaving_shrinks_the_simulated_bubble() -> None:
     # a slower last stage makes the others wait: the bubble follows the bottleneck
     slow = simulate([TrainSchedule(m, p, s) for s in range(p)], [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 4.0])
     assert slow.bubble[0] > plain.bubble[0] and slow.bubble[3] < plain.bubble[3]
+
+
+@pytest.mark.parametrize("m,p", [(8, 2), (16, 2), (16, 4)])
+def test_measured_bubble_uses_the_pipeline_span_not_each_stage_own(m: int, p: int) -> None:
+    """Stats shaped like the engine's (compute seconds, span to the rank's last compute), from an ideal
+    1F1B timeline with equal stages: ``pipeline_bubble`` gives the theory on every stage; a stage's own span
+    misses the tail the later stages spend finishing their backwards (the last stage reads too low)."""
+    from zerospeed.parallel.pipeline.accounting import PipeStepStats, pipeline_bubble
+    from zerospeed.parallel.pipeline.simulate import simulate
+
+    t = simulate([TrainSchedule(m, p, s) for s in range(p)], [1.0] * p, [2.0] * p)
+    stats = [PipeStepStats(compute_seconds=b, pipeline_seconds=e, total_seconds=e + 0.5)
+             for b, e in zip(t.busy, t.ends)]
+    theory = (p - 1) / (m + p - 1)
+    assert pipeline_bubble(stats) == pytest.approx([theory] * p)
+    assert stats[0].bubble_fraction == pytest.approx(theory)  # the first stage ends last: its span is the pipeline's
+    assert stats[-1].bubble_fraction < 0.5 * theory

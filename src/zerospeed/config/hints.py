@@ -34,6 +34,9 @@ ACCEPTED_HINTS: dict[str, str] = {
     "zero_optimization.elastic_checkpoint": (
         "zerospeed checkpoints are always stored per parameter and load at any data-parallel size and stage "
         "(what DeepSpeed's elastic format was for); the saved and restored states are the same either way"),
+    "elasticity.min_time": (
+        "the minutes a resource scheduler should let an elastic job run before rescaling it: information for "
+        "the scheduler, which neither DeepSpeed's engine nor zerospeed's reads; the run is the same either way"),
     "zero_optimization.memory_efficient_linear": (
         "under stage 3 a gathered weight's storage is freed after its module's forward even when autograd "
         "saved a view of it (e.g. W.t() in F.linear) and refilled for backward, for every op, not only "

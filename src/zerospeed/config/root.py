@@ -16,6 +16,7 @@ from .compression import GradientCompressionConfig
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
+from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
 from .offload import AioConfig
 from .monitoring import (
@@ -98,6 +99,8 @@ class ZeroSpeedConfig(Section):
     """DeepSpeed's autotuner section: ``zerospeed autotune`` plans experiments from it; the engine profiles them."""
     gradient_compression: GradientCompressionConfig = Field(default_factory=GradientCompressionConfig)
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod
@@ -160,6 +163,11 @@ class ZeroSpeedConfig(Section):
 
     # --- resolved views -------------------------------------------------------------------------
     def batch(self, dp_world_size: int) -> BatchSizes:
+        if self.elasticity.enabled:  # DeepSpeed: the elastic batch for this size replaces the batch keys
+            from ..elasticity.elasticity import elastic_batch
+
+            total, _, micro = elastic_batch(self.elasticity, world_size=dp_world_size)  # type: ignore[misc]
+            return resolve_batch(total, micro, total // (micro * dp_world_size), dp_world_size)
         return resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                              self.gradient_accumulation_steps, dp_world_size)
 
@@ -232,6 +240,22 @@ def _drop(raw: dict[str, Any], loc: tuple[str, ...]) -> None:
     del node[loc[-1]]
 
 
+def _check_elastic_batch_keys(cfg: ZeroSpeedConfig, section: dict[str, Any]) -> None:
+    """DeepSpeed's rule: elasticity owns the batch sizes; explicit batch keys are an error unless
+    ``ignore_non_elastic_batch_info`` (then they are ignored, with a warning). The scheduler check too."""
+    from ..elasticity.elasticity import ensure_immutable_elastic_config
+
+    ensure_immutable_elastic_config(section)
+    given = [k for k in _BATCH_KEYS if k in cfg.model_fields_set]
+    if given and not cfg.elasticity.ignore_non_elastic_batch_info:
+        raise ElasticityConfigError(
+            f"{', '.join(given)} set beside an enabled elasticity section, which takes control of the batch sizes "
+            "(they would not be used). Remove them, or set elasticity.ignore_non_elastic_batch_info: true to have "
+            "them ignored.", "elasticity")
+    for k in given:
+        _log.warning("[Elasticity] ignoring %s=%r: the elastic batch sizes replace it", k, getattr(cfg, k))
+
+
 def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
                 dp_world_size: int | None = None) -> ZeroSpeedConfig:
     """Validate a JSON path, dict or config object. With ``dp_world_size`` the batch triple is checked."""
@@ -245,7 +269,14 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
             raw["bf16"] = raw.pop("bfloat16")
         written = dict(raw)
         raw = check_not_supported(raw)
-        cfg = _parse(raw)
+        try:
+            cfg = _parse(raw)
+        except ConfigError as exc:
+            if exc.key.split(".")[0] != "elasticity" or isinstance(exc, ElasticityConfigError):
+                raise
+            raise ElasticityConfigError(str(exc).split(": ", 1)[-1], exc.key) from None
+        if cfg.elasticity.enabled:
+            _check_elastic_batch_keys(cfg, raw["elasticity"])
         cfg._raw = written
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")

@@ -19,7 +19,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
     "sparse_attention": "sparse attention",
-    "elasticity": "elastic training",
     "data_efficiency": "data efficiency (curriculum / random-LTD)",
     "curriculum_learning": "curriculum learning",
     "amp": "apex AMP",

@@ -7,12 +7,14 @@ elements it owns (ZeRO-1 shard over its data-parallel group) of its own layers' 
 state into ``shards/rank_XXXXX``; a tied weight is written once (by the first stage holding it). Global
 rank 0 writes the merged metadata. Loading reads each parameter by name, so a checkpoint saved at pp=2 x dp=2
 loads at pp=2 x dp=2 (bitwise), at pp=4, at pp=1, into a plain model (``zerospeed to-fp32`` exports it), and
-the reverse. Same files, manifest, atomic commit and ``latest`` pointer as the data-parallel checkpoint.
+the reverse. Same files, manifest, atomic commit and ``latest`` pointer as the data-parallel checkpoint, and
+the same async save (snapshot now, write and commit in a background thread, no collectives there).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +23,8 @@ from ... import comm
 from ...runtime.checkpoint import layout, module_state
 from ...runtime.checkpoint.errors import CheckpointError
 from ...runtime.checkpoint.load import _load_training_state, open_checkpoint
-from ...runtime.checkpoint.save import CLIENT_FILE, RankSnapshot, write_snapshot
+from ...runtime.checkpoint.async_save import SaveStats
+from ...runtime.checkpoint.save import CLIENT_FILE, RankSnapshot, write_snapshot, writer_of
 from ...runtime.checkpoint.state import from_json, param_group_options, rng_state, set_rng_state, to_json
 from ...runtime.checkpoint.tensor_file import TensorReader
 from ...runtime.checkpoint.universal import CheckpointReader, load_optimizer_state, load_params, names_by_id, \
@@ -49,8 +52,12 @@ def _no_tensor_parallel(engine: Any) -> None:
 
 
 def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
-                             save_latest: bool = True, commit_timeout_s: float | None = None) -> str:
-    """Collective over every rank of the job; returns the checkpoint directory."""
+                             save_latest: bool = True, commit_timeout_s: float | None = None,
+                             async_save: bool = False) -> str:
+    """Collective over every rank of the job; returns the checkpoint directory. ``async_save``: snapshot
+    (CPU copies) now, write and commit in the engine's background writer (``wait_for_checkpoint``)."""
+    writer = writer_of(engine)
+    writer.wait()  # at most one save in flight; re-raises the previous one's error
     _no_tensor_parallel(engine)
     world = comm.world_group()
     grank, gworld = comm.get_rank(world), comm.get_world_size(world)
@@ -65,7 +72,8 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
     names = names_by_id(module)
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
-    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, False, dp_rank)
+    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, async_save,
+                                                  dp_rank)
     skip = _replicated_names(engine)  # tied copies: the first stage holding the tie writes them
     tensors = {k: v for k, v in tensors.items() if _param_name(k) not in skip}
     ranges = {k: v for k, v in ranges.items() if _param_name(k) not in skip}
@@ -89,13 +97,45 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
             all_layout.update(lay)
             all_module.update(mt)
         _rank0_files(engine, snap, all_entries, all_layout, all_module, client_state or {}, gworld, opt)
+    timeout = commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S
+    if async_save:
+        writer.submit(_async_job(snap, staging, save_dir, tag, save_latest, timeout), SaveStats(os.path.join(
+            save_dir, tag), stall_s=0.0))
+        return os.path.join(save_dir, tag)
     write_snapshot(snap, staging)
     comm.barrier(world)
     if grank == 0:
-        markers = layout.wait_markers(staging, gworld, commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S)
+        markers = layout.wait_markers(staging, gworld, timeout)
         layout.commit(save_dir, tag, staging, markers, save_latest)
     comm.barrier(world)
     return os.path.join(save_dir, tag)
+
+
+def _async_job(snap: RankSnapshot, staging: str, save_dir: str, tag: str, save_latest: bool,
+               timeout: float) -> Callable[[], int]:
+    """The writer thread's part (no collectives): write; rank 0 waits for every marker and commits, the
+    others wait for its outcome. A failure is published in the staging directory, so every rank's save fails."""
+    def job() -> int:
+        try:
+            nbytes = write_snapshot(snap, staging)
+        except Exception as exc:
+            layout.publish_failure(staging, snap.rank, f"{type(exc).__name__}: {exc}")
+            if snap.rank == 0:
+                layout.write_outcome(staging, f"rank 0: {type(exc).__name__}: {exc}")
+            raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): the write "
+                                  f"failed on rank {snap.rank}: {exc}") from exc
+        if snap.rank != 0:
+            layout.wait_outcome(staging, timeout)
+            return nbytes
+        try:
+            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, snap.world, timeout), save_latest)
+        except Exception as exc:
+            layout.write_outcome(staging, f"{type(exc).__name__}: {exc}")
+            raise
+        layout.write_outcome(staging, None)
+        return nbytes
+
+    return job
 
 
 def _rank0_files(engine: Any, snap: RankSnapshot, entries: dict[str, Any], opt_layout: dict[str, Any],
@@ -131,6 +171,7 @@ def load_pipeline_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_m
                              load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
     """Collective over every rank; each rank reads its own layers by name (any saved pipeline degree)."""
     _no_tensor_parallel(engine)
+    writer_of(engine).wait()  # an async save of this engine first lands
     world = comm.world_group()
     opened = open_checkpoint(load_dir, tag, world)
     if opened is None:

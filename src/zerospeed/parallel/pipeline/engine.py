@@ -96,6 +96,7 @@ class PipelineEngine(Engine):
         self._fwd_outputs: list[Any] = []
         self._total_loss: torch.Tensor | None = None
         self._stats = PipeStepStats()
+        self._batch_t0 = 0.0
         self._train_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None:
             from ...data.repeating import RepeatingLoader
@@ -168,10 +169,12 @@ class PipelineEngine(Engine):
         """Collective over every rank: per-parameter (layer-indexed) state, loadable at any pipeline degree."""
         from .checkpoint import save_pipeline_checkpoint
 
-        if exclude_frozen_parameters or async_save or (async_save is None and self.config.checkpoint.async_save):
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters / async_save) of a pipeline engine "
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) of a pipeline engine "
                                       "is not supported yet by zerospeed")
-        save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest, self.config.comms_timeout_s)
+        use_async = self.config.checkpoint.async_save if async_save is None else async_save
+        save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest, self.config.comms_timeout_s,
+                                 use_async)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -253,7 +256,7 @@ class PipelineEngine(Engine):
         self._buffers = [_Buffer() for _ in range(schedule.num_pipe_buffers())]
         self._stats = PipeStepStats()
         sent0, recv0 = self.channels.bytes_sent, self.channels.bytes_received
-        t0 = time.perf_counter()
+        t0 = self._batch_t0 = time.perf_counter()
         try:
             for step in schedule:
                 for cmd in step:
@@ -346,9 +349,10 @@ class PipelineEngine(Engine):
                 self._fwd_outputs.append([t.detach() for t in loss])
         else:
             buf.outputs = outputs
-        spent = time.perf_counter() - t0
-        self._stats.compute_seconds += spent
-        self._stats.forward_seconds += spent
+        end = time.perf_counter()
+        self._stats.compute_seconds += end - t0
+        self._stats.forward_seconds += end - t0
+        self._stats.pipeline_seconds = end - self._batch_t0
 
     def _exec_backward_pass(self, cmd: PipeInstruction) -> None:
         chunk = getattr(cmd, "chunk", 0)
@@ -376,9 +380,10 @@ class PipelineEngine(Engine):
         reducer.end_micro_step()
         self.observer.backward_end()
         buf.outputs, buf.out_grads, buf.loss = None, None, None
-        spent = time.perf_counter() - t0
-        self._stats.compute_seconds += spent
-        self._stats.backward_seconds += spent
+        end = time.perf_counter()
+        self._stats.compute_seconds += end - t0
+        self._stats.backward_seconds += end - t0
+        self._stats.pipeline_seconds = end - self._batch_t0
 
     def _exec_send_activations(self, cmd: PipeInstruction) -> None:
         buf = self._buffers[cmd.buffer_id]  # type: ignore[attr-defined]

@@ -20,6 +20,7 @@ from .schedule import BackwardPass, ForwardPass, PipeSchedule, RecvActivation, R
 class Timeline:
     makespan: float
     busy: list[float]  # compute seconds per stage
+    ends: list[float]  # per stage: when its last forward/backward ended (the first stage's is the makespan)
 
     @property
     def bubble(self) -> list[float]:
@@ -34,6 +35,7 @@ def simulate(schedules: list[PipeSchedule], forward: list[float], backward: list
     pcs = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
+    ends = [0.0] * p
     queues: dict[tuple[str, int, int], deque[float]] = defaultdict(deque)
 
     def dest(r: int, c: int, fwd: bool) -> tuple[int, int]:
@@ -60,9 +62,10 @@ def simulate(schedules: list[PipeSchedule], forward: list[float], backward: list
                     t = (forward[r] if isinstance(cmd, ForwardPass) else backward[r]) / chunks
                     clock[r] += t
                     busy[r] += t
+                    ends[r] = clock[r]
                 pcs[r] += 1
                 progress = True
     stuck = [r for r in range(p) if pcs[r] < len(programs[r])]
     if stuck:
         raise RuntimeError(f"schedule deadlocks: stages {stuck} wait at {[programs[r][pcs[r]] for r in stuck]}")
-    return Timeline(max(clock), busy)
+    return Timeline(max(clock), busy, ends)
