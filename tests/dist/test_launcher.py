@@ -199,9 +199,11 @@ def test_deepspeed_top_level_form_and_typo(capsys: pytest.CaptureFixture[str]) -
     assert "unknown command 'lanch'. Did you mean 'launch'?" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
     capsys.readouterr()
-    assert cli.main(["--autotuning", "tune", "--num_gpus", "2", str(PROBE)]) == 2
+    assert cli.main(["--autotuning", "tune", "--num_gpus", "2", str(PROBE)]) == 2  # runs the autotuner:
     err = capsys.readouterr().err
-    assert "DeepSpeed's launcher flag --autotuning is not supported yet" in err
+    assert "name no config" in err  # which needs the script's --deepspeed_config
+    assert cli.main(["--bind_cores_to_rank", "--num_gpus", "2", str(PROBE)]) == 2
+    assert "DeepSpeed's launcher flag --bind_cores_to_rank is not supported yet" in capsys.readouterr().err
 
 
 # --- pure parts ---------------------------------------------------------------------------------------

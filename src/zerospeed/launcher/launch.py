@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=10, metavar="S", help="seconds a rank gets to exit after SIGTERM before "
                         "SIGKILL (default 10)")
     multinode_flags.add_arguments(parser)
+    parser.add_argument("--autotuning", choices=["tune", "run"], default=None,
+                        help="DeepSpeed's autotuner (zerospeed autotune): 'tune' finds a fast config, 'run' then "
+                        "launches the script with it")
     _add_unsupported_flags(parser)
     parser.add_argument("target", metavar="SCRIPT", help="training script (or module, with --module)")
     parser.add_argument("target_args", nargs=argparse.REMAINDER, metavar="ARGS",
@@ -94,7 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _UNSUPPORTED_DEEPSPEED_FLAGS: dict[tuple[str, ...], str] = {
-    ("--autotuning",): "autotuning is not supported",
     ("--bind_cores_to_rank", "--bind_core_list"): "set OMP_NUM_THREADS / taskset in the script's environment",
     ("--no_python", "--no-python"): "launch a Python script or module (--module)",
     ("--save_pid", "--enable_each_rank_log"): "redirect the output yourself",
@@ -316,6 +318,11 @@ def launch(plan: LaunchPlan, exports: dict[str, str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.autotuning is not None:  # DeepSpeed's `deepspeed --autotuning tune|run train.py ...`
+        from zerospeed.launcher import autotune
+
+        return autotune.run(argparse.Namespace(nproc=args.nproc_per_node or 1, run=args.autotuning == "run",
+                                               timeout=600.0, script=args.target, script_args=args.target_args))
     resources = multinode_flags.fan_out_resources(args, dict(os.environ))
     if resources is not None:
         from zerospeed.launcher import fanout
