@@ -254,13 +254,12 @@ class DeepSpeedInferenceConfig(Section):
         return out
 
     def check_supported(self) -> None:
-        """Raise ``NotSupportedYetError`` naming every key set to a feature not built yet; warn on no-ops."""
+        """Raise ``NotSupportedYetError`` naming every key set to a feature not built yet; warn on no-ops.
+
+        ``replace_with_kernel_inject=True`` means fused kernels: the engine ``torch.compile``s its regions."""
         bad = self.unsupported_settings()
         if bad:
             raise NotSupportedYetError(bad[0].split("=")[0], f"{', '.join(bad)}: not supported yet by zerospeed")
-        if self.replace_with_kernel_inject:
-            warnings.warn("replace_with_kernel_inject=True: zerospeed has no fused kernels to inject; it runs its "
-                          "own PyTorch KV-cache decode (same outputs)", stacklevel=3)
         if "replace_method" in self.model_fields_set:
             warnings.warn("replace_method is deprecated in DeepSpeed and ignored", stacklevel=3)
 

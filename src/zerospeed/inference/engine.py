@@ -19,6 +19,7 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.config.errors import NotSupportedYetError
 
 from .adapters import DecoderAdapter, adapter_for
+from .compiled import CompiledRegion, default_backend
 from .config import DeepSpeedInferenceConfig, load_inference_config
 from .generate import generate_tokens
 from .sampling import SamplingParams
@@ -53,6 +54,10 @@ class InferenceEngine(nn.Module):
             quantize_model(model, wq)
         self.module = model
         self._adapter: DecoderAdapter | None = None
+        self._forward: CompiledRegion | None = None
+        self._compiled = False
+        if config.replace_with_kernel_inject:
+            self.compile()
 
     @property
     def config(self) -> DeepSpeedInferenceConfig:
@@ -64,9 +69,26 @@ class InferenceEngine(nn.Module):
             self._adapter = adapter_for(self.module)
         return self._adapter
 
+    def compile(self, backend: str | Any | None = None, compile_kwargs: dict[str, Any] | None = None) -> None:
+        """DeepSpeed's ``engine.compile(backend, compile_kwargs)``: ``torch.compile`` the forward and the
+        decode regions (norm+QKV, out-proj+MLP, norm+head) with an eager fallback; idempotent."""
+        if self._compiled:
+            return
+        backend = backend or default_backend()
+        self._forward = CompiledRegion(self.module, "forward", backend, compile_kwargs, dynamic=None)
+        try:
+            self.adapter.compile(backend, compile_kwargs)
+        except NotSupportedYetError:
+            pass  # no adapter for this model: only its forward is compiled; generate will name the model
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return self.module(*args, **kwargs)
+            return (self._forward or self.module)(*args, **kwargs)
 
     def _generation_default(self, name: str, fallback: Any) -> Any:
         gc = getattr(self.module, "generation_config", None)
