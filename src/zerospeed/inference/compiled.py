@@ -2,9 +2,10 @@
 
 The decode loop is cut into regions that hold no cache state (see ``adapters``): *norm + QKV projection
 (+ rotary)* before attention, *output projection + residual + norm + MLP + residual* after it, and *final
-norm + LM head*. Each region is compiled once with dynamic token counts (Inductor fuses the norms,
-activations and residual adds into a few kernels; matmuls stay on the BLAS/cuBLAS path), and with PyTorch's
-inlining of built-in modules the same graph serves every layer. Attention itself runs PyTorch's fused
+norm + LM head*. Each region is compiled for the first token count it sees and once more with a dynamic
+count when another comes (PyTorch's automatic dynamic shapes; ``dynamic=True`` would re-patch the config on
+every call). Inductor fuses the norms, activations and residual adds into a few kernels; matmuls stay on the
+BLAS/cuBLAS path. With PyTorch's inlining of built-in modules the same graph serves every layer. Attention itself runs PyTorch's fused
 ``scaled_dot_product_attention`` over the paged cache, outside the compiled regions.
 
 A region is pure, so when the compiled call raises (no C++ compiler, an unsupported op, a backend error)
@@ -32,7 +33,7 @@ class CompiledRegion:
     """``fn`` compiled by ``torch.compile(backend, dynamic=...)``; eager ``fn`` after the first failure."""
 
     def __init__(self, fn: Callable[..., Any], name: str, backend: str | Callable[..., Any] | None = None,
-                 options: dict[str, Any] | None = None, dynamic: bool | None = True) -> None:
+                 options: dict[str, Any] | None = None, dynamic: bool | None = None) -> None:
         self.fn = fn
         self.name = name
         opts = dict(options or {})
