@@ -11,7 +11,7 @@ import json
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, PositiveInt, field_validator, model_validator
@@ -77,10 +77,16 @@ class BaseQuantConfig(Section):
 
 
 class WeightQuantConfig(BaseQuantConfig):
-    """``quant.weight``: ``num_bits`` 8 or 4; ``q_groups`` groups per output row (1 = per channel)."""
+    """``quant.weight``: ``num_bits`` 8 or 4; ``q_groups`` groups per output row (1 = per channel).
+
+    ``kernel`` (zerospeed's key): ``dequant`` (default) rebuilds the float weight in each forward;
+    ``int`` calls PyTorch's weight-only int kernels (``_weight_int8pack_mm``: INT8 symmetric per channel;
+    ``_weight_int4pack_mm_for_cpu``: INT4 asymmetric, 32-256 columns per group, CPU only).
+    """
 
     quantized_initialization: dict[str, Any] = Field(default_factory=dict)
     post_init_quant: dict[str, Any] = Field(default_factory=dict)
+    kernel: Literal["dequant", "int"] = "dequant"
 
     @field_validator("num_bits")
     @classmethod
