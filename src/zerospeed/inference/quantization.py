@@ -166,16 +166,18 @@ def _linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, cfg: WeightQuantConfig) -> int:
-    """Replace every linear layer of ``model`` in place by a ``QuantizedLinear``; returns how many."""
-    swaps = []
-    for name, module in model.named_modules():
-        for child_name, child in module.named_children():
-            found = _linear_weight(child)
-            if found is not None:
-                swaps.append((module, child_name, QuantizedLinear(found[0], found[1], cfg)))
-    for parent, child_name, new in swaps:
-        setattr(parent, child_name, new)
-    return len(swaps)
+    """Replace every linear layer of ``model`` in place by a ``QuantizedLinear``; returns how many.
+
+    Layers are swapped one at a time, so each full-precision weight can be freed before the next is
+    quantized (peak memory: the model plus one layer's temporaries, not two models).
+    """
+    targets = [(module, child_name) for module in model.modules() for child_name, child in module.named_children()
+               if _linear_weight(child) is not None]
+    for parent, child_name in targets:
+        weight, bias = _linear_weight(getattr(parent, child_name))  # type: ignore[misc]
+        setattr(parent, child_name, QuantizedLinear(weight, bias, cfg))
+        del weight, bias
+    return len(targets)
 
 
 def model_bytes(model: nn.Module, linear_weights_only: bool = False) -> int:
