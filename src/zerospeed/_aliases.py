@@ -35,6 +35,9 @@ ALIASES: dict[str, str] = {
     "zerospeed.runtime.fp16.onebit.adam": "zerospeed.optim.onebit.adam",
     "zerospeed.runtime.fp16.onebit.zoadam": "zerospeed.optim.onebit.zoadam",
     "zerospeed.runtime.fp16.onebit.lamb": "zerospeed.optim.onebit.lamb",
+    "zerospeed.module_inject": "zerospeed.parallel.tensor",
+    "zerospeed.module_inject.layers": "zerospeed.parallel.tensor",
+    "zerospeed.module_inject.tp_shard": "zerospeed.parallel.tensor.shard",
 }
 
 

@@ -4,6 +4,7 @@ Every other package reaches communication through these functions, with the proc
 passed explicitly, so communication is counted in one place and fails with a precise message.
 """
 
+from .along_dim import PendingTensor, all_gather_along_dim, reduce_scatter_along_dim
 from .backend import (
     DEFAULT_TIMEOUT,
     Group,
@@ -51,5 +52,6 @@ __all__ = [
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
     "sparse_all_reduce", "topk_count",
+    "PendingTensor", "all_gather_along_dim", "reduce_scatter_along_dim",
     "QuantizedGather", "dequantize_int8", "quant_groups", "quantize_int8", "quantized_all_gather",
 ]
