@@ -50,10 +50,8 @@ def test_json_path(tmp_path):
 
 
 @pytest.mark.parametrize("data,key", [
-    ({"tensor_parallel": {"tp_size": 2}}, "tensor_parallel.tp_size"),
     ({"enable_cuda_graph": True}, "enable_cuda_graph"),
     ({"checkpoint": "ckpt.json"}, "checkpoint"),
-    ({"mp_size": 2}, "mp_size"),
     ({"moe": True}, "moe"),
     ({"zero": {"stage": 3}}, "zero"),
     ({"quant": {"activation": {"enabled": True}}}, "quant.activation.enabled"),

@@ -86,8 +86,10 @@ def test_forward_is_the_models_and_limits_are_checked():
         eng.generate(ids, max_new_tokens=5)
     with pytest.raises(NotSupportedYetError, match="num_beams"):
         eng.generate(ids, max_new_tokens=2, num_beams=4)
-    with pytest.raises(NotSupportedYetError, match="tensor_parallel.tp_size"):
+    with pytest.raises(ValueError, match="tp_size=2 needs the process group"):
         zerospeed.init_inference(model, tensor_parallel={"tp_size": 2})
+    with pytest.raises(ValueError, match="disagree"):
+        zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, mp_size=4)
 
 
 def test_unsupported_model_named():

@@ -86,6 +86,11 @@ class DecoderAdapter(ABC):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Region 3: vocabulary logits of last-block outputs (final norm, LM head)."""
 
+    @abstractmethod
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        """Tensor-parallel cut of a block: ``(path in the block, kind)``, kind ``qkv`` (fused, cut per head
+        group), ``column`` (output features) or ``row`` (input features, outputs all-reduced)."""
+
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Last-block outputs ``[T, C]`` (before the final norm) of flat tokens ``ids`` at ``pos``."""
         x, extra = self.embed(ids, pos)
@@ -144,6 +149,9 @@ class ZeroSpeedGPTAdapter(DecoderAdapter):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.ln_f(x))
 
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        return (("attn.qkv", "qkv"), ("attn.proj", "row"), ("mlp.fc", "column"), ("mlp.proj", "row"))
+
 
 class GPT2Adapter(DecoderAdapter):
     """Hugging Face ``GPT2LMHeadModel``: Conv1D projections, learned positions, the attention's own scaling."""
@@ -182,6 +190,9 @@ class GPT2Adapter(DecoderAdapter):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.transformer.ln_f(x))
+
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        return (("attn.c_attn", "qkv"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +240,11 @@ class LlamaAdapter(DecoderAdapter):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(x))
+
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        return (("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+                ("self_attn.o_proj", "row"), ("mlp.gate_proj", "column"), ("mlp.up_proj", "column"),
+                ("mlp.down_proj", "row"))
 
 
 def adapter_for(model: nn.Module) -> DecoderAdapter:

@@ -46,7 +46,7 @@ def parse_dtype(value: Any) -> torch.dtype:
 
 
 class TensorParallelConfig(Section):
-    """``tensor_parallel`` (alias ``tp``): only ``tp_size: 1`` is built so far."""
+    """``tensor_parallel`` (alias ``tp``): ``tp_size`` ranks share each matrix; ``tp_group`` / ``mpu`` give the group."""
 
     enabled: bool = True
     tp_size: PositiveInt = 1
@@ -217,6 +217,18 @@ class DeepSpeedInferenceConfig(Section):
     def _dtype(cls, value: Any) -> torch.dtype:
         return parse_dtype(value)
 
+    @model_validator(mode="after")
+    def _mp_size(self) -> DeepSpeedInferenceConfig:
+        if self.mp_size > 1 and self.tensor_parallel.tp_size > 1 and self.mp_size != self.tensor_parallel.tp_size:
+            raise ValueError(f"mp_size={self.mp_size} (deprecated) and tensor_parallel.tp_size="
+                             f"{self.tensor_parallel.tp_size} disagree; set tensor_parallel.tp_size only")
+        return self
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size: ``tensor_parallel.tp_size``, or DeepSpeed's deprecated ``mp_size``."""
+        return self.tensor_parallel.tp_size if self.tensor_parallel.tp_size > 1 else self.mp_size
+
     @property
     def weight_quantization(self) -> WeightQuantConfig | None:
         """The weight-quantization settings in force, or None: on for ``dtype=int8`` or an explicit ``quant``."""
@@ -227,8 +239,6 @@ class DeepSpeedInferenceConfig(Section):
         """Keys set to something zerospeed does not do yet, each as 'key=value'."""
         out = []
         checks: list[tuple[str, Any, bool]] = [
-            ("tensor_parallel.tp_size", self.tensor_parallel.tp_size, self.tensor_parallel.tp_size > 1),
-            ("mp_size", self.mp_size, self.mp_size > 1),
             ("training_mp_size", self.training_mp_size, self.training_mp_size > 1),
             ("enable_cuda_graph", True, self.enable_cuda_graph),
             ("use_triton", True, self.use_triton),

@@ -54,6 +54,15 @@ class InferenceEngine(nn.Module):
             quantize_model(model, wq)
         self.module = model
         self._adapter: DecoderAdapter | None = None
+        self.tp_group: Any = None
+        if config.tp_size > 1:
+            if wq is not None:
+                raise NotSupportedYetError("quant", "weight quantization with tensor_parallel.tp_size > 1: not "
+                                           "supported yet by zerospeed")
+            from .tensor_parallel import shard_for_inference
+
+            self.tp_group = _tp_group(config)
+            shard_for_inference(self.adapter, self.tp_group, config.tensor_parallel.tp_grain_size)
         self._forward: CompiledRegion | None = None
         self._compiled = False
         if config.replace_with_kernel_inject:
@@ -143,6 +152,28 @@ class InferenceEngine(nn.Module):
         limit = self.adapter.max_positions
         if limit is not None and prompt_len + new > limit:
             raise ValueError(f"prompt ({prompt_len}) + new tokens ({new}) exceed the model's {limit} positions")
+
+
+def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
+    """The tensor-parallel group: ``tensor_parallel.tp_group``, the ``mpu``'s, or the world when it has tp ranks."""
+    from zerospeed import comm
+
+    tp = config.tp_size
+    if not comm.is_initialized():
+        raise ValueError(f"tensor_parallel.tp_size={tp} needs the process group first: run under `zerospeed` / "
+                         "torchrun and call zerospeed.init_distributed()")
+    group = config.tensor_parallel.tp_group
+    mpu = config.tensor_parallel.mpu or config.mpu
+    if group is None and mpu is not None:
+        group = mpu.get_tensor_model_parallel_group()
+    if group is None:
+        if comm.get_world_size() != tp:
+            raise ValueError(f"tensor_parallel.tp_size={tp} but the world has {comm.get_world_size()} ranks; pass "
+                             "tensor_parallel.tp_group (or an mpu) for a group of tp_size ranks")
+        group = comm.world_group()
+    if comm.get_world_size(group) != tp:
+        raise ValueError(f"tensor_parallel.tp_group has {comm.get_world_size(group)} ranks, tp_size is {tp}")
+    return group
 
 
 def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
