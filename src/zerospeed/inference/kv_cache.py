@@ -82,8 +82,8 @@ class RaggedBatch:
         total = sum(c.length for c in self.chunks)
         if total != self.token_ids.numel():
             raise ValueError(f"{self.token_ids.numel()} tokens but the chunks cover {total}")
-        self.positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in self.chunks]).to(
-            self.token_ids.device)
+        pos = [p for c in self.chunks for p in range(c.start, c.start + c.length)]
+        self.positions = torch.tensor(pos, dtype=torch.long, device=self.token_ids.device)
 
     def last_token_rows(self) -> torch.Tensor:
         """Row of each chunk's last token in the flat batch."""
@@ -116,6 +116,13 @@ class PagedKVCache:
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return (blocks * self.block_size + pos % self.block_size).to(self.k.device)
 
+    def _slot_list(self, c: SeqChunk) -> list[int]:
+        """Slots of a chunk's new tokens, as Python ints (cheaper than tensor ops for short chunks)."""
+        size, table = self.block_size, c.block_table
+        if blocks_needed(c.start + c.length, size) > len(table):
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {c.start + c.length} positions")
+        return [table[p // size] * size + p % size for p in range(c.start, c.start + c.length)]
+
     def _decode_reads(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded read slots ``[N, S]`` of one-token chunks (S = the longest) and their mask ``[N, 1, 1, S]``."""
         size = self.block_size
@@ -139,7 +146,7 @@ class PagedKVCache:
         shared inside ``scaled_dot_product_attention`` (``enable_gqa``), not copied.
         """
         bs = batch.chunks
-        write = torch.cat([self.slots(c.block_table, c.start, c.start + c.length) for c in bs])
+        write = torch.tensor([s for c in bs for s in self._slot_list(c)], dtype=torch.long, device=self.k.device)
         offsets = [0]
         for c in bs:
             offsets.append(offsets[-1] + c.length)
