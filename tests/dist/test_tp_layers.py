@@ -111,6 +111,8 @@ def _conv1d(group, rank: int, tp: int, sp: bool) -> None:
     for layer, full in ((fc, fc_full), (proj, proj_full)):
         for attr, spec in layer.shard_specs().items():
             torch.testing.assert_close(getattr(layer, attr).grad, shard(getattr(full, attr).grad, spec, rank), **TOL)
+        for attr, whole in layer.gathered_parameters().items():   # [in, out] as Conv1D stores it
+            assert torch.equal(whole, getattr(full, attr).detach()), attr
 
 
 def _all_cases() -> int:

@@ -34,11 +34,18 @@ def _front(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, 0).contiguous()
 
 
-def all_gather_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
-    """Concatenation along ``dim`` of every rank's ``input`` in rank order (``sizes[r]``: rank r's length)."""
+Sizes = list[int] | tuple[int, ...] | None
+
+
+def all_gather_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: Sizes = None,
+                         async_op: bool = False) -> torch.Tensor | PendingTensor:
+    """Concatenation along ``dim`` of every rank's ``input`` in rank order (``sizes[r]``: rank r's length).
+
+    ``async_op``: returns a :class:`PendingTensor` (``wait()`` gives the concatenation).
+    """
     world = get_world_size(group)
     if world == 1:
-        return input
+        return PendingTensor(None, lambda: input) if async_op else input
     dim = dim % input.dim()
     mine = input.shape[dim]
     sizes = list(sizes) if sizes is not None else [mine] * world
@@ -49,14 +56,20 @@ def all_gather_along_dim(input: torch.Tensor, dim: int, group: Group | None, siz
     if mine != longest:
         x = torch.cat([x, x.new_zeros((longest - mine, *x.shape[1:]))])
     out = x.new_empty((world * longest, *x.shape[1:]))
-    all_gather(out.view(-1), x.view(-1), group)
-    if min(sizes) != longest:
-        chunks = out.view(world, longest, *x.shape[1:])
-        out = torch.cat([chunks[r, :n] for r, n in enumerate(sizes)])
-    return out.movedim(0, dim)
+    handle = all_gather(out.view(-1), x.view(-1), group, async_op=async_op)
+    shape = x.shape[1:]
+
+    def finish() -> torch.Tensor:
+        full = out
+        if min(sizes) != longest:
+            chunks = out.view(world, longest, *shape)
+            full = torch.cat([chunks[r, :n] for r, n in enumerate(sizes)])
+        return full.movedim(0, dim)
+
+    return PendingTensor(handle, finish) if async_op else finish()
 
 
-def reduce_scatter_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: list[int] | tuple[int, ...] | None = None,
+def reduce_scatter_along_dim(input: torch.Tensor, dim: int, group: Group | None, sizes: Sizes = None,
                              async_op: bool = False) -> torch.Tensor | PendingTensor:
     """Sum over ranks of ``input``, each rank keeping its ``sizes[rank]`` slice along ``dim`` (rank order).
 
@@ -69,7 +82,8 @@ def reduce_scatter_along_dim(input: torch.Tensor, dim: int, group: Group | None,
     total = input.shape[dim]
     if sizes is None:
         if total % world:
-            raise ValueError(f"reduce_scatter_along_dim: length {total} along dim {dim} does not divide by {world} ranks")
+            raise ValueError(f"reduce_scatter_along_dim: length {total} along dim {dim} does not divide by "
+                             f"{world} ranks")
         sizes = [total // world] * world
     sizes = list(sizes)
     if len(sizes) != world or sum(sizes) != total:

@@ -10,8 +10,8 @@ sequence parallelism: what the layers' ``sequence_parallel=True`` does not cover
 from .column import LinearLayer, VocabParallelLinear, conv_LinearLayer
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .fused import (FusedQKVLinear, GateUpPack_LinearLayer, SubParamLinearAllreduce, SubParamLinearLayer, fused_LinearLayer,
-                    qkv_sizes)
+from .fused import (FusedQKVLinear, GateUpPack_LinearLayer, SubParamLinearAllreduce, SubParamLinearLayer,
+                    fused_LinearLayer, qkv_sizes)
 from .layer import TensorParallel_Layer, TensorParallelLayer, is_conv1d, tp_shard_specs
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,

@@ -28,10 +28,10 @@ class LinearLayer(TensorParallelLayer):
     """``LinearLayer(module, mp_group=None, skip_partition=False, gather_output=False, **kwargs)``.
 
     Wraps ``module`` (an ``nn.Linear``-like module with ``weight`` ``[out, in]`` and optional ``bias``, or
-    a Hugging Face ``Conv1D`` with ``weight`` ``[in, out]``) and keeps only this rank's output features. Keyword arguments: ``name``, ``tp_meta``,
-    ``overlap_comm`` (async input-gradient all-reduce), ``sequence_parallel``, ``seq_dim`` (default 1:
-    ``[batch, seq, hidden]``). ``skip_partition=True`` keeps the module's parameters uncut (only at
-    a tensor-parallel size of 1, as DeepSpeed uses it).
+    a Hugging Face ``Conv1D`` with ``weight`` ``[in, out]``) and keeps only this rank's output features.
+    Keyword arguments: ``name``, ``tp_meta``, ``overlap_comm`` (async input-gradient all-reduce),
+    ``sequence_parallel``, ``seq_dim`` (default 1: ``[batch, seq, hidden]``). ``skip_partition=True`` keeps
+    the module's parameters uncut (only at a tensor-parallel size of 1, as DeepSpeed uses it).
     """
 
     def __init__(self, module: nn.Module, mp_group: Any = None, skip_partition: bool = False,
@@ -126,4 +126,5 @@ class VocabParallelLinear(LinearLayer):
         self.vocab_start_index = sum(self.partition_sizes[: self.tp_index])
         self.vocab_end_index = self.vocab_start_index + self.partition_sizes[self.tp_index]
         if min(self.partition_sizes) == 0:  # pragma: no cover - checked_shard_sizes refuses this first
-            raise ShardSizeError(f"layer '{self.label}': vocabulary of {self.vocab_size} over {self.tp_world_size} ranks")
+            raise ShardSizeError(f"layer '{self.label}': vocabulary of {self.vocab_size} over "
+                                 f"{self.tp_world_size} ranks")

@@ -3,12 +3,14 @@
 Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``. Forward: ``y = x W^T + b``, with ``x``
 first all-gathered along the sequence under sequence parallelism. Backward::
 
-    dx = dy W                      then start  all-reduce(dx)       (or reduce-scatter along seq under SP)
+    (SP: start all-gather of x)
+    dx = dy W                      (SP: wait for x)  then start  all-reduce(dx)  (SP: reduce-scatter along seq)
     dW = dy^T x ; db = sum(dy)     while the collective is in flight
     wait                           dx is complete
 
 Under sequence parallelism only this rank's ``seq/tp`` tokens of ``x`` are kept for backward and the
-full input is gathered again there, so the saved activation is ``1/tp`` of the gathered one.
+full input is gathered again there (overlapped with ``dy W``), so the saved activation is ``1/tp`` of the
+gathered one.
 """
 
 from __future__ import annotations
@@ -36,9 +38,14 @@ class ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
         group, seq_dim = ctx.group, ctx.seq_dim
-        full = x if seq_dim is None else comm.all_gather_along_dim(x, seq_dim, group)
+        gathering: Any = None if seq_dim is None else comm.all_gather_along_dim(x, seq_dim, group,
+                                                                                 async_op=ctx.async_grad)
         grad = grad.contiguous()
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        if gathering is None:
+            full = x
+        else:
+            full = gathering.wait() if ctx.async_grad else gathering
         pending: Any = None
         if grad_x is not None:
             if seq_dim is None:
