@@ -21,6 +21,7 @@ from zerospeed.config.errors import NotSupportedYetError
 from .adapters import DecoderAdapter, adapter_for
 from .compiled import CompiledRegion, default_backend
 from .config import DeepSpeedInferenceConfig, load_inference_config
+from .beam_search import beam_search
 from .generate import generate_tokens
 from .sampling import SamplingParams
 
@@ -115,9 +116,18 @@ class InferenceEngine(nn.Module):
         ``attention_mask`` may mark left padding (each row is decoded without its pads). Rows that end early
         are filled with ``pad_token_id`` (default: the eos id), as Hugging Face does.
         """
+        beams = {k: kwargs.pop(k) for k in ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
+                 if k in kwargs}
+        num_beams = beams.get("num_beams") or self._generation_default("num_beams", 1)
         for key, value in kwargs.items():
             if key not in _GENERATE_DEFAULTS or value != _GENERATE_DEFAULTS[key]:
                 raise NotSupportedYetError(f"generate.{key}", f"generate({key}={value!r}): not supported yet by zerospeed")
+        if num_beams == 1 and beams.get("num_return_sequences", 1) != 1:
+            raise NotSupportedYetError("generate.num_return_sequences", "num_return_sequences > 1 without beam "
+                                       "search: not supported yet by zerospeed")
+        if num_beams > 1 and do_sample:
+            raise NotSupportedYetError("generate.do_sample", "beam sampling (num_beams > 1 with do_sample=True): "
+                                       "not supported yet by zerospeed")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         prompts = _unpad(input_ids, attention_mask)
@@ -129,6 +139,16 @@ class InferenceEngine(nn.Module):
         self._check_length(max(len(p) for p in prompts), max_new_tokens)
         eos = self._generation_default("eos_token_id", None) if eos_token_id is None else eos_token_id
         eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        if num_beams > 1:
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise NotSupportedYetError("generate.attention_mask", "beam search over padded prompts: not "
+                                           "supported yet by zerospeed")
+            pad = self._generation_default("pad_token_id", None) if pad_token_id is None else pad_token_id
+            out = beam_search(self.adapter, prompts, num_beams, max_new_tokens, sorted(eos_ids),
+                              beams.get("length_penalty", self._generation_default("length_penalty", 1.0)),
+                              beams.get("early_stopping", self._generation_default("early_stopping", False)),
+                              beams.get("num_return_sequences", 1), pad)
+            return out.to(device=input_ids.device, dtype=input_ids.dtype)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
                                 top_k=top_k, top_p=top_p, seed=seed)
         new, _ = generate_tokens(self.adapter, prompts, max_new_tokens, params, eos_ids)
