@@ -37,6 +37,14 @@ def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(t, idx, dim=1)
 
 
+def _copy_beams(cache: PagedKVCache, sources: list[tuple[int, ...]], targets: list[tuple[int, ...]], length: int) -> None:
+    """Copy positions ``0 .. length-1`` of each source block table's keys/values into the matching target table."""
+    src = torch.cat([cache.slots(t, 0, length) for t in sources])
+    dst = torch.cat([cache.slots(t, 0, length) for t in targets])
+    cache.k[:, :, dst] = cache.k[:, :, src]
+    cache.v[:, :, dst] = cache.v[:, :, src]
+
+
 @torch.no_grad()
 def beam_search(adapter: DecoderAdapter, prompts: Sequence[Sequence[int]], num_beams: int, max_new_tokens: int,
                 eos_ids: Sequence[int] = (), length_penalty: float = 1.0, early_stopping: bool | str = False,
@@ -95,10 +103,8 @@ def beam_search(adapter: DecoderAdapter, prompts: Sequence[Sequence[int]], num_b
         s = s + (finished.all(-1, keepdim=True) & (early_stopping is True)).float() * _NEG
         s = s + (~unsat).float() * _NEG + (~just).float() * _NEG
         best = torch.topk(torch.cat((scores, s), 1), k=K)[1]
-        seqs = _gather(torch.cat((seqs, top_seq), 1), best)
-        bidx = _gather(torch.cat((bidx, top_bidx), 1), best)
-        finished = _gather(torch.cat((finished, just), 1), best)
-        scores = _gather(torch.cat((scores, s), 1), best)
+        seqs, bidx, finished, scores = (_gather(torch.cat(pair, 1), best) for pair in (
+            (seqs, top_seq), (bidx, top_bidx), (finished, just), (scores, s)))
         cur += 1
         horizon = (L - T) if early_stopping == "never" and length_penalty > 0.0 else (cur - T)
         best_running = run_score[:, :1] / (horizon**length_penalty)
@@ -108,11 +114,8 @@ def beam_search(adapter: DecoderAdapter, prompts: Sequence[Sequence[int]], num_b
             break
         # each new running beam copies its parent's cache, then is fed its newest token
         rows = (torch.arange(B)[:, None] * K + new_parents).flatten().tolist()
-        src = torch.cat([cache.slots(tables[parent_rows[r]] if parent_rows is not None else tables[r], 0, cur - 1)
-                         for r in rows])
-        dst = torch.cat([cache.slots(spare[i], 0, cur - 1) for i in range(B * K)])
-        cache.k[:, :, dst] = cache.k[:, :, src]
-        cache.v[:, :, dst] = cache.v[:, :, src]
+        _copy_beams(cache, [tables[parent_rows[r]] if parent_rows is not None else tables[r] for r in rows], spare,
+                    cur - 1)
         tables, spare, parent_rows = spare, tables, None
         batch = RaggedBatch(run_seq[:, :, cur - 1].flatten().to(device),
                             [SeqChunk(tables[i], cur - 1, 1) for i in range(B * K)])
