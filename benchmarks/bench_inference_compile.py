@@ -71,7 +71,8 @@ def main() -> None:
             bw, bc = best.get(name, (float("inf"), float("inf")))
             best[name] = (min(bw, w), min(bc, c))
     tokens = args.batch * args.new
-    print(f"# {args.model} width {args.width} layers {args.layers} batch {args.batch} prompt {args.prompt} new {args.new}, threads {args.threads}; "
+    print(f"# {args.model} width {args.width} layers {args.layers} batch {args.batch} prompt {args.prompt} "
+          f"new {args.new}, threads {args.threads}; "
           f"tokens equal HF generate: {same}")
     for name in engines:
         w, c = best[name]

@@ -116,7 +116,8 @@ def main() -> None:
                     if k.endswith(("_wall", "_cpu")):
                         prev[k] = min(prev[k], r[k])
     ref = best.get("fp32")
-    print(f"# preset {args.preset} width {args.width or 'preset'} layers {args.layers or 'preset'}, {args.new} new tokens after a 32-token prompt, threads {args.threads}, "
+    print(f"# preset {args.preset} width {args.width or 'preset'} layers {args.layers or 'preset'}, {args.new} new "
+          f"tokens after a 32-token prompt, threads {args.threads}, "
           f"best of {args.rounds} rounds; ms per decode step (wall / cpu)")
     for v, r in best.items():
         same = {b: ref is not None and r[f"b{b}_tokens"] == ref[f"b{b}_tokens"] for b in args.batch}

@@ -146,6 +146,7 @@ def test_int_kernel_layouts_it_cannot_run_are_refused():
 
     lin = torch.nn.Linear(64, 8)
     for q in ({"num_bits": 8, "q_type": "asymmetric"}, {"num_bits": 8, "q_groups": 2},
-              {"num_bits": 4, "q_type": "symmetric", "q_groups": 2}, {"num_bits": 4, "q_type": "asymmetric", "q_groups": 4}):  # 16 columns
+              {"num_bits": 4, "q_type": "symmetric", "q_groups": 2},
+              {"num_bits": 4, "q_type": "asymmetric", "q_groups": 4}):  # 16 columns
         with pytest.raises(NotSupportedYetError, match="kernel 'int'"):
             QuantizedLinear(lin.weight, lin.bias, WeightQuantConfig(**q, kernel="int"))

@@ -37,7 +37,8 @@ def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(t, idx, dim=1)
 
 
-def _copy_beams(cache: PagedKVCache, sources: list[tuple[int, ...]], targets: list[tuple[int, ...]], length: int) -> None:
+def _copy_beams(cache: PagedKVCache, sources: list[tuple[int, ...]], targets: list[tuple[int, ...]],
+                length: int) -> None:
     """Copy positions ``0 .. length-1`` of each source block table's keys/values into the matching target table."""
     src = torch.cat([cache.slots(t, 0, length) for t in sources])
     dst = torch.cat([cache.slots(t, 0, length) for t in targets])

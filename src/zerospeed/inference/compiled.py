@@ -5,7 +5,8 @@ The decode loop is cut into regions that hold no cache state (see ``adapters``):
 norm + LM head*. Each region is compiled for the first token count it sees and once more with a dynamic
 count when another comes (PyTorch's automatic dynamic shapes; ``dynamic=True`` would re-patch the config on
 every call). Inductor fuses the norms, activations and residual adds into a few kernels; matmuls stay on the
-BLAS/cuBLAS path. With PyTorch's inlining of built-in modules the same graph serves every layer. Attention itself runs PyTorch's fused
+BLAS/cuBLAS path. With PyTorch's inlining of built-in modules the same graph serves every layer.
+Attention itself runs PyTorch's fused
 ``scaled_dot_product_attention`` over the paged cache, outside the compiled regions.
 
 A region is pure, so when the compiled call raises (no C++ compiler, an unsupported op, a backend error)

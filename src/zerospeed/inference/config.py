@@ -46,7 +46,7 @@ def parse_dtype(value: Any) -> torch.dtype:
 
 
 class TensorParallelConfig(Section):
-    """``tensor_parallel`` (alias ``tp``): ``tp_size`` ranks share each matrix; ``tp_group`` / ``mpu`` give the group."""
+    """``tensor_parallel`` (alias ``tp``): ``tp_size`` ranks share each matrix; ``tp_group`` / ``mpu``: the group."""
 
     enabled: bool = True
     tp_size: PositiveInt = 1

@@ -141,7 +141,8 @@ def _check_int_kernel(cfg: WeightQuantConfig, shape: torch.Size, device: torch.d
     symmetric, group = cfg.q_type is QuantTypeEnum.sym, shape[1] // cfg.q_groups
     if cfg.num_bits == 8 and (not symmetric or cfg.q_groups != 1):
         raise NotSupportedYetError("quant.weight.kernel", "kernel 'int' with INT8 needs q_type symmetric and "
-                                   f"q_groups 1 (got {cfg.q_type.value}, {cfg.q_groups}): not supported yet by zerospeed")
+                                   f"q_groups 1 (got {cfg.q_type.value}, {cfg.q_groups}): not supported yet by "
+                                   "zerospeed")
     if cfg.num_bits == 4 and (symmetric or group not in _INT4_GROUP_SIZES or shape[0] % 16 or device.type != "cpu"):
         raise NotSupportedYetError("quant.weight.kernel", f"kernel 'int' with INT4 needs q_type asymmetric, "
                                    f"{_INT4_GROUP_SIZES} columns per group, out_features a multiple of 16 and a CPU "
