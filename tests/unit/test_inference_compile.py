@@ -97,3 +97,10 @@ def test_compiled_serving_engine_matches_eager_under_continuous_batching():
     eng = ServingEngine(model, cfg)
     eng.adapter.compile(backend=backend)
     assert [r.output for r in eng.generate(prompts, params)] == eager and backend.graphs > 0
+
+
+def test_serving_engine_compile_flag_compiles_the_regions():
+    cfg = {"state_manager": {"memory_config": {"mode": "allocate", "size": 8}, "kv_block_size": 4}}
+    assert ServingEngine(GPT(tiny()), cfg).adapter.regions == []
+    regions = ServingEngine(GPT(tiny()), cfg, compile=True).adapter.regions
+    assert len(regions) == 3 and all(r.active for r in regions)
