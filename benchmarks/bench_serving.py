@@ -1,71 +1,223 @@
-"""Serving throughput: continuous batching vs one request at a time, on a small GPT-2 shape (CPU).
+"""Serving under load: zerospeed's continuous batching vs Hugging Face static batching vs HF continuous batching.
 
-    .venv/bin/python benchmarks/bench_serving.py [--requests 16] [--new 32] [--budget 256] [--threads 1] [--json]
+    .venv/bin/python benchmarks/bench_serving.py [--model llama|gpt2] [--requests 48] [--rate 8] [--prompt 16 256]
+        [--output 16 128] [--budget 256] [--static-batch 8] [--threads 1] [--contenders zerospeed hf-static hf-cb]
+        [--compile] [--json]
 
-Same random prompts (16..64 tokens), greedy, fp32. Contenders: Hugging Face ``generate`` one request at a
-time; zerospeed ``init_inference(...).generate`` one at a time; zerospeed ``ServingEngine`` with all requests
-submitted at once (Dynamic SplitFuse, ``--budget`` tokens per forward). Reports generated tokens per wall
-second and per CPU second, and checks that all three produce the same tokens.
+A load generator replays one mixed workload against each contender in turn, in real time: ``--requests``
+requests whose prompt and output lengths are drawn uniformly from ``--prompt`` / ``--output`` and whose
+arrivals are a Poisson process of ``--rate`` requests per second (``--rate 0``: all at once), all from a
+fixed seed; same model (fp32, from a config), same machine, greedy decoding, no eos (every request produces
+exactly its output length). Contenders:
+
+* ``zerospeed``: ``ServingEngine`` (paged KV cache, Dynamic SplitFuse with ``--budget`` tokens per forward);
+  the driver adds each request when it arrives and calls ``step()`` while there is work.
+* ``hf-static``: Hugging Face ``generate`` on static batches of ``--static-batch`` requests in arrival order
+  (left-padded; a batch starts when its last request has arrived and the previous batch is done, and runs to
+  its longest output). Token times come from a logits processor called once per decode step.
+* ``hf-cb``: Hugging Face's own continuous batching (``model.init_continuous_batching``: its paged cache and
+  scheduler on a background thread; same page size, block count and token budget), requests added on arrival
+  with ``record_timestamps=True``.
+
+Reported: throughput (generated tokens / seconds from the first arrival to the last token), time to first
+token (TTFT = first token time - arrival) and time per output token after the first (TPOT), p50 and p99, and
+how many requests got exactly the same tokens as zerospeed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
 
+V = 1024
 
-def timed(fn):
-    w, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - w, time.process_time() - c
+
+def build(kind: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=V, n_positions=1024, n_embd=128, n_layer=4, n_head=4,
+                                      initializer_range=0.1, eos_token_id=None, bos_token_id=None)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def workload(n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
+    """``[(arrival_s, prompt_ids, new_tokens)]`` from a fixed seed: uniform lengths, Poisson arrivals."""
+    g = torch.Generator().manual_seed(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        if rate > 0:
+            t += float(torch.empty(1).exponential_(rate, generator=g))
+        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        o = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
+        out.append((t, torch.randint(0, V, (p,), generator=g).tolist(), o))
+    return out
+
+
+def wait_until(t0: float, at: float) -> None:
+    delay = t0 + at - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_zerospeed(model, reqs, args):
+    from zerospeed.inference import SamplingParams, ServingEngine
+
+    block = 16
+    blocks = sum(math.ceil((len(p) + o) / block) for _, p, o in reqs)
+    cfg = {"state_manager": {"max_ragged_batch_size": args.budget, "max_ragged_sequence_count": len(reqs),
+                             "max_tracked_sequences": len(reqs), "max_context": 2048, "kv_block_size": block,
+                             "memory_config": {"mode": "allocate", "size": blocks}}}
+    eng = ServingEngine(model, cfg, compile=args.compile)
+    if args.compile:  # compile outside the timed run
+        eng.generate([reqs[0][1], reqs[1][1][:5]], SamplingParams(max_tokens=3))
+    uid_of, times, tokens = {}, {}, {}
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(reqs) or eng.has_work:
+        now = time.perf_counter() - t0
+        while nxt < len(reqs) and reqs[nxt][0] <= now:
+            uid = eng.add_request(reqs[nxt][1], SamplingParams(max_tokens=reqs[nxt][2]))
+            uid_of[uid], times[nxt], tokens[nxt] = nxt, [], []
+            nxt += 1
+        if not eng.has_work:
+            wait_until(t0, reqs[nxt][0])
+            continue
+        for ev in eng.step():
+            i = uid_of[ev.uid]
+            times[i].append(time.perf_counter() - t0)
+            tokens[i].append(ev.token)
+    return times, tokens
+
+
+def run_hf_static(model, reqs, args):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.stamps = []
+
+        def __call__(self, input_ids, scores):
+            self.stamps.append(time.perf_counter())
+            return scores
+
+    times, tokens = {}, {}
+    t0 = time.perf_counter()
+    for s in range(0, len(reqs), args.static_batch):
+        idx = list(range(s, min(len(reqs), s + args.static_batch)))
+        wait_until(t0, max(reqs[i][0] for i in idx))
+        width = max(len(reqs[i][1]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = reqs[i][1]
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        clock = Clock()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(reqs[i][2] for i in idx), do_sample=False,
+                                 logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
+        stamps = [c - t0 for c in clock.stamps]  # the token of step k exists once its logits are processed
+        for row, i in enumerate(idx):
+            times[i] = stamps[: reqs[i][2]]
+            tokens[i] = out[row, width:width + reqs[i][2]].tolist()
+    return times, tokens
+
+
+def run_hf_cb(model, reqs, args):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    block = 16
+    blocks = sum(math.ceil((len(p) + o) / block) for _, p, o in reqs)
+    gc = GenerationConfig(max_new_tokens=max(o for *_, o in reqs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=block, num_blocks=blocks, max_batch_tokens=args.budget,
+                                  max_requests_per_batch=len(reqs))
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+    manager.start()
+    times, tokens, created = {}, {}, {}
+    try:
+        t0 = time.perf_counter()
+        for i, (at, p, o) in enumerate(reqs):
+            wait_until(t0, at)
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o, record_timestamps=True)
+        while len(times) < len(reqs):
+            r = manager.get_result(timeout=60)
+            if r is None:
+                raise RuntimeError("Hugging Face continuous batching stopped answering")
+            if r.is_finished():
+                i = int(r.request_id[1:])
+                times[i] = [s - t0 for s in r.timestamps]
+                tokens[i] = list(r.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=10)
+    return times, tokens
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(math.ceil(q / 100 * len(xs))) - 1)] if xs else float("nan")
+
+
+def summarize(reqs, times, tokens, ref_tokens):
+    ttft = [times[i][0] - reqs[i][0] for i in range(len(reqs))]
+    tpot = [(times[i][-1] - times[i][0]) / (len(times[i]) - 1) for i in range(len(reqs)) if len(times[i]) > 1]
+    generated = sum(len(tokens[i]) for i in range(len(reqs)))
+    span = max(t[-1] for t in times.values()) - reqs[0][0]
+    same = sum(tokens[i] == ref_tokens[i] for i in range(len(reqs))) if ref_tokens else None
+    return {"tok_per_s": generated / span, "seconds": span, "generated": generated,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+            "same_tokens_as_zerospeed": same}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady figures on a shared machine)")
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2"])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
+    ap.add_argument("--prompt", type=int, nargs=2, default=[16, 256])
+    ap.add_argument("--output", type=int, nargs=2, default=[16, 128])
+    ap.add_argument("--budget", type=int, default=256, help="tokens per forward (both continuous batchers)")
+    ap.add_argument("--static-batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="zerospeed with torch.compile'd regions")
+    ap.add_argument("--contenders", nargs="+", default=["zerospeed", "hf-static", "hf-cb"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    import zerospeed
-    from zerospeed.inference import SamplingParams, ServingEngine
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=256, n_embd=128, n_layer=4, n_head=4,
-                                       eos_token_id=None, bos_token_id=None)).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1024, (int(torch.randint(16, 65, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(args.requests)]
-    with torch.no_grad():
-        hf, hf_w, hf_c = timed(lambda: [model.generate(torch.tensor([p]), max_new_tokens=args.new, do_sample=False)
-                                        [0, len(p):].tolist() for p in prompts])
-    eng = zerospeed.init_inference(model, dtype="fp32")
-    zs, zs_w, zs_c = timed(lambda: [eng.generate(torch.tensor([p]), max_new_tokens=args.new)[0, len(p):].tolist()
-                                    for p in prompts])
-    cfg = {"state_manager": {"max_ragged_batch_size": args.budget, "max_ragged_sequence_count": args.requests,
-                             "max_tracked_sequences": args.requests, "kv_block_size": 16,
-                             "memory_config": {"mode": "allocate", "size": args.requests * 8}}}
-    serving = ServingEngine(model, cfg)
-    reqs, sv_w, sv_c = timed(lambda: serving.generate(prompts, SamplingParams(max_tokens=args.new)))
-    sv = [r.output for r in reqs]
-    same = hf == zs == sv
-    total = args.requests * args.new
-    rows = [("hf generate, one at a time", hf_w, hf_c), ("zerospeed generate, one at a time", zs_w, zs_c),
-            (f"zerospeed serving, {args.requests} concurrent", sv_w, sv_c)]
-    print(f"# {args.requests} requests x {args.new} new tokens, prompts 16-64, budget {args.budget}, "
-          f"forwards {serving.forwards}, identical tokens: {same}")
-    for name, w, c in rows:
+    model = build(args.model)
+    reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed)
+    runners = {"zerospeed": run_zerospeed, "hf-static": run_hf_static, "hf-cb": run_hf_cb}
+    results, ref = {}, None
+    for name in args.contenders:
+        c0 = time.process_time()
+        times, tokens = runners[name](model, reqs, args)
+        if name == "zerospeed":
+            ref = tokens
+        results[name] = {"contender": name, **summarize(reqs, times, tokens, ref), "cpu_s": time.process_time() - c0}
+    base = results.get("hf-static")
+    print(f"# {args.model}, {args.requests} requests, Poisson rate {args.rate}/s, prompts {args.prompt[0]}-"
+          f"{args.prompt[1]}, outputs {args.output[0]}-{args.output[1]}, budget {args.budget}, static batch "
+          f"{args.static_batch}, threads {args.threads}, compile {args.compile}")
+    for r in results.values():
+        if base:
+            r["x_static"] = r["tok_per_s"] / base["tok_per_s"]
         if args.json:
-            print(json.dumps({"contender": name, "wall_s": w, "cpu_s": c, "tok_per_s": total / w, "same": same}))
+            print(json.dumps(r))
         else:
-            print(f"{name:<36} {w:7.2f} s wall {c:7.2f} s cpu  {total / w:8.1f} tok/s  {total / c:8.1f} tok/cpu-s")
+            print(f"{r['contender']:<10} {r['tok_per_s']:8.1f} tok/s ({r['seconds']:6.1f} s, cpu {r['cpu_s']:6.1f} s)"
+                  f"  x{r.get('x_static', float('nan')):.2f} static | TTFT p50 {r['ttft_p50']:6.3f} p99 "
+                  f"{r['ttft_p99']:6.3f} s | TPOT p50 {1000 * r['tpot_p50']:6.1f} p99 {1000 * r['tpot_p99']:6.1f} ms"
+                  f" | same tokens {r['same_tokens_as_zerospeed']}/{args.requests}")
 
 
 if __name__ == "__main__":

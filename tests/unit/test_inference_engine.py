@@ -84,10 +84,12 @@ def test_forward_is_the_models_and_limits_are_checked():
     assert torch.equal(eng(ids)[0], model(ids)[0])
     with pytest.raises(ValueError, match="max_out_tokens=12"):
         eng.generate(ids, max_new_tokens=5)
-    with pytest.raises(NotSupportedYetError, match="num_beams"):
-        eng.generate(ids, max_new_tokens=2, num_beams=4)
-    with pytest.raises(NotSupportedYetError, match="tensor_parallel.tp_size"):
+    with pytest.raises(NotSupportedYetError, match="repetition_penalty"):
+        eng.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="tp_size=2 needs the process group"):
         zerospeed.init_inference(model, tensor_parallel={"tp_size": 2})
+    with pytest.raises(ValueError, match="disagree"):
+        zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, mp_size=4)
 
 
 def test_unsupported_model_named():

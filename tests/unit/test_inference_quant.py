@@ -121,3 +121,32 @@ def test_int4_gpt2_cached_decode_equals_hf_generate_of_the_quantized_model():
     ids = torch.tensor([[5, 17, 42, 8]])
     ref = eng.module.generate(ids, max_new_tokens=8, do_sample=False)  # HF's own loop over the quantized modules
     assert torch.equal(eng.generate(ids, max_new_tokens=8), ref)
+
+
+@pytest.mark.parametrize("q", [{"num_bits": 8, "q_type": "symmetric", "q_groups": 1},
+                               {"num_bits": 4, "q_type": "asymmetric", "q_groups": 2}], ids=["int8", "int4"])
+def test_pytorch_int_kernels_equal_the_dequantized_path(q):
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(5, 3, 64)
+    deq = QuantizedLinear(lin.weight, lin.bias, WeightQuantConfig(**q))
+    ker = QuantizedLinear(lin.weight, lin.bias, WeightQuantConfig(**q, kernel="int"))
+    assert ker.weight_nbytes() == deq.weight_nbytes()  # same codes, same bytes
+    assert torch.allclose(ker.dequantized_weight(torch.float32), deq.dequantized_weight(torch.float32), atol=1e-6)
+    assert torch.allclose(ker(x), deq(x), atol=1e-4) and (ker(x) - lin(x)).abs().max() > 0
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64), seed=0).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    outs = [zerospeed.init_inference(GPT(model.config, seed=0).eval(), dtype="fp32",
+                                     quant={"weight": {**q, "kernel": k}}).generate(ids, max_new_tokens=8)
+            for k in ("dequant", "int")]
+    assert torch.equal(*outs)
+
+
+def test_int_kernel_layouts_it_cannot_run_are_refused():
+    from zerospeed.config import NotSupportedYetError
+
+    lin = torch.nn.Linear(64, 8)
+    for q in ({"num_bits": 8, "q_type": "asymmetric"}, {"num_bits": 8, "q_groups": 2},
+              {"num_bits": 4, "q_type": "symmetric", "q_groups": 2},
+              {"num_bits": 4, "q_type": "asymmetric", "q_groups": 4}):  # 16 columns
+        with pytest.raises(NotSupportedYetError, match="kernel 'int'"):
+            QuantizedLinear(lin.weight, lin.bias, WeightQuantConfig(**q, kernel="int"))

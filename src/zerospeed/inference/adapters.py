@@ -10,15 +10,16 @@ its own cached keys. Supported: ``zerospeed.models.GPT``, Hugging Face ``GPT2LMH
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from zerospeed.config.errors import NotSupportedYetError
+
+from .compiled import CompiledRegion
 
 __all__ = ["Attend", "DecoderAdapter", "adapter_for"]
 
@@ -27,7 +28,12 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.
 
 
 class DecoderAdapter(ABC):
-    """What the cache and the generate loops need to know about a model, and its flat forward."""
+    """What the cache and the generate loops need to know about a model, and its flat forward.
+
+    A forward is ``embed``, then per block ``pre_attention`` -> ``attend`` -> ``post_attention``, then
+    ``logits`` (final norm + head). The three region methods are pure (no cache writes), so ``compile``
+    can swap them for ``torch.compile``'d versions (see ``compiled``); ``attend`` always runs eagerly.
+    """
 
     num_layers: int
     num_heads: int
@@ -38,6 +44,10 @@ class DecoderAdapter(ABC):
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self._pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self.pre_attention
+        self._post: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = self.post_attention
+        self._head: Callable[[torch.Tensor], torch.Tensor] = self.head
+        self.regions: list[CompiledRegion] = []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,12 +62,53 @@ class DecoderAdapter(ABC):
         """The token embedding (its weight gives the model's dtype and device)."""
 
     @abstractmethod
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Final hidden states ``[T, C]`` of flat tokens ``ids`` at ``pos``."""
+    def blocks(self) -> Sequence[nn.Module]:
+        """The transformer blocks, in order."""
 
     @abstractmethod
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Input hidden states ``[T, C]`` and per-forward extras handed to every ``pre_attention`` (rotary)."""
+
+    @abstractmethod
+    def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Region 1: ``q [T,H,D], k, v [T,Hkv,D]`` of block input ``x`` (norm, projections, rotary)."""
+
+    @abstractmethod
+    def attention_scale(self, block: nn.Module) -> float:
+        """The softmax scale of ``block``'s attention."""
+
+    @abstractmethod
+    def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Region 2: the block output from its input ``x`` and attention output ``y [T,H,D]``."""
+
+    @abstractmethod
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Region 3: vocabulary logits of last-block outputs (final norm, LM head)."""
+
+    @abstractmethod
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        """Tensor-parallel cut of a block: ``(path in the block, kind)``, kind ``qkv`` (fused, cut per head
+        group), ``column`` (output features) or ``row`` (input features, outputs all-reduced)."""
+
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Last-block outputs ``[T, C]`` (before the final norm) of flat tokens ``ids`` at ``pos``."""
+        x, extra = self.embed(ids, pos)
+        for i, block in enumerate(self.blocks()):
+            q, k, v = self._pre(block, x, *extra)
+            x = self._post(block, x, attend(i, q, k, v, self.attention_scale(block)))
+        return x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits of final hidden states."""
+        """Vocabulary logits of rows of ``hidden``."""
+        return self._head(hidden)
+
+    def compile(self, backend: str | Callable[..., Any] | None = None, options: dict[str, Any] | None = None) -> None:
+        """Run the three regions through ``torch.compile`` (eager fallback per region on failure)."""
+        pre, post, head = (CompiledRegion(fn, name, backend, options) for fn, name in (
+            (self.pre_attention, "norm+qkv"), (self.post_attention, "out-proj+mlp"), (self.head, "norm+lm-head")))
+        self._pre, self._post, self._head = pre, post, head
+        self.regions = [pre, post, head]
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -77,19 +128,29 @@ class ZeroSpeedGPTAdapter(DecoderAdapter):
     def embedding(self) -> nn.Embedding:
         return self.model.wte
 
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
-        m = self.model
-        x = m.wte(ids) + m.wpe(pos)
-        scale = self.head_dim**-0.5
-        for i, blk in enumerate(m.blocks):
-            q, k, v = blk.attn.qkv(blk.ln1(x)).split(x.shape[-1], dim=-1)
-            y = attend(i, _heads(q, self.head_dim), _heads(k, self.head_dim), _heads(v, self.head_dim), scale)
-            x = x + blk.attn.proj(y.reshape(x.shape))
-            x = x + blk.mlp(blk.ln2(x))
-        return m.ln_f(x)
+    def blocks(self) -> Sequence[nn.Module]:
+        return self.model.blocks
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden)
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self.model.wte(ids) + self.model.wpe(pos), ()
+
+    def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = block.attn.qkv(block.ln1(x)).chunk(3, dim=-1)
+        return _heads(q, self.head_dim), _heads(k, self.head_dim), _heads(v, self.head_dim)
+
+    def attention_scale(self, block: nn.Module) -> float:
+        return self.head_dim**-0.5
+
+    def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + block.attn.proj(y.reshape(y.shape[0], -1))
+        return x + block.mlp(block.ln2(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.ln_f(x))
+
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        return (("attn.qkv", "qkv"), ("attn.proj", "row"), ("mlp.fc", "column"), ("mlp.proj", "row"))
 
 
 class GPT2Adapter(DecoderAdapter):
@@ -108,19 +169,30 @@ class GPT2Adapter(DecoderAdapter):
     def embedding(self) -> nn.Embedding:
         return self.model.transformer.wte
 
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
-        t = self.model.transformer
-        x = t.wte(ids) + t.wpe(pos)
-        for i, blk in enumerate(t.h):
-            a = blk.attn
-            q, k, v = a.c_attn(blk.ln_1(x)).split(a.split_size, dim=-1)
-            y = attend(i, _heads(q, self.head_dim), _heads(k, self.head_dim), _heads(v, self.head_dim), a.scaling)
-            x = x + a.c_proj(y.reshape(x.shape))
-            x = x + blk.mlp(blk.ln_2(x))
-        return t.ln_f(x)
+    def blocks(self) -> Sequence[nn.Module]:
+        return self.model.transformer.h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden)
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        t = self.model.transformer
+        return t.wte(ids) + t.wpe(pos), ()
+
+    def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = block.attn.c_attn(block.ln_1(x)).chunk(3, dim=-1)
+        return _heads(q, self.head_dim), _heads(k, self.head_dim), _heads(v, self.head_dim)
+
+    def attention_scale(self, block: nn.Module) -> float:
+        return block.attn.scaling
+
+    def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + block.attn.c_proj(y.reshape(y.shape[0], -1))
+        return x + block.mlp(block.ln_2(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.transformer.ln_f(x))
+
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        return (("attn.c_attn", "qkv"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -142,23 +214,37 @@ class LlamaAdapter(DecoderAdapter):
     def embedding(self) -> nn.Embedding:
         return self.model.model.embed_tokens
 
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def blocks(self) -> Sequence[nn.Module]:
+        return self.model.model.layers
+
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         body = self.model.model
         x = body.embed_tokens(ids)
         cos, sin = body.rotary_emb(x[None], pos[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]: broadcast over heads
-        for i, layer in enumerate(body.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = (_heads(p(h), self.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            y = attend(i, q, k, v, a.scaling)
-            x = x + a.o_proj(y.reshape(y.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return body.norm(x)
+        return x, (cos[0][:, None, :], sin[0][:, None, :])  # [T, 1, D]: broadcast over heads
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden)
+    def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = extra
+        a = block.self_attn
+        h = block.input_layernorm(x)
+        q, k, v = (_heads(p(h), self.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def attention_scale(self, block: nn.Module) -> float:
+        return block.self_attn.scaling
+
+    def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + block.self_attn.o_proj(y.reshape(y.shape[0], -1))
+        return x + block.mlp(block.post_attention_layernorm(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x))
+
+    def tp_plan(self) -> tuple[tuple[str, str], ...]:
+        return (("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+                ("self_attn.o_proj", "row"), ("mlp.gate_proj", "column"), ("mlp.up_proj", "column"),
+                ("mlp.down_proj", "row"))
 
 
 def adapter_for(model: nn.Module) -> DecoderAdapter:

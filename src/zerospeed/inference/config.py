@@ -11,7 +11,7 @@ import json
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, PositiveInt, field_validator, model_validator
@@ -46,7 +46,7 @@ def parse_dtype(value: Any) -> torch.dtype:
 
 
 class TensorParallelConfig(Section):
-    """``tensor_parallel`` (alias ``tp``): only ``tp_size: 1`` is built so far."""
+    """``tensor_parallel`` (alias ``tp``): ``tp_size`` ranks share each matrix; ``tp_group`` / ``mpu``: the group."""
 
     enabled: bool = True
     tp_size: PositiveInt = 1
@@ -77,10 +77,16 @@ class BaseQuantConfig(Section):
 
 
 class WeightQuantConfig(BaseQuantConfig):
-    """``quant.weight``: ``num_bits`` 8 or 4; ``q_groups`` groups per output row (1 = per channel)."""
+    """``quant.weight``: ``num_bits`` 8 or 4; ``q_groups`` groups per output row (1 = per channel).
+
+    ``kernel`` (zerospeed's key): ``dequant`` (default) rebuilds the float weight in each forward;
+    ``int`` calls PyTorch's weight-only int kernels (``_weight_int8pack_mm``: INT8 symmetric per channel;
+    ``_weight_int4pack_mm_for_cpu``: INT4 asymmetric, 32-256 columns per group, CPU only).
+    """
 
     quantized_initialization: dict[str, Any] = Field(default_factory=dict)
     post_init_quant: dict[str, Any] = Field(default_factory=dict)
+    kernel: Literal["dequant", "int"] = "dequant"
 
     @field_validator("num_bits")
     @classmethod
@@ -211,6 +217,18 @@ class DeepSpeedInferenceConfig(Section):
     def _dtype(cls, value: Any) -> torch.dtype:
         return parse_dtype(value)
 
+    @model_validator(mode="after")
+    def _mp_size(self) -> DeepSpeedInferenceConfig:
+        if self.mp_size > 1 and self.tensor_parallel.tp_size > 1 and self.mp_size != self.tensor_parallel.tp_size:
+            raise ValueError(f"mp_size={self.mp_size} (deprecated) and tensor_parallel.tp_size="
+                             f"{self.tensor_parallel.tp_size} disagree; set tensor_parallel.tp_size only")
+        return self
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size: ``tensor_parallel.tp_size``, or DeepSpeed's deprecated ``mp_size``."""
+        return self.tensor_parallel.tp_size if self.tensor_parallel.tp_size > 1 else self.mp_size
+
     @property
     def weight_quantization(self) -> WeightQuantConfig | None:
         """The weight-quantization settings in force, or None: on for ``dtype=int8`` or an explicit ``quant``."""
@@ -221,8 +239,6 @@ class DeepSpeedInferenceConfig(Section):
         """Keys set to something zerospeed does not do yet, each as 'key=value'."""
         out = []
         checks: list[tuple[str, Any, bool]] = [
-            ("tensor_parallel.tp_size", self.tensor_parallel.tp_size, self.tensor_parallel.tp_size > 1),
-            ("mp_size", self.mp_size, self.mp_size > 1),
             ("training_mp_size", self.training_mp_size, self.training_mp_size > 1),
             ("enable_cuda_graph", True, self.enable_cuda_graph),
             ("use_triton", True, self.use_triton),
@@ -254,13 +270,12 @@ class DeepSpeedInferenceConfig(Section):
         return out
 
     def check_supported(self) -> None:
-        """Raise ``NotSupportedYetError`` naming every key set to a feature not built yet; warn on no-ops."""
+        """Raise ``NotSupportedYetError`` naming every key set to a feature not built yet; warn on no-ops.
+
+        ``replace_with_kernel_inject=True`` means fused kernels: the engine ``torch.compile``s its regions."""
         bad = self.unsupported_settings()
         if bad:
             raise NotSupportedYetError(bad[0].split("=")[0], f"{', '.join(bad)}: not supported yet by zerospeed")
-        if self.replace_with_kernel_inject:
-            warnings.warn("replace_with_kernel_inject=True: zerospeed has no fused kernels to inject; it runs its "
-                          "own PyTorch KV-cache decode (same outputs)", stacklevel=3)
         if "replace_method" in self.model_fields_set:
             warnings.warn("replace_method is deprecated in DeepSpeed and ignored", stacklevel=3)
 

@@ -19,7 +19,9 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.config.errors import NotSupportedYetError
 
 from .adapters import DecoderAdapter, adapter_for
+from .compiled import CompiledRegion, default_backend
 from .config import DeepSpeedInferenceConfig, load_inference_config
+from .beam_search import beam_search
 from .generate import generate_tokens
 from .sampling import SamplingParams
 
@@ -53,6 +55,19 @@ class InferenceEngine(nn.Module):
             quantize_model(model, wq)
         self.module = model
         self._adapter: DecoderAdapter | None = None
+        self.tp_group: Any = None
+        if config.tp_size > 1:
+            if wq is not None:
+                raise NotSupportedYetError("quant", "weight quantization with tensor_parallel.tp_size > 1: not "
+                                           "supported yet by zerospeed")
+            from .tensor_parallel import shard_for_inference
+
+            self.tp_group = _tp_group(config)
+            shard_for_inference(self.adapter, self.tp_group, config.tensor_parallel.tp_grain_size)
+        self._forward: CompiledRegion | None = None
+        self._compiled = False
+        if config.replace_with_kernel_inject:
+            self.compile()
 
     @property
     def config(self) -> DeepSpeedInferenceConfig:
@@ -64,9 +79,26 @@ class InferenceEngine(nn.Module):
             self._adapter = adapter_for(self.module)
         return self._adapter
 
+    def compile(self, backend: str | Any | None = None, compile_kwargs: dict[str, Any] | None = None) -> None:
+        """DeepSpeed's ``engine.compile(backend, compile_kwargs)``: ``torch.compile`` the forward and the
+        decode regions (norm+QKV, out-proj+MLP, norm+head) with an eager fallback; idempotent."""
+        if self._compiled:
+            return
+        backend = backend or default_backend()
+        self._forward = CompiledRegion(self.module, "forward", backend, compile_kwargs, dynamic=None)
+        try:
+            self.adapter.compile(backend, compile_kwargs)
+        except NotSupportedYetError:
+            pass  # no adapter for this model: only its forward is compiled; generate will name the model
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return self.module(*args, **kwargs)
+            return (self._forward or self.module)(*args, **kwargs)
 
     def _generation_default(self, name: str, fallback: Any) -> Any:
         gc = getattr(self.module, "generation_config", None)
@@ -84,9 +116,18 @@ class InferenceEngine(nn.Module):
         ``attention_mask`` may mark left padding (each row is decoded without its pads). Rows that end early
         are filled with ``pad_token_id`` (default: the eos id), as Hugging Face does.
         """
+        beams = {k: kwargs.pop(k) for k in ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
+                 if k in kwargs}
+        num_beams = beams.get("num_beams") or self._generation_default("num_beams", 1)
         for key, value in kwargs.items():
             if key not in _GENERATE_DEFAULTS or value != _GENERATE_DEFAULTS[key]:
                 raise NotSupportedYetError(f"generate.{key}", f"generate({key}={value!r}): not supported yet by zerospeed")
+        if num_beams == 1 and beams.get("num_return_sequences", 1) != 1:
+            raise NotSupportedYetError("generate.num_return_sequences", "num_return_sequences > 1 without beam "
+                                       "search: not supported yet by zerospeed")
+        if num_beams > 1 and do_sample:
+            raise NotSupportedYetError("generate.do_sample", "beam sampling (num_beams > 1 with do_sample=True): "
+                                       "not supported yet by zerospeed")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         prompts = _unpad(input_ids, attention_mask)
@@ -98,6 +139,16 @@ class InferenceEngine(nn.Module):
         self._check_length(max(len(p) for p in prompts), max_new_tokens)
         eos = self._generation_default("eos_token_id", None) if eos_token_id is None else eos_token_id
         eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        if num_beams > 1:
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise NotSupportedYetError("generate.attention_mask", "beam search over padded prompts: not "
+                                           "supported yet by zerospeed")
+            pad = self._generation_default("pad_token_id", None) if pad_token_id is None else pad_token_id
+            out = beam_search(self.adapter, prompts, num_beams, max_new_tokens, sorted(eos_ids),
+                              beams.get("length_penalty", self._generation_default("length_penalty", 1.0)),
+                              beams.get("early_stopping", self._generation_default("early_stopping", False)),
+                              beams.get("num_return_sequences", 1), pad)
+            return out.to(device=input_ids.device, dtype=input_ids.dtype)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
                                 top_k=top_k, top_p=top_p, seed=seed)
         new, _ = generate_tokens(self.adapter, prompts, max_new_tokens, params, eos_ids)
@@ -121,6 +172,28 @@ class InferenceEngine(nn.Module):
         limit = self.adapter.max_positions
         if limit is not None and prompt_len + new > limit:
             raise ValueError(f"prompt ({prompt_len}) + new tokens ({new}) exceed the model's {limit} positions")
+
+
+def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
+    """The tensor-parallel group: ``tensor_parallel.tp_group``, the ``mpu``'s, or the world when it has tp ranks."""
+    from zerospeed import comm
+
+    tp = config.tp_size
+    if not comm.is_initialized():
+        raise ValueError(f"tensor_parallel.tp_size={tp} needs the process group first: run under `zerospeed` / "
+                         "torchrun and call zerospeed.init_distributed()")
+    group = config.tensor_parallel.tp_group
+    mpu = config.tensor_parallel.mpu or config.mpu
+    if group is None and mpu is not None:
+        group = mpu.get_tensor_model_parallel_group()
+    if group is None:
+        if comm.get_world_size() != tp:
+            raise ValueError(f"tensor_parallel.tp_size={tp} but the world has {comm.get_world_size()} ranks; pass "
+                             "tensor_parallel.tp_group (or an mpu) for a group of tp_size ranks")
+        group = comm.world_group()
+    if comm.get_world_size(group) != tp:
+        raise ValueError(f"tensor_parallel.tp_group has {comm.get_world_size(group)} ranks, tp_size is {tp}")
+    return group
 
 
 def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

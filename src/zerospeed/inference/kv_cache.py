@@ -82,8 +82,8 @@ class RaggedBatch:
         total = sum(c.length for c in self.chunks)
         if total != self.token_ids.numel():
             raise ValueError(f"{self.token_ids.numel()} tokens but the chunks cover {total}")
-        self.positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in self.chunks]).to(
-            self.token_ids.device)
+        pos = [p for c in self.chunks for p in range(c.start, c.start + c.length)]
+        self.positions = torch.tensor(pos, dtype=torch.long, device=self.token_ids.device)
 
     def last_token_rows(self) -> torch.Tensor:
         """Row of each chunk's last token in the flat batch."""
@@ -116,30 +116,68 @@ class PagedKVCache:
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return (blocks * self.block_size + pos % self.block_size).to(self.k.device)
 
+    def _slot_list(self, c: SeqChunk) -> list[int]:
+        """Slots of a chunk's new tokens, as Python ints (cheaper than tensor ops for short chunks)."""
+        size, table = self.block_size, c.block_table
+        if blocks_needed(c.start + c.length, size) > len(table):
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {c.start + c.length} positions")
+        return [table[p // size] * size + p % size for p in range(c.start, c.start + c.length)]
+
+    def _decode_reads(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded read slots ``[N, S]`` of one-token chunks (S = the longest) and their mask ``[N, 1, 1, S]``."""
+        size = self.block_size
+        longest = max(c.start + 1 for c in chunks)
+        width = blocks_needed(longest, size)
+        for c in chunks:
+            if blocks_needed(c.start + 1, size) > len(c.block_table):
+                raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {c.start + 1} positions")
+        tables = torch.tensor([list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table)))
+                               for c in chunks], dtype=torch.long)
+        pos = torch.arange(longest)
+        slots = tables[:, pos // size] * size + pos % size
+        mask = pos[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
+        return slots.to(self.k.device), mask[:, None, None, :].to(self.k.device)
+
     def attention(self, batch: RaggedBatch):  # -> Attend
-        """The ``attend`` callable for ``batch`` (see ``adapters.Attend``)."""
+        """The ``attend`` callable for ``batch`` (see ``adapters.Attend``).
+
+        One-token chunks (decodes) attend in one batched call over their padded, masked cache reads;
+        longer chunks (prompt pieces) attend one by one with a causal mask. Grouped-query heads are
+        shared inside ``scaled_dot_product_attention`` (``enable_gqa``), not copied.
+        """
         bs = batch.chunks
-        write = torch.cat([self.slots(c.block_table, c.start, c.start + c.length) for c in bs])
-        reads = [self.slots(c.block_table, 0, c.start + c.length) for c in bs]
+        write = torch.tensor([s for c in bs for s in self._slot_list(c)], dtype=torch.long, device=self.k.device)
         offsets = [0]
         for c in bs:
             offsets.append(offsets[-1] + c.length)
-        masks = [_chunk_mask(c, self.k.device) for c in bs]
+        single = [i for i, c in enumerate(bs) if c.length == 1]
+        multi = [i for i, c in enumerate(bs) if c.length > 1]
+        reads = {i: self.slots(bs[i].block_table, 0, bs[i].start + bs[i].length) for i in multi}
+        masks = {i: _chunk_mask(bs[i], self.k.device) for i in multi}
+        if single:
+            rows = torch.tensor([offsets[i] for i in single], device=self.k.device)
+            dslots, dmask = self._decode_reads([bs[i] for i in single])
+            flat = dslots.flatten()
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             kl, vl = self.k[layer], self.v[layer]
             kl.index_copy_(1, write, k.transpose(0, 1).to(kl.dtype))
             vl.index_copy_(1, write, v.transpose(0, 1).to(vl.dtype))
             out = torch.empty_like(q)
-            rep = q.shape[1] // k.shape[1]
-            for i, c in enumerate(bs):
-                qs = q[offsets[i]:offsets[i + 1]].transpose(0, 1).contiguous()  # [H, n, D]
+            gqa = q.shape[1] != k.shape[1]
+            if single:
+                qs = q.index_select(0, rows)[:, :, None, :]  # [N, H, 1, D]
+                shape = (kl.shape[0], *dslots.shape, kl.shape[-1])  # [Hkv, N, S, D]
+                ks = kl.index_select(1, flat).view(shape).transpose(0, 1)  # [N, Hkv, S, D]
+                vs = vl.index_select(1, flat).view(shape).transpose(0, 1)
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dmask, scale=scale, enable_gqa=gqa)
+                out.index_copy_(0, rows, y[:, :, 0, :])
+            for i in multi:
+                qs = q[offsets[i]:offsets[i + 1]].transpose(0, 1)  # [H, n, D]
                 ks, vs = kl.index_select(1, reads[i]), vl.index_select(1, reads[i])  # [Hkv, S, D]
-                if rep > 1:
-                    ks, vs = ks.repeat_interleave(rep, dim=0), vs.repeat_interleave(rep, dim=0)
                 mask = masks[i]
                 y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=None if isinstance(mask, bool) else mask,
-                                                   is_causal=mask is True, scale=scale)
+                                                   is_causal=mask is True, scale=scale, enable_gqa=gqa)
                 out[offsets[i]:offsets[i + 1]] = y.transpose(0, 1)
             return out
 

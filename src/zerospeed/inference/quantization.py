@@ -9,8 +9,11 @@ group gets its own scale (and, for asymmetric, its own offset = the group minimu
 and ``w ~ q * s (+ m)``. INT8 codes are stored as ``int8``; INT4 codes as unsigned nibbles, two per ``uint8``
 (even column in the low nibble). Scales are fp32 for INT8 and fp16 for INT4 (so INT4's per-group overhead is
 4 bytes). ``QuantizedLinear`` keeps only the codes and scales and dequantizes to the activation dtype inside
-``forward``: memory shrinks ~4x / ~8x, compute stays in floating point (no INT kernels). Hugging Face's
-``Conv1D`` (GPT-2's transposed linear) is converted the same way.
+``forward``: memory shrinks ~4x / ~8x, compute stays in floating point. With ``kernel: int`` it calls
+PyTorch's own weight-only kernels instead (same bytes, same codes): ``torch._weight_int8pack_mm`` for INT8
+symmetric per channel (CPU and CUDA) and ``torch._weight_int4pack_mm_for_cpu`` for INT4 asymmetric groups of
+32/64/128/256 columns (its ``w = (q - 8) * s + z`` is ours with ``z = m + 8 s``); other combinations raise
+``NotSupportedYetError``. Hugging Face's ``Conv1D`` (GPT-2's transposed linear) is converted the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerospeed.config.errors import NotSupportedYetError
+
 from .config import QuantTypeEnum, WeightQuantConfig
+
+_INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 __all__ = ["QuantizedLinear", "dequantize", "model_bytes", "quantize", "quantize_model"]
 
@@ -86,7 +93,13 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.bits = cfg.num_bits
         self.out_features, self.in_features = weight.shape
-        codes, scale, offset = quantize(weight, cfg.num_bits, cfg.q_type is QuantTypeEnum.sym, cfg.q_groups)
+        symmetric = cfg.q_type is QuantTypeEnum.sym
+        self.kernel = cfg.kernel
+        if cfg.kernel == "int":
+            _check_int_kernel(cfg, weight.shape, weight.device)
+        codes, scale, offset = quantize(weight, cfg.num_bits, symmetric, cfg.q_groups)
+        if cfg.kernel == "int" and cfg.num_bits == 4:
+            codes = _int4pack(codes)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
@@ -96,14 +109,51 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel == "int":  # the kernel's own layout: read the weight back through it
+            return self._int_matmul(torch.eye(self.in_features, dtype=dtype, device=self.codes.device)).t()
         return dequantize(self.codes, self.scale, self.offset, self.bits, dtype)
 
+    def _int_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.bits == 8:
+            return torch._weight_int8pack_mm(x2d, self.codes, self.scale.squeeze(1).to(x2d.dtype))
+        scale, offset = self.scale.to(x2d.dtype), self.offset.to(x2d.dtype)  # [out, groups]
+        zeros = offset + 8 * scale  # the kernel's w = (q - 8) * s + z
+        scale_zeros = torch.stack((scale.t(), zeros.t()), dim=-1).contiguous()  # [groups, out, 2]
+        return torch._weight_int4pack_mm_for_cpu(x2d, self.codes, self.in_features // self.scale.shape[1],
+                                                 scale_zeros)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.kernel == "int":
+            y = self._int_matmul(x.reshape(-1, self.in_features).contiguous())
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
+        return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:
         kind = "sym" if self.offset is None else "asym"
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits} {kind}, groups={self.scale.shape[1]}"
+        return (f"in={self.in_features}, out={self.out_features}, int{self.bits} {kind}, groups={self.scale.shape[1]}, "
+                f"kernel={self.kernel}")
+
+
+def _check_int_kernel(cfg: WeightQuantConfig, shape: torch.Size, device: torch.device) -> None:
+    """``NotSupportedYetError`` unless PyTorch has a weight-only kernel for this layout."""
+    symmetric, group = cfg.q_type is QuantTypeEnum.sym, shape[1] // cfg.q_groups
+    if cfg.num_bits == 8 and (not symmetric or cfg.q_groups != 1):
+        raise NotSupportedYetError("quant.weight.kernel", "kernel 'int' with INT8 needs q_type symmetric and "
+                                   f"q_groups 1 (got {cfg.q_type.value}, {cfg.q_groups}): not supported yet by "
+                                   "zerospeed")
+    if cfg.num_bits == 4 and (symmetric or group not in _INT4_GROUP_SIZES or shape[0] % 16 or device.type != "cpu"):
+        raise NotSupportedYetError("quant.weight.kernel", f"kernel 'int' with INT4 needs q_type asymmetric, "
+                                   f"{_INT4_GROUP_SIZES} columns per group, out_features a multiple of 16 and a CPU "
+                                   f"weight (got {cfg.q_type.value}, {group} columns, {shape[0]} out, {device.type}): "
+                                   "not supported yet by zerospeed")
+
+
+def _int4pack(codes: torch.Tensor) -> torch.Tensor:
+    """Our two-per-byte codes ``[out, in/2]`` in the layout of ``_weight_int4pack_mm_for_cpu``."""
+    q = torch.stack((codes & 0x0F, codes >> 4), dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
 def _linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -117,16 +167,18 @@ def _linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, cfg: WeightQuantConfig) -> int:
-    """Replace every linear layer of ``model`` in place by a ``QuantizedLinear``; returns how many."""
-    swaps = []
-    for name, module in model.named_modules():
-        for child_name, child in module.named_children():
-            found = _linear_weight(child)
-            if found is not None:
-                swaps.append((module, child_name, QuantizedLinear(found[0], found[1], cfg)))
-    for parent, child_name, new in swaps:
-        setattr(parent, child_name, new)
-    return len(swaps)
+    """Replace every linear layer of ``model`` in place by a ``QuantizedLinear``; returns how many.
+
+    Layers are swapped one at a time, so each full-precision weight can be freed before the next is
+    quantized (peak memory: the model plus one layer's temporaries, not two models).
+    """
+    targets = [(module, child_name) for module in model.modules() for child_name, child in module.named_children()
+               if _linear_weight(child) is not None]
+    for parent, child_name in targets:
+        weight, bias = _linear_weight(getattr(parent, child_name))  # type: ignore[misc]
+        setattr(parent, child_name, QuantizedLinear(weight, bias, cfg))
+        del weight, bias
+    return len(targets)
 
 
 def model_bytes(model: nn.Module, linear_weights_only: bool = False) -> int:

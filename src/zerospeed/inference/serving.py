@@ -5,6 +5,7 @@ the scheduler for a plan (decodes + prefill chunks within the token budget), run
 ragged batch, samples a token for every chunk that reached the end of its sequence, and reports the new
 tokens. A request ends on ``max_tokens`` ("length"), on an eos / stop token or a stop string ("stop"), or
 when cancelled; its KV blocks are freed at once. ``decode`` (token ids -> text) is needed for stop strings.
+``compile=True`` runs the model's regions through ``torch.compile`` (see ``compiled``).
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ class ServingEngine:
     """Continuous batching over a paged KV cache for one model (see module docstring)."""
 
     def __init__(self, model: nn.Module, config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
-                 decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+                 decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = (),
+                 compile: bool = False) -> None:
         cfg = RaggedInferenceEngineConfig.parse_section(config, "")
         cfg.check_supported()
         sm = cfg.state_manager
         self.config = cfg
         self.model = model.eval()
         self.adapter: DecoderAdapter = adapter_for(model)
+        if compile:
+            self.adapter.compile()  # fused norm/QKV, out-proj/MLP and head regions (eager fallback)
         max_context = sm.max_context
         if self.adapter.max_positions is not None:
             max_context = min(max_context, self.adapter.max_positions)
