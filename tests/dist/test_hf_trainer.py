@@ -138,20 +138,32 @@ def test_trainer_resume(tmp_path, stage: int) -> None:
     assert len(r0["resumed"]) == STEPS and r0["resumed"] == pytest.approx(r0["full"], rel=1e-5)
 
 
-def test_auto_values_and_mismatch() -> None:
+def _resolve_cases() -> dict:
     from transformers import TrainingArguments
 
     from zerospeed.integrations.transformers import resolve_auto_config
 
     args = TrainingArguments(output_dir="/tmp/x", per_device_train_batch_size=3, gradient_accumulation_steps=2,
                              learning_rate=1e-3, warmup_ratio=0.1, max_grad_norm=0.5, use_cpu=True, report_to=[])
-    cfg = resolve_auto_config(AUTO_CONFIG, args, _model(), 100)
+    out: dict = {"cfg": resolve_auto_config(AUTO_CONFIG, args, _model(), 100)}
+    for name, bad in (("clip", dict(AUTO_CONFIG, gradient_clipping=2.0)),
+                      ("left", dict(AUTO_CONFIG, fp16={"enabled": False, "loss_scale": "auto"}))):
+        try:
+            resolve_auto_config(bad, args, _model(), 100)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_auto_values_and_mismatch() -> None:
+    """In a child process: TrainingArguments sets up Accelerate's process-wide state."""
+    (r,) = run_distributed(_resolve_cases, 1, timeout=120)
+    cfg = r["cfg"]
     assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 2
     assert cfg["gradient_clipping"] == 0.5 and cfg["optimizer"]["params"]["lr"] == 1e-3
     assert cfg["scheduler"]["params"]["total_num_steps"] == 100 and cfg["scheduler"]["params"]["warmup_num_steps"] == 10
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 16 * 16
     assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 160
-    with pytest.raises(ValueError, match="gradient_clipping=2.0 vs TrainingArguments max_grad_norm=0.5"):
-        resolve_auto_config(dict(AUTO_CONFIG, gradient_clipping=2.0), args, _model(), 100)
-    with pytest.raises(ValueError, match="still 'auto'.*fp16.loss_scale"):
-        resolve_auto_config(dict(AUTO_CONFIG, fp16={"enabled": False, "loss_scale": "auto"}), args, _model(), 100)
+    assert "gradient_clipping=2.0 vs TrainingArguments max_grad_norm=0.5" in r["clip"]
+    assert "still 'auto'" in r["left"] and "fp16.loss_scale" in r["left"]
