@@ -144,7 +144,7 @@ def _resolve_cases() -> dict:
     from zerospeed.integrations.transformers import resolve_auto_config
 
     args = TrainingArguments(output_dir="/tmp/x", per_device_train_batch_size=3, gradient_accumulation_steps=2,
-                             learning_rate=1e-3, warmup_ratio=0.1, max_grad_norm=0.5, use_cpu=True, report_to=[])
+                             learning_rate=1e-3, warmup_steps=10, max_grad_norm=0.5, use_cpu=True, report_to=[])
     out: dict = {"cfg": resolve_auto_config(AUTO_CONFIG, args, _model(), 100)}
     for name, bad in (("clip", dict(AUTO_CONFIG, gradient_clipping=2.0)),
                       ("left", dict(AUTO_CONFIG, fp16={"enabled": False, "loss_scale": "auto"}))):
