@@ -9,7 +9,7 @@ order, as in DeepSpeed. A parameter no optimizer owns (frozen) gives ``None``, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import torch
@@ -22,13 +22,30 @@ from .sharded_group import ShardedGroup
 _ATTR = "_zerospeed_fragment"
 
 
-@dataclass(frozen=True)
 class Fragment:
-    """Where parameter ``index`` of ``group`` lives inside ``optimizer`` (a ``ZeroOptimizer``)."""
+    """Where parameter ``index`` of ``group`` lives inside ``optimizer`` (a ``ZeroOptimizer``).
 
-    optimizer: Any
-    group: ShardedGroup
-    index: int
+    Held by the parameter, so it refers to the optimizer and group weakly: no reference cycle keeps an engine
+    (and its offload swap files) alive after the user drops it."""
+
+    def __init__(self, optimizer: Any, group: ShardedGroup, index: int) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._group = weakref.ref(group)
+        self.index = index
+
+    @property
+    def optimizer(self) -> Any:
+        opt = self._optimizer()
+        if opt is None:
+            raise RuntimeError("the engine that owned this parameter no longer exists")
+        return opt
+
+    @property
+    def group(self) -> ShardedGroup:
+        grp = self._group()
+        if grp is None:
+            raise RuntimeError("the engine that owned this parameter no longer exists")
+        return grp
 
     @property
     def numel(self) -> int:
