@@ -1,4 +1,5 @@
-"""TiledMLP's activation memory, *measured*: peak resident set (VmHWM, reset per block) of a forked child.
+"""TiledMLP's activation memory: the stack's peak *measured* (resident set high-water mark, reset per block, of a
+forked child); what one MLP keeps for backward *accounted* (the storages autograd saves).
 
 Each measurement runs in its own forked process with glibc told to serve every allocation over 64 KiB by
 ``mmap`` (``mallopt``), so a freed tensor leaves the resident set at once and the kernel's high-water mark
@@ -26,15 +27,6 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs") or not hasattr(os, "fork"),
                                 reason="needs Linux's resettable peak RSS and fork")
-
-
-def _anon_rss() -> int:
-    """Anonymous resident memory (tensors, heap), without file-backed pages the kernel may fault in or drop."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
 
 
 def _mlp_fn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -70,9 +62,15 @@ def _measure(shards: int) -> dict[str, int]:
             h.backward(grad)
             del h
         out["stack_peak"] = stack.growth_bytes - x.grad.nbytes  # type: ignore[union-attr]
-        before = _anon_rss()
-        y = mlp(mlps[0], x)
-        out["held"] = _anon_rss() - before - y.nbytes  # kept from forward to backward, beyond the output
+        held: dict[int, int] = {}  # accounted: the storages autograd keeps from forward to backward
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            y = mlp(mlps[0], x)
+        out["held"] = sum(held.values())
         del y
     return out
 
@@ -99,8 +97,8 @@ def _in_child(shards: int) -> dict[str, int]:
 def test_tiled_mlp_activation_memory_is_lower_by_the_shard_factor() -> None:
     plain, tiled = _in_child(1), _in_child(SHARDS)
     mib = {k: (plain[k] / 2**20, tiled[k] / 2**20) for k in plain}
-    # Untiled, each MLP keeps its [seq, 4*hidden] GELU input and output (2 x 16 MiB here) for backward; tiled
-    # keeps only its input (the residual stream, shared), and recomputes one shard at a time.
+    # Untiled, each MLP keeps its input and its [seq, 4*hidden] GELU input and output (4 + 2 x 16 MiB here) for
+    # backward; tiled keeps only its input (the residual stream, shared), and recomputes one shard at a time.
     assert plain["held"] >= 24 * 2**20, mib
     assert tiled["held"] * SHARDS <= plain["held"], mib
     assert tiled["stack_peak"] * SHARDS <= plain["stack_peak"], mib
