@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 import zerospeed
-from zerospeed.launcher import launch, report, serve, to_fp32
+from zerospeed.launcher import launch, plan, report, serve, to_fp32
 from zerospeed.launcher.command import Command, UsageError
 
-COMMANDS: tuple[Command, ...] = (launch.COMMAND, to_fp32.COMMAND, report.COMMAND, serve.COMMAND)
+COMMANDS: tuple[Command, ...] = (launch.COMMAND, to_fp32.COMMAND, report.COMMAND, serve.COMMAND, plan.COMMAND)
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
 
