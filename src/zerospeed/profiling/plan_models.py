@@ -13,10 +13,10 @@ hooks) and ``tests/unit/test_plan.py`` checks the totals against it exactly:
 * zerospeed GPT (``models/gpt.py``), per layer: 16·b·t·c·e (LN inputs 2, LN outputs 2, qkv 3, attention
   output 1, MLP 4+4 and their inputs) + 4 LayerNorm statistics ·b·t·4 + attention LSE b·h·t·4;
   after the layers: final LN input and output 2·b·t·c·e, its statistics 2·b·t·4, log-softmax b·t·V·4,
-  positions t·8.
+  the loss's scalar, positions t·8.
 * Hugging Face GPT-2 (SDPA attention, ``gelu_new``, dropout 0): per layer 30·b·t·c·e (``gelu_new`` is
   written in Python and saves four 4c-wide intermediates besides the MLP input: 20·c of the 30) + the same
-  statistics and LSE; after the layers as above plus labels b·t·8.
+  statistics and LSE; after the layers as above plus the shifted labels b·t·8.
 
 Dropout > 0 adds masks (and, in GPT-2's attention, the materialised t×t scores); the formulas refuse it
 rather than guess.
@@ -81,7 +81,7 @@ class ModelSpec:
 def _common(s: Shape, b: int, t: int, e: int, per_layer_widths: int) -> int:
     c, h = s.n_embd, s.n_head
     per_layer = per_layer_widths * b * t * c * e + 4 * b * t * 4 + b * h * t * 4
-    tail = 2 * b * t * c * e + 2 * b * t * 4 + b * t * s.vocab_size * 4
+    tail = 2 * b * t * c * e + 2 * b * t * 4 + b * t * s.vocab_size * 4 + 4  # + the loss's saved scalar
     return s.n_layer * per_layer + tail
 
 
@@ -92,7 +92,7 @@ def gpt_activation_bytes(s: Shape, b: int, t: int, e: int) -> int:
 
 def hf_gpt2_activation_bytes(s: Shape, b: int, t: int, e: int) -> int:
     """Saved activations of Hugging Face's GPT2LMHeadModel (SDPA, gelu_new, no dropout) for one micro-batch."""
-    return _common(s, b, t, e, 30) + b * t * 8
+    return _common(s, b, t, e, 30) + b * t * 8 + t * 8
 
 
 def _spec_of(name: str, model: Any, shape: Shape, formula: Callable[[Shape, int, int, int], int],
