@@ -20,14 +20,14 @@ The prediction follows zerospeed's own buffer rules (read from the code, not fro
   defaults do); otherwise the live cap (at least the largest module's unit);
 * activations: the per-architecture formula of ``plan_models.py``.
 
-The peak is ``framework + persistent + max(backward phase, step phase)``: in backward the activations,
-gathered parameters and bucket buffers coexist; at the step the activations are gone and the step's own
-buffers appear. Two *measured constants* (on this machine: torch 2.13 CPU, glibc, forked Gloo ranks) say
-what the formulas cannot: ``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model
-state (code pages of the kernels touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT,
-whose states and activations are under 1 MiB), and ``ACTIVATION_FACTOR``, how far the steady-state peak of
-backward rises above the saved activations (backward's own temporaries and allocator fragmentation from
-the second step on; fit on the demo GPT at stage 0 and checked on the other stages and on GPT-2).
+The peak is ``framework + persistent + backward phase + step phase``: in backward the activations, gathered
+parameters and bucket buffers coexist; the step's own buffers (stage-1 partition, write-back all-gather) come
+after the activations are freed, but are added rather than maxed (freed heap is not reliably reused in place:
+measured). Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks) say what
+the formulas cannot: ``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model state (code
+pages of the kernels touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT, whose states and
+activations are under 1 MiB), and each architecture's ``backward_factor`` (``plan_models.py``), how far the
+steady-state peak of backward rises above the saved activations.
 """
 
 from __future__ import annotations
