@@ -40,6 +40,16 @@ def build(name: str) -> tuple[Any, int]:
     return transformers.GPT2LMHeadModel(cfg), cfg.vocab_size
 
 
+def _trim_heap() -> None:
+    """Give free glibc heap back to the OS, so growth over the start shows in RSS (no-op elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def train_and_measure(name: str, stage: int, micro_batch: int, seq: int, steps: int) -> dict[str, Any]:
     """On each rank: peak RSS over the RSS at this function's start, through build, initialize and steps."""
     import gc
@@ -50,6 +60,7 @@ def train_and_measure(name: str, stage: int, micro_batch: int, seq: int, steps: 
     from zerospeed.profiling.memory import MemoryTracker
 
     gc.collect()
+    _trim_heap()  # the forked parent's free heap would otherwise be reused without showing in RSS
     tracker = MemoryTracker("cpu")  # resets the kernel's peak-RSS counter
     start = tracker.current_bytes()
     model, vocab = build(name)
