@@ -64,6 +64,6 @@ def test_plan_within_ten_percent_of_measured_peak(name: str, stage: int) -> None
     if name.startswith("hf:"):
         pytest.importorskip("transformers")
     plan = predict(model_spec(name), inputs_from_config(load_config(_config(stage)), 2, MICRO_BATCH, SEQ))
-    assert plan.owners["activations"] > 0.2 * plan.peak_over_start  # the formula matters at this size
+    assert plan.owners["activations"] > 0.15 * plan.peak_over_start  # the formula matters at this size
     for measured in run_distributed(_train, 2, name, stage, timeout=180):
         assert abs(plan.peak_over_start - measured) <= 0.10 * measured, (name, stage, plan.owners, measured)
