@@ -1,0 +1,221 @@
+"""Per-rank peak memory predicted before any rank starts (``zerospeed plan``): pure, sizes in, bytes out.
+
+The prediction follows zerospeed's own buffer rules (read from the code, not from DeepSpeed's tables):
+
+* partition plan (``zero/partition.py``): parameter ``n`` is padded to ``N·ceil(n/N)``; a rank's flat
+  partition is the sum of its shards; buckets of at most ``reduce_bucket_size`` padded elements, in reverse
+  parameter order (a larger parameter gets a bucket of its own);
+* params: the model in the compute dtype (stage 3: only this rank's shards and the whole *persistent*
+  parameters, ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``; an fp32
+  shard *is* its master slot, so it costs nothing extra);
+* grads (``zero/grad_reducer.py``): stage 0 and 1 keep a full padded buffer in the accumulation dtype;
+  stages 2-3 keep only the partition, and during backward up to ``MAX_IN_FLIGHT`` + 1 transient bucket
+  buffers (the filling one and those in flight), with a reduce-scatter output per bucket in flight;
+  stage 1 makes its partition at the step;
+* master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
+* optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
+* stage-1/2 write-back: an all-gather output per run of buckets capped at ``allgather_bucket_size``;
+* stage 3 gathered parameters: every non-persistent parameter stays gathered from its forward to its
+  backward when ``stage3_max_reuse_distance`` and ``stage3_max_live_parameters`` cover the model (the
+  defaults do); otherwise the live cap (at least the largest module's unit);
+* activations: the per-architecture formula of ``plan_models.py``.
+
+The peak is ``framework + persistent + backward phase + step phase``: in backward the activations, gathered
+parameters and bucket buffers coexist; the step's own buffers (stage-1 partition, write-back all-gather) come
+after the activations are freed, but are added rather than maxed (freed heap is not reliably reused in place:
+measured). Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks) say what
+the formulas cannot: ``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model state (code
+pages of the kernels touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT, whose states and
+activations are under 1 MiB), and each architecture's ``backward_factor`` (``plan_models.py``), how far the
+steady-state peak of backward rises above the saved activations.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..zero.grad_reducer import MAX_IN_FLIGHT
+from .plan_models import ModelSpec
+
+MIB = 1024 * 1024
+FRAMEWORK_BYTES = 33 * MIB  # measured: peak over start of the tiny GPT (micro-batch 4, seq 32), world 2, forked ranks
+IMPORT_TORCH_BYTES = 220 * MIB  # measured default: RSS of `python -c "import torch, zerospeed"` here
+
+_STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "fusedadam": 2, "cpuadam": 2, "adagrad": 1}
+OWNERS = ("params", "grads", "master", "optimizer_state", "buckets", "gathered_params", "activations",
+          "framework")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the run will be: sizes from the config, overridden by the command line."""
+
+    stage: int
+    world: int
+    micro_batch: int
+    seq: int
+    compute_bytes: int  # 4 fp32, 2 bf16/fp16
+    accum_bytes: int  # gradient accumulation dtype: 4, or 2 under fp16
+    reduce_bucket: int
+    allgather_bucket: int
+    prefetch: int
+    max_live: int
+    max_reuse: int
+    param_persistence: int
+    model_persistence: int
+    optimizer: str  # lower-case DeepSpeed type name ("" = no optimizer)
+    momentum: bool = True  # SGD only
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted bytes per rank by owner; ``peak_over_start`` excludes the interpreter and torch import."""
+
+    inputs: PlanInputs
+    model: str
+    num_params: int
+    owners: dict[str, int] = field(default_factory=dict)
+    baseline_bytes: int = IMPORT_TORCH_BYTES
+    host_owners: tuple[str, ...] = ()  # owners that live in host memory under offload
+
+    @property
+    def peak_over_start(self) -> int:
+        return sum(self.owners.values())
+
+    @property
+    def absolute(self) -> int:
+        return self.peak_over_start + self.baseline_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "num_params": self.num_params, "stage": self.inputs.stage,
+                "world_size": self.inputs.world, "micro_batch": self.inputs.micro_batch, "seq": self.inputs.seq,
+                "bytes": dict(self.owners), "peak_over_start_bytes": self.peak_over_start,
+                "baseline_bytes": self.baseline_bytes, "absolute_bytes": self.absolute,
+                "host_owners": list(self.host_owners)}
+
+    def table(self) -> str:
+        i = self.inputs
+        lines = [f"zerospeed plan: {self.model} ({self.num_params:,} params), ZeRO stage {i.stage}, world {i.world}, "
+                 f"micro-batch {i.micro_batch}, seq {i.seq} (per rank, MiB)"]
+        for name in OWNERS:
+            where = " (host)" if name in self.host_owners else ""
+            lines.append(f"  {name + where:<24}{self.owners.get(name, 0) / MIB:>10.2f}")
+        lines.append(f"  {'peak over start':<24}{self.peak_over_start / MIB:>10.2f}")
+        lines.append(f"  {'baseline (import torch)':<24}{self.baseline_bytes / MIB:>10.2f}")
+        lines.append(f"  {'total (absolute RSS)':<24}{self.absolute / MIB:>10.2f}")
+        return "\n".join(lines)
+
+    def json_line(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+
+def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq: int = 128,
+                       stage: int | None = None) -> PlanInputs:
+    """Read the sizes from a validated ``ZeroSpeedConfig`` (``zerospeed.config.load_config``)."""
+    z = cfg.zero_optimization
+    half = cfg.fp16.enabled or cfg.bf16.enabled
+    mb = micro_batch if micro_batch is not None else cfg.batch(world).micro_batch_per_gpu
+    opt = cfg.optimizer
+    name = "" if opt is None else opt.type.lower().replace("_", "")
+    params = {} if opt is None else dict(opt.params)
+    if name and name not in _STATE_TENSORS and name != "sgd":
+        raise ValueError(f"optimizer {opt.type!r}: its state size is not known to zerospeed plan (Adam, AdamW, "
+                         "Lamb, Adagrad, SGD are); not supported yet by zerospeed plan")
+    if z.offload_optimizer.device == "nvme" or z.offload_param.device == "nvme":
+        raise ValueError("NVMe offload is not supported yet by zerospeed plan (its swap buffers are not modelled)")
+    return PlanInputs(stage=z.stage if stage is None else stage, world=world, micro_batch=mb, seq=seq,
+                      compute_bytes=2 if half else 4, accum_bytes=2 if cfg.fp16.enabled else 4,
+                      reduce_bucket=z.reduce_bucket_size, allgather_bucket=z.allgather_bucket_size,
+                      prefetch=z.stage3_prefetch_bucket_size, max_live=z.stage3_max_live_parameters,
+                      max_reuse=z.stage3_max_reuse_distance, param_persistence=z.stage3_param_persistence_threshold,
+                      model_persistence=z.stage3_model_persistence_threshold, optimizer=name,
+                      momentum=float(params.get("momentum", 0.0)) > 0, offload_optimizer=z.offload_optimizer.enabled,
+                      offload_param=z.offload_param.enabled)
+
+
+def _shard(n: int, world: int) -> int:
+    return max(1, -(-n // world))
+
+
+def _buckets(numels: list[int], world: int, cap: int) -> list[int]:
+    """Padded elements of each gradient bucket (``plan_partitions``' rule: reverse order, capped)."""
+    out: list[int] = []
+    current = 0
+    for n in reversed(numels):
+        padded = _shard(n, world) * world
+        if current and current + padded > cap:
+            out.append(current)
+            current = 0
+        current += padded
+    return out + ([current] if current else [])
+
+
+def _persistent(numels: list[int], i: PlanInputs) -> list[bool]:
+    """Stage 3's rule (``zero/stage3/setup.py``): whole below the thresholds, in parameters() order."""
+    if i.world == 1 and not i.offload_param:
+        return [True] * len(numels)
+    total, out = 0, []
+    for n in numels:
+        keep = n <= i.param_persistence and total + n <= i.model_persistence
+        total += n if keep else 0
+        out.append(keep)
+    return out
+
+
+def _state_tensors(i: PlanInputs) -> int:
+    if i.optimizer == "sgd":
+        return int(i.momentum)
+    return _STATE_TENSORS.get(i.optimizer, 0)
+
+
+def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
+    """Predicted per-rank peak memory of training ``model`` as ``i`` says (see the module docstring)."""
+    if i.stage not in (0, 1, 2, 3) or i.world < 1 or i.micro_batch < 1 or i.seq < 1:
+        raise ValueError(f"stage must be 0-3 and world, micro-batch, seq >= 1 (got {i})")
+    numels = [n for n, t in zip(model.numels, model.trainable) if t]
+    frozen = sum(n for n, t in zip(model.numels, model.trainable) if not t)
+    parts = 1 if i.stage == 0 else i.world
+    partition = sum(_shard(n, parts) for n in numels)  # this rank's flat partition (elements)
+    padded = partition * parts
+    buckets = _buckets(numels, parts, i.reduce_bucket)
+    alias = parts == 1 and i.compute_bytes == 4
+    o: dict[str, int] = dict.fromkeys(OWNERS, 0)
+    gathered_peak = 0
+    if i.stage < 3:
+        o["params"] = (sum(numels) + frozen) * i.compute_bytes
+    else:
+        persist = _persistent(list(model.numels), i)
+        whole = sum(n for n, p in zip(model.numels, persist) if p)
+        cut = [n for n, p in zip(model.numels, persist) if not p]
+        shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
+        o["params"] = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
+        live = sum(_shard(n, i.world) * i.world for n in cut)
+        if i.max_reuse < live or i.max_live < live:  # not everything stays gathered forward -> backward
+            live = min(live, max(i.max_live, max(cut, default=0) + i.prefetch))
+        # plus one coalesced all-gather in flight: its flat output and the concatenated shards sent
+        staging = min(live, max(i.prefetch, max(cut, default=0)))
+        gathered_peak = (live + staging + staging // i.world) * i.compute_bytes
+    o["grads"] = (padded if i.stage < 2 else partition) * i.accum_bytes
+    o["master"] = 0 if alias else partition * 4
+    o["optimizer_state"] = _state_tensors(i) * partition * 4
+    backward = model.activations(i.micro_batch, i.seq, i.compute_bytes) * model.backward_factor
+    bucket_bytes = 0
+    if i.stage >= 2 and parts > 1:
+        held = sorted(buckets, reverse=True)[:MAX_IN_FLIGHT + 1]
+        bucket_bytes = sum(held) * i.accum_bytes + sum(b // parts for b in held[:MAX_IN_FLIGHT]) * i.accum_bytes
+    step = 0
+    if i.stage == 1 and parts > 1:
+        step += partition * i.accum_bytes
+    if i.stage in (1, 2) and parts > 1:
+        step += min(padded, max(i.allgather_bucket, max(buckets, default=0))) * i.compute_bytes
+    transient = int(backward) + gathered_peak + bucket_bytes + step  # freed heap is not reused in place
+    o["activations"] = int(backward)
+    o["gathered_params"] = gathered_peak
+    o["buckets"] = transient - int(backward) - gathered_peak
+    o["framework"] = FRAMEWORK_BYTES
+    host = ("master", "optimizer_state") if i.offload_optimizer else ()
+    return MemoryPlan(i, model.name, model.num_params, o, host_owners=host + (("params",) if i.offload_param else ()))

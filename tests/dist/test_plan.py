@@ -1,0 +1,71 @@
+"""``zerospeed plan`` predicts each rank's measured peak memory (over its start) within 10 %, stages 0-3."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+import zerospeed
+from zerospeed.config import load_config
+from zerospeed.profiling.memory import MemoryTracker
+from zerospeed.profiling.plan import inputs_from_config, predict
+from zerospeed.profiling.plan_models import hf_gpt2_config, model_spec
+from zerospeed.testing import run_distributed
+
+MICRO_BATCH, SEQ, STEPS = 32, 32, 4
+
+
+def _config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+def _trim_heap() -> None:
+    """Give free glibc heap back to the OS, so growth over the start shows in RSS (no-op elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _train(name: str, stage: int) -> int:
+    """Peak RSS of this rank over its RSS at the start, through model build, initialize and a few steps."""
+    gc.collect()
+    _trim_heap()  # the forked parent's free heap would otherwise be reused without showing in RSS
+    tracker = MemoryTracker("cpu")
+    start = tracker.current_bytes()
+    if name.startswith("gpt:"):
+        from zerospeed.models.gpt import GPT, tiny
+
+        model, vocab, hf = GPT(tiny(), seed=0), tiny().vocab_size, False
+    else:
+        import transformers
+
+        cfg = hf_gpt2_config(name.split(":", 1)[1])
+        model, vocab, hf = transformers.GPT2LMHeadModel(cfg), cfg.vocab_size, True
+    engine, *_ = zerospeed.initialize(model=model, config=_config(stage))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        x = torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)
+        loss = engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss if hf else engine(x[:, :-1], x[:, 1:])[1]
+        engine.backward(loss)
+        engine.step()
+    return tracker.peak_bytes() - start
+
+
+@pytest.mark.parametrize("name,stage", [("gpt:tiny", 0), ("gpt:tiny", 1), ("gpt:tiny", 2), ("gpt:tiny", 3),
+                                        ("hf:gpt2-test", 0), ("hf:gpt2-test", 3)])
+def test_plan_within_ten_percent_of_measured_peak(name: str, stage: int) -> None:
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    plan = predict(model_spec(name), inputs_from_config(load_config(_config(stage)), 2, MICRO_BATCH, SEQ))
+    assert plan.owners["activations"] > 0.15 * plan.peak_over_start  # the formula matters at this size
+    for measured in run_distributed(_train, 2, name, stage, timeout=180):
+        # the target is 10 % (met on a quiet machine, docs/benchmarks.md); 15 % here so that a rank's peak
+        # moved by other jobs on a loaded CI machine cannot fail the suite, while a wrong buffer rule still does
+        assert abs(plan.peak_over_start - measured) <= 0.15 * measured, (name, stage, plan.owners, measured)
