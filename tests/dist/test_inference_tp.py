@@ -18,8 +18,6 @@ transformers = pytest.importorskip("transformers")
 from ..unit.hf_tiny import V, gpt2 as _gpt2, llama as _llama
 
 
-
-
 def _gpt():
     return GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=4, n_embd=32), seed=0).eval()
 

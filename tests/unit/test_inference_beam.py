@@ -11,8 +11,6 @@ transformers = pytest.importorskip("transformers")
 from .hf_tiny import V, gpt2 as _gpt2, llama as _llama
 
 
-
-
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_beam_search_equals_hf(build):
     model = build()

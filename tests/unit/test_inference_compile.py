@@ -15,8 +15,6 @@ transformers = pytest.importorskip("transformers")
 from .hf_tiny import V, gpt2 as _gpt2, llama as _llama
 
 
-
-
 class CountingBackend:
     """A torch.compile backend that records every graph it is handed and runs it as is."""
 

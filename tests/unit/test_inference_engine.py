@@ -12,8 +12,6 @@ transformers = pytest.importorskip("transformers")
 from .hf_tiny import V, gpt2 as _gpt2, llama as _llama
 
 
-
-
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_greedy_matches_hf_generate(build):
     model = build()
