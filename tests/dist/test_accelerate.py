@@ -74,8 +74,7 @@ def test_accelerate_launch_runs_a_zerospeed_script(tmp_path) -> None:
            str(port), str(SCRIPT), str(tmp_path / "ds.json")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    results = sorted((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")),
-                     key=lambda r: r["rank"])
+    results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1] and all(r["world"] == 2 for r in results)
     assert [r["local_rank"] for r in results] == [0, 1] and all((r["stage"], r["gas"]) == (2, 2) for r in results)
     assert all(len(r["losses"]) == 3 for r in results)

@@ -1,7 +1,8 @@
 """Launched by tests/dist/test_accelerate.py through `accelerate launch`: a zerospeed training script whose
-config was converted from an Accelerate DeepSpeed config. Prints one JSON line per rank."""
+config was converted from an Accelerate DeepSpeed config. Writes one JSON file per rank beside the config."""
 
 import json
+import os
 import sys
 
 import torch
@@ -22,8 +23,9 @@ for _ in range(3):
         engine.backward(loss)
         engine.step()
     losses.append(float(loss))
-print("RESULT " + json.dumps({"rank": comm.get_rank(), "world": comm.get_world_size(), "local_rank": engine.local_rank,
-                              "stage": engine.zero_optimization_stage(), "gas": engine.gradient_accumulation_steps(),
-                              "losses": losses}), flush=True)
+result = {"rank": comm.get_rank(), "world": comm.get_world_size(), "local_rank": engine.local_rank,
+          "stage": engine.zero_optimization_stage(), "gas": engine.gradient_accumulation_steps(), "losses": losses}
+with open(os.path.join(os.path.dirname(sys.argv[1]), f"result_{comm.get_rank()}.json"), "w") as f:
+    json.dump(result, f)  # a file per rank: the ranks' stdout lines may interleave
 comm.barrier()
 comm.destroy()
