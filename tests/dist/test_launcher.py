@@ -289,3 +289,9 @@ def test_ranks_torchrun_closed_are_stopped_not_blamed(tmp_path: Path) -> None:
     assert [f.rank for f in failing] == [1, 0] and stopped == []
     assert failures.exit_code_for(failing, 1) == 137
     assert failures.stopped_ranks("no torchrun log here", str(tmp_path)) is None
+
+
+def test_a_script_argument_that_prefixes_a_launcher_flag_stays_the_scripts() -> None:
+    args = cli.build_parser().parse_args(["launch", "--nproc-per-node", "2", "train.py", "--elastic", "--nproc", "3"])
+    assert args.target == "train.py" and args.target_args == ["--elastic", "--nproc", "3"]
+    assert not args.elastic_training

@@ -160,7 +160,7 @@ def _elastic_node(port: int, out: Path, ckpt: Path) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "zerospeed.launcher.cli", "launch", "--elastic_training", "--min_elastic_nodes",
            "1", "--max_elastic_nodes", "2", "--max_restarts", "3", "--rdzv_conf", "last_call_timeout=1",
            "--nproc-per-node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), str(TRAIN),
-           str(out), "200", "--ckpt", str(ckpt), "--sleep", "0.5"]
+           str(out), "200", "--ckpt", str(ckpt), "--sleep", "0.5", "--elastic"]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -189,9 +189,9 @@ def _wait_phase(path: Path, world: int, count: int, procs: list[subprocess.Popen
                     reason="47-106 s measured on 2 shared cores (three starts of fresh interpreters); "
                     "set ZEROSPEED_ELASTIC_E2E=1 to run it. test_elastic_restart.py covers the resharded resume.")
 def test_elastic_launch_shrinks_and_grows(tmp_path: Path) -> None:
-    """--elastic_training: kill one of two nodes, torchrun restarts the other at 2 ranks from the latest
-    checkpoint; a node joining again restarts both at 4 ranks. Losses after each restart equal a 2-rank run
-    from the same checkpoint (rtol 1e-5)."""
+    """--elastic_training with the `elasticity` section's batch rules: kill one of two nodes, torchrun restarts
+    the other at 2 ranks from the latest checkpoint; a node joining again restarts both at 4 ranks. Losses after
+    each restart equal a 2-rank run from the same checkpoint (rtol 1e-5)."""
     port, out, ckpt = ports(), tmp_path / "out", tmp_path / "ckpt"
     log = out / "losses.jsonl"
     first = _elastic_node(port, out, ckpt)
@@ -233,6 +233,6 @@ def test_elastic_launch_shrinks_and_grows(tmp_path: Path) -> None:
 
 
 def _ref_from(out: str, steps: int, ckpt: str, tag: str) -> list[float]:
-    from mn_train import train  # noqa: PLC0415
+    from mn_train import ELASTIC_CONFIG, train  # noqa: PLC0415
 
-    return train(out, steps, ckpt, load_tag=tag, save=False)
+    return train(out, steps, ckpt, load_tag=tag, save=False, config=ELASTIC_CONFIG)

@@ -31,7 +31,8 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     parser.add_argument("--version", action="version", version=f"zerospeed {zerospeed.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in commands:
-        child = sub.add_parser(command.name, help=command.help, description=command.description or command.help)
+        child = sub.add_parser(command.name, help=command.help, description=command.description or command.help,
+                               allow_abbrev=False)  # a script argument that prefixes a flag stays the script's
         command.add_arguments(child)
         child.set_defaults(_run=command.run)
     return parser

@@ -1,12 +1,13 @@
 """Launched by tests/dist/test_multinode.py: train the tiny GPT with a fixed global batch of 8 sequences.
 
-usage: mn_train.py OUT_DIR STEPS [--ckpt DIR] [--sleep S] [--fail_rank R]
+usage: mn_train.py OUT_DIR STEPS [--ckpt DIR] [--sleep S] [--fail_rank R] [--elastic]
 
 The global batch of step s is the same whatever the world size (``train_batch_size`` 8, micro-batch 2:
 accumulation = 8 / (2 * world)); rank 0 appends ``{"step", "loss", "world"}`` (the global mean loss) to
 OUT_DIR/losses.jsonl. Every rank writes OUT_DIR/rank<R>.json (pid and launcher variables) at start. With
 ``--ckpt`` it resumes from the latest checkpoint there (universal load: any world size) and saves one
-after every step. ``--fail_rank R`` makes rank R exit 1 after the first step.
+after every step. ``--fail_rank R`` makes rank R exit 1 after the first step. ``--elastic`` takes the batch
+sizes from the ``elasticity`` section instead (``compute_elastic_config``: batch 8, micro-batch 2 at 1-4 ranks).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ CONFIG = {
     "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 2},
     "checkpoint": {"load_universal": True},
+}
+
+
+ELASTIC_CONFIG = {
+    "elasticity": {"enabled": True, "max_train_batch_size": GLOBAL_BATCH, "micro_batch_sizes": [MICRO],
+                   "min_gpus": 1, "max_gpus": 4, "version": 0.1},
+    "optimizer": CONFIG["optimizer"], "zero_optimization": CONFIG["zero_optimization"],
+    "checkpoint": CONFIG["checkpoint"],
 }
 
 
@@ -88,5 +97,6 @@ if __name__ == "__main__":
     p.add_argument("--ckpt", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--fail_rank", type=int, default=-1)
+    p.add_argument("--elastic", action="store_true")
     a = p.parse_args()
-    train(a.out_dir, a.steps, a.ckpt, a.sleep, a.fail_rank)
+    train(a.out_dir, a.steps, a.ckpt, a.sleep, a.fail_rank, config=ELASTIC_CONFIG if a.elastic else None)
