@@ -4,7 +4,7 @@ A PipelineModule names its parameters by *global layer index* (``"3.attn.c_attn.
 by key (``"tied_modules.embed.wte.weight"``), whatever the number of stages, so layer i's tensors are
 addressable by layer index exactly as in DeepSpeed's ``layer_XX-model_states`` layout. Each rank writes the
 elements it owns (ZeRO-1 shard over its data-parallel group) of its own layers' fp32 master and optimizer
-state into ``shards/rank_XXXXX``; a tied weight is written once (by the first stage holding it). Global
+state into ``shards/rank_NNNNN``; a tied weight is written once (by the first stage holding it). Global
 rank 0 writes the merged metadata. Loading reads each parameter by name, so a checkpoint saved at pp=2 x dp=2
 loads at pp=2 x dp=2 (bitwise), at pp=4, at pp=1, into a plain model (``zerospeed to-fp32`` exports it), and
 the reverse. Same files, manifest, atomic commit and ``latest`` pointer as the data-parallel checkpoint, and

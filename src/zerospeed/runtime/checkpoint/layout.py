@@ -9,8 +9,8 @@
         meta.json                 rank 0: names, shapes, dtypes, engine/scheduler/scaler state, client state
         index.json                where each tensor's element ranges live (merged from the ranks' markers)
         model_states.safetensors  rank 0: module state the optimizer does not own (frozen params, buffers)
-        shards/rank_XXXXX.safetensors   each rank: the elements it owns of fp32 master + optimizer state
-        rng/rank_XXXXX.json       each rank: CPU / device / python / numpy RNG states
+        shards/rank_NNNNN.safetensors   each rank: the elements it owns of fp32 master + optimizer state
+        rng/rank_NNNNN.json       each rank: CPU / device / python / numpy RNG states
 
 Commit protocol: every rank writes into ``save_dir/.tmp-<tag>-<nonce>/``, fsyncs, and publishes a marker
 (its file list, written by rename). Rank 0 then writes ``index.json`` and ``manifest.json``, renames the
@@ -19,7 +19,7 @@ replaces ``latest``. A process killed at any moment leaves at worst a ``.tmp-``/
 the next save removes; ``latest`` always names a directory whose manifest verifies.
 
 An async save runs this protocol on the file system only (the writer threads issue no collectives): a rank
-whose write fails publishes ``failed_rank_XXXXX.json`` instead of its marker; rank 0 then commits nothing and
+whose write fails publishes ``failed_rank_NNNNN.json`` instead of its marker; rank 0 then commits nothing and
 writes the outcome (``.tmp-<tag>-<nonce>.outcome``, ok or the first error) that every other rank waits for.
 """
 
