@@ -43,7 +43,8 @@ from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_s
 from .hierarchy import Hierarchy, intra_node_group, ranks_per_node_from_env
 from .logger import COMMS_LOGGER, CommsLogger, OpStats
 from .quantized_grads import dequantize_int4, quantize_int4, quantized_reduce_scatter
-from .quantized import QuantizedGather, dequantize_int8, quant_groups, quantize_int8, quantized_all_gather
+from .quantized import (QuantizedGather, dequantize_fp8, dequantize_int8, quant_groups, quantize_fp8, quantize_int8,
+                        quantized_all_gather)
 from .sparse import sparse_all_reduce, topk_count
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
 from .recoverable import RecoverableGroup, resolve
@@ -59,5 +60,6 @@ __all__ = [
     "sparse_all_reduce", "topk_count",
     "PendingTensor", "all_gather_along_dim", "reduce_scatter_along_dim",
     "Hierarchy", "intra_node_group", "ranks_per_node_from_env", "dequantize_int4", "quantize_int4", "quantized_reduce_scatter",
-    "QuantizedGather", "dequantize_int8", "quant_groups", "quantize_int8", "quantized_all_gather",
+    "QuantizedGather", "dequantize_fp8", "dequantize_int8", "quant_groups", "quantize_fp8", "quantize_int8",
+    "quantized_all_gather",
 ]

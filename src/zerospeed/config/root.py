@@ -18,6 +18,7 @@ from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
+from .fp8 import Fp8Config
 from .offload import AioConfig
 from .monitoring import (
     ActivationCheckpointingConfig,
@@ -101,6 +102,8 @@ class ZeroSpeedConfig(Section):
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
+    """zerospeed only: FP8 matmuls in the linear layers (config/fp8.py), and an FP8 weight all-gather under ZeRO-3."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod

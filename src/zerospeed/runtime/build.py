@@ -357,6 +357,23 @@ def _sequence_grid(cfg: ZeroSpeedConfig, model: nn.Module, mpu: Any) -> Any:
     from ..parallel.sequence.groups import SequenceParallelGrid
 
     return SequenceParallelGrid(sp)
+def _fp8(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> list[str]:
+    """The ``fp8`` section: convert the linears (names returned) and check the weight all-gather option."""
+    f = cfg.fp8
+    if f.allgather_fp8 and cfg.zero_stage != 3:
+        raise ConfigError("fp8.allgather_fp8", f"the fp8 weight all-gather needs ZeRO stage 3 (weights partitioned "
+                          f"and gathered), got stage {cfg.zero_stage}")
+    if f.allgather_fp8 and (cfg.zero_optimization.zero_quantized_weights
+                            or cfg.zero_optimization.zero_quantized_nontrainable_weights):
+        raise ConfigError("fp8.allgather_fp8", "both fp8.allgather_fp8 and ZeRO++ zero_quantized_weights quantise "
+                          "the weight all-gather; keep one")
+    if not f.enabled:
+        return []
+    from ..precision.fp8 import convert_to_float8
+
+    return convert_to_float8(model, f, device)
+
+
 def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
     """AutoTP (``tensor_parallel`` section or ``tp_model_init``): split the model over the grid's model axis."""
     from ..parallel.tensor.training import TensorParallelTraining, tp_requested
@@ -428,7 +445,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if moe is not None and tp is not None:
         raise NotSupportedYetError("tensor_parallel", "AutoTP with Mixture-of-Experts layers is not supported yet by "
                                    "zerospeed (expert tensor parallelism through an mpu is)")
+    fp8_modules = _fp8(cfg, model, device)
     stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank, moe)
+    if stage3 is not None and cfg.fp8.allgather_fp8:
+        for shard in stage3.shards:
+            shard.quantize_gather = "fp8"
     raw_groups = _param_groups(model, model_parameters, optimizer)
     if moe is not None:
         moe.sync_experts(model)
@@ -469,6 +490,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine_cls = PipelineEngine
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
+    engine.fp8_modules = fp8_modules  # names of the linears computing in FP8 (the fp8 section)
     if seq_grid is not None:
         engine.set_sequence_groups(seq_grid)
     if tp is not None:

@@ -103,7 +103,9 @@ class ParamShard:
         self._full: torch.Tensor | None = None
         # Called after the full value changed outside training (GatheredParameters with a modifier).
         self.on_modified: list[object] = []
-        self.quantize_gather = False  # ZeRO++ qwZ: the fetcher's gathers move int8 blocks (comm/quantized.py)
+        # ZeRO++ qwZ ("int8") or fp8.allgather_fp8 ("fp8"): the fetcher's gathers move quantised blocks
+        # (comm/quantized.py); False: exact
+        self.quantize_gather: str | bool = False
         self.hpz: HpzGroup | None = None  # ZeRO++ hpZ: the group of the secondary partition (set by setup)
         self.secondary: torch.Tensor | None = None  # this rank's secondary partition, while valid
         self.full_exact = True  # the gathered value is exact (not dequantised from a qwZ gather)
@@ -301,7 +303,7 @@ def partition(param: nn.Parameter, group: comm.Group | None, persistent: bool) -
 class GatherOp:
     """One all-gather bringing in several parameters (same dtype, device and group): a single collective."""
 
-    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: bool = False,
+    def __init__(self, shards: Sequence[ParamShard], async_op: bool, quantize: str | bool = False,
                  secondary: bool = False) -> None:
         for s in shards:
             s._expect(ShardState.SHARDED, action="start a gather")
@@ -326,9 +328,12 @@ class GatherOp:
         send = torch.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
         self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
         self.send: torch.Tensor | None = send  # kept alive while the collective runs
-        gather = comm.quantized_all_gather if quantize else comm.all_gather
         group = first.hpz.group if secondary and first.hpz is not None else first.group
-        self.handle = gather(self.out, send, group=group, async_op=async_op)
+        if quantize:
+            codec = quantize if isinstance(quantize, str) else "int8"
+            self.handle = comm.quantized_all_gather(self.out, send, group=group, async_op=async_op, codec=codec)
+        else:
+            self.handle = comm.all_gather(self.out, send, group=group, async_op=async_op)
         for s in self.shards:
             s.state = ShardState.GATHERING
             s.pending = self
@@ -371,7 +376,8 @@ def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
 
 def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = False) -> list[GatherOp]:
     """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group, hpZ
-    secondary or not); with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go int8."""
+    secondary or not); with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go
+    quantised (int8 or fp8 blocks)."""
     buckets: dict[tuple[torch.dtype, torch.device, int, bool, bool], list[ParamShard]] = {}
     seen: set[int] = set()
     for s in shards:

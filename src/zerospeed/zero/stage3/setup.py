@@ -151,8 +151,8 @@ class Stage3Runtime:
         self.param_home = param_home
         self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home, group_of)
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
-            s.quantize_gather = (zcfg.zero_quantized_weights if s.param.requires_grad
-                                 else zcfg.zero_quantized_nontrainable_weights)
+            lossy = zcfg.zero_quantized_weights if s.param.requires_grad else zcfg.zero_quantized_nontrainable_weights
+            s.quantize_gather = "int8" if lossy else False
         self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
         self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
         for s in self.shards:
