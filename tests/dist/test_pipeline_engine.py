@@ -274,9 +274,11 @@ def _accounting() -> dict:
     it = rank_iter(batches(2, MICRO, 3), 0, 3)
     engine.train_batch(it)
     first = engine.last_step_stats
+    ahead = engine.channels.received_ahead
     engine.train_batch(it)
     st = engine.last_step_stats
-    return {"first_sent": first.p2p_bytes_sent, "sent": st.p2p_bytes_sent, "received": st.p2p_bytes_received,
+    return {"ahead": (ahead, engine.channels.received_ahead, len(engine.channels.prefetched)),
+            "first_sent": first.p2p_bytes_sent, "sent": st.p2p_bytes_sent, "received": st.p2p_bytes_received,
             "compute": st.compute_seconds, "total": st.total_seconds, "bubble": st.bubble_fraction,
             "reduce": st.reduce_step_seconds, "split": st.forward_seconds + st.backward_seconds,
             "piped": st.pipeline_seconds}
@@ -287,6 +289,8 @@ def test_per_step_accounting_counts_p2p_bytes_exactly() -> None:
     act = MICRO * 8 * 16 * 4  # one micro-batch's activation (batch x seq x n_embd fp32) == its gradient
     assert r0["sent"] == r0["received"] == r1["sent"] == r1["received"] == 3 * act
     assert r0["first_sent"] > 3 * act  # the first batch also carried the shape handshake
+    # of each batch's 3 receives per stage, the last 2 were posted ahead; none is left over after a batch
+    assert r0["ahead"] == r1["ahead"] == (2, 4, 0)
     for r in (r0, r1):
         assert 0 < r["compute"] < r["total"] and 0 <= r["bubble"] < 1 and r["reduce"] > 0
         assert r["split"] == pytest.approx(r["compute"])

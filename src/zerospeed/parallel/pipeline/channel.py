@@ -10,7 +10,10 @@ is unchanged and its length when a new description follows, so shapes may change
 micro-batch and the description is re-sent only when they do.
 
 Gradients need no description: the receiver allocates them like the outputs it sent. Sends are posted
-asynchronously (``batch_isend_irecv``) and completed at the end of the batch; receives complete at once.
+asynchronously (``batch_isend_irecv``) and completed at the end of the batch. A receive completes at once,
+and when the schedule holds another receive on the same channel in this batch (``prefetch_next``, shapes
+static) the next one is posted right away, so its data arrives while this stage computes instead of
+when it asks for it.
 Tag ``2 * chunk`` carries activations into model chunk ``chunk``, ``2 * chunk + 1`` gradients into it.
 """
 
@@ -73,8 +76,11 @@ class Channels:
         self.sent_meta: dict[tuple[int, int, bool], list[int]] = {}
         self.recv_meta: dict[tuple[int, int, bool], list[int]] = {}
         self.in_flight: list[tuple[comm.P2PHandle, list[torch.Tensor]]] = []
+        # receives posted ahead, keyed by ("act", peer, tag, grad mode) or ("grad", peer, tag)
+        self.prefetched: dict[tuple[Any, ...], tuple[comm.P2PHandle, list[torch.Tensor]]] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.received_ahead = 0  # receives whose data was posted for before the schedule asked for it
 
     def _post(self, ops: list[comm.P2P]) -> None:
         handle = comm.exchange(ops, self.group)
@@ -84,6 +90,22 @@ class Channels:
     def _recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
         comm.exchange([comm.P2P("recv", t, peer, tag) for t in tensors], self.group).wait()
         self.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _take(self, key: tuple[Any, ...]) -> list[torch.Tensor] | None:
+        """The buffers of a receive posted ahead on ``key``, completed (None when none was posted)."""
+        item = self.prefetched.pop(key, None)
+        if item is None:
+            return None
+        handle, bufs = item
+        handle.wait()
+        self.received_ahead += 1
+        self.bytes_received += sum(t.numel() * t.element_size() for t in bufs)
+        return bufs
+
+    def _post_ahead(self, key: tuple[Any, ...], bufs: list[torch.Tensor], peer: int, tag: int) -> None:
+        assert key not in self.prefetched, f"a receive is already posted ahead on {key}"
+        handle = comm.exchange([comm.P2P("recv", t, peer, tag) for t in bufs], self.group)
+        self.prefetched[key] = (handle, bufs)
 
     def send_activations(self, x: Any, peer: int, tag: int) -> None:
         tensors = as_tuple(x)
@@ -108,36 +130,52 @@ class Channels:
         ops += [comm.P2P("send", _wire(t), peer, tag) for t in tensors]
         self._post(ops)
 
-    def recv_activations(self, peer: int, tag: int) -> tuple[torch.Tensor, ...]:
+    def recv_activations(self, peer: int, tag: int, prefetch_next: bool = False) -> tuple[torch.Tensor, ...]:
         key = (peer, tag, torch.is_grad_enabled())
-        known = self.recv_meta.get(key)
-        length = 0
-        if self.dynamic_shape or known is None:
-            header = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._recv([header], peer, tag)
-            length = int(header.item())
-        if length:
-            meta_t = torch.zeros(length, dtype=torch.int64, device=self.device)
-            self._recv([meta_t], peer, tag)
-            known = meta_t.tolist()
-            self.recv_meta[key] = known
-        assert known is not None
-        specs = parse(known)
-        bufs = [torch.empty(shape, dtype=torch.uint8 if dt == torch.bool else dt, device=self.device)
-                for dt, _, shape in specs]
-        self._recv(bufs, peer, tag)
+        bufs = self._take(("act", *key))
+        if bufs is None:
+            known = self.recv_meta.get(key)
+            length = 0
+            if self.dynamic_shape or known is None:
+                header = torch.zeros(1, dtype=torch.int64, device=self.device)
+                self._recv([header], peer, tag)
+                length = int(header.item())
+            if length:
+                meta_t = torch.zeros(length, dtype=torch.int64, device=self.device)
+                self._recv([meta_t], peer, tag)
+                self.recv_meta[key] = meta_t.tolist()
+            bufs = self._alloc(self.recv_meta[key])
+            self._recv(bufs, peer, tag)
+        specs = parse(self.recv_meta[key])
+        if prefetch_next and not self.dynamic_shape:
+            self._post_ahead(("act", *key), self._alloc(self.recv_meta[key]), peer, tag)
         out = []
         for (dt, rg, _), b in zip(specs, bufs):
             t = b.to(torch.bool) if dt == torch.bool else b
             out.append(t.requires_grad_(rg) if rg and t.is_floating_point() else t)
         return tuple(out)
 
+    def _alloc(self, meta: list[int]) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=torch.uint8 if dt == torch.bool else dt, device=self.device)
+                for dt, _, shape in parse(meta)]
+
     def send_grads(self, grads: list[torch.Tensor], peer: int, tag: int) -> None:
         self._post([comm.P2P("send", _wire(g), peer, tag) for g in grads])
 
-    def recv_grads(self, like: list[torch.Tensor], peer: int, tag: int) -> list[torch.Tensor]:
-        bufs = [torch.empty_like(t, memory_format=torch.contiguous_format).detach() for t in like]
-        self._recv(bufs, peer, tag)
+    def recv_grads(self, like: list[torch.Tensor], peer: int, tag: int, prefetch_next: bool = False) -> list[torch.Tensor]:
+        def alloc() -> list[torch.Tensor]:
+            return [torch.empty_like(t, memory_format=torch.contiguous_format).detach() for t in like]
+
+        bufs = self._take(("grad", peer, tag))
+        if bufs is None:
+            bufs = alloc()
+            self._recv(bufs, peer, tag)
+        elif [(b.shape, b.dtype) for b in bufs] != [(t.shape, t.dtype) for t in like]:
+            raise ValueError(f"gradients received ahead have shapes {[tuple(b.shape) for b in bufs]} but this "
+                             f"micro-batch's outputs have {[tuple(t.shape) for t in like]}; pass "
+                             "PipelineModule(..., dynamic_shape=True) when stage outputs change shape")
+        if prefetch_next and not self.dynamic_shape:
+            self._post_ahead(("grad", peer, tag), alloc(), peer, tag)
         return bufs
 
     def finish(self) -> None:
@@ -145,3 +183,4 @@ class Channels:
         for handle, _ in self.in_flight:
             handle.wait()
         self.in_flight.clear()
+        assert not self.prefetched, f"receives posted ahead but never used: {sorted(self.prefetched)}"

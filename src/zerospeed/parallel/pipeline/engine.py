@@ -13,6 +13,7 @@ receive (the bubble and transfer time), and the p2p bytes it sent and received: 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,6 +97,7 @@ class PipelineEngine(Engine):
         self._fwd_outputs: list[Any] = []
         self._total_loss: torch.Tensor | None = None
         self._stats = PipeStepStats()
+        self._recvs_left: Counter[tuple[type, int]] = Counter()
         self._batch_t0 = 0.0
         self._train_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None:
@@ -257,11 +259,18 @@ class PipelineEngine(Engine):
         self._stats = PipeStepStats()
         sent0, recv0 = self.channels.bytes_sent, self.channels.bytes_received
         t0 = self._batch_t0 = time.perf_counter()
+        steps = [list(step) for step in schedule]
+        # receives still to come per (kind, chunk): a receive posts the next one ahead only if one follows
+        self._recvs_left = Counter((type(c), getattr(c, "chunk", 0)) for step in steps for c in step
+                                   if isinstance(c, (RecvActivation, RecvGrad)))
         try:
-            for step in schedule:
+            for step in steps:
                 for cmd in step:
                     self._execute(cmd)
             self.channels.finish()
+        except BaseException:
+            self.channels.prefetched.clear()  # a failed batch: receives posted ahead are abandoned with it
+            raise
         finally:
             self._buffers = []
         st = self._stats
@@ -385,6 +394,11 @@ class PipelineEngine(Engine):
         self._stats.backward_seconds += end - t0
         self._stats.pipeline_seconds = end - self._batch_t0
 
+    def _more(self, kind: type, chunk: int) -> bool:
+        """Count this receive; whether another of its kind into ``chunk`` follows in this batch."""
+        self._recvs_left[(kind, chunk)] -= 1
+        return self._recvs_left[(kind, chunk)] > 0
+
     def _exec_send_activations(self, cmd: PipeInstruction) -> None:
         buf = self._buffers[cmd.buffer_id]  # type: ignore[attr-defined]
         peer, tag = self._next(getattr(cmd, "chunk", 0))
@@ -394,7 +408,7 @@ class PipelineEngine(Engine):
         buf = self._buffers[cmd.buffer_id]  # type: ignore[attr-defined]
         chunk = getattr(cmd, "chunk", 0)
         t0 = time.perf_counter()
-        got = self.channels.recv_activations(self._prev(chunk)[0], 2 * chunk)
+        got = self.channels.recv_activations(self._prev(chunk)[0], 2 * chunk, self._more(RecvActivation, chunk))
         self._stats.recv_wait_seconds += time.perf_counter() - t0
         if not torch.is_grad_enabled():
             got = tuple(t.detach() for t in got)
@@ -413,7 +427,7 @@ class PipelineEngine(Engine):
         chunk = getattr(cmd, "chunk", 0)
         like = [t for t in as_tuple(buf.outputs) if t.requires_grad]
         t0 = time.perf_counter()
-        buf.out_grads = self.channels.recv_grads(like, self._next(chunk)[0], 2 * chunk + 1)
+        buf.out_grads = self.channels.recv_grads(like, self._next(chunk)[0], 2 * chunk + 1, self._more(RecvGrad, chunk))
         self._stats.recv_wait_seconds += time.perf_counter() - t0
 
     def _exec_reduce_tied_grads(self, cmd: PipeInstruction) -> None:
