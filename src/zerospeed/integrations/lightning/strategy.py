@@ -213,10 +213,7 @@ class ZeroSpeedStrategy(DDPStrategy):
                                                    load_module_strict=module.strict_loading)
         if path is None or client is None:
             raise FileNotFoundError(f"{checkpoint_path} holds no zerospeed checkpoint (saved by ZeroSpeedStrategy)")
-        if fitting:  # Lightning skips its scheduler restore when the strategy restores the optimizer: do it here
-            for cfg, state in zip(self.lr_scheduler_configs, client.get("lr_schedulers") or []):
-                cfg.scheduler.load_state_dict(state)
-        return client
+        return client  # Lightning restores the LR schedulers from client["lr_schedulers"] itself
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         return None  # loaded by the engine in load_checkpoint
