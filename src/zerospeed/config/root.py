@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from .base import Section, known_keys
 from .compression import GradientCompressionConfig
+from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
@@ -101,6 +102,12 @@ class ZeroSpeedConfig(Section):
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """Curriculum data sampling and random-LTD (``zerospeed/data_pipeline/``)."""
+    curriculum_learning: LegacyCurriculumConfig = Field(default_factory=LegacyCurriculumConfig)
+    """DeepSpeed's legacy sequence-length curriculum: ``curriculum_seqlen=`` into the model's forward."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    """``progressive_layer_drop=True, pld_theta=...`` into the model's forward."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod

@@ -372,6 +372,19 @@ def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
     return TensorParallelTraining(model, cfg.tensor_parallel, grid)
 
 
+def _data_efficiency(cfg: ZeroSpeedConfig, global_batch: int, pipelined: bool) -> Any:
+    """Curriculum / progressive layer drop / random-LTD schedules (data_pipeline/runtime.py), or None."""
+    from ..data_pipeline.runtime import DataEfficiency
+
+    state = DataEfficiency(cfg.curriculum_learning, cfg.progressive_layer_drop, cfg.data_efficiency, global_batch)
+    if not state.active:
+        return None
+    if pipelined:
+        raise NotSupportedYetError("curriculum_learning", "curriculum_learning, progressive_layer_drop and random-LTD "
+                                   "with a PipelineModule are not supported yet by zerospeed")
+    return state
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
@@ -469,6 +482,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine_cls = PipelineEngine
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
+    engine.data_efficiency = _data_efficiency(cfg, batch.train_batch_size, pipelined)
     if seq_grid is not None:
         engine.set_sequence_groups(seq_grid)
     if tp is not None:
