@@ -20,13 +20,19 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..config.data_efficiency import CurriculumScheduleSection
+from ..config.data_efficiency import (
+    CurriculumMetricConfig,
+    CurriculumScheduleConfig,
+    CurriculumScheduleSection,
+    LegacyCurriculumConfig,
+)
 
 _log = logging.getLogger("zerospeed.data_pipeline")
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
     """A validated copy of DeepSpeed's config dict (or of a config section)."""
+    section: LegacyCurriculumConfig | CurriculumMetricConfig | CurriculumScheduleSection
     if isinstance(config, CurriculumScheduleSection):
         section = config
     else:
@@ -35,9 +41,12 @@ def _as_dict(config: Any) -> dict[str, Any]:
             if key not in config:
                 raise ValueError(f"Curriculum learning requires the config '{key}'")
         section = CurriculumScheduleSection.parse_section({k: config[k] for k in keys if k in config}, "curriculum")
-    out = section.model_dump(include={"min_difficulty", "max_difficulty", "schedule_type"})
-    out["schedule_config"] = section.schedule_config.model_dump(exclude_none=True)
-    return out
+    sc: CurriculumScheduleConfig = section.schedule_config
+    schedule = {"total_curriculum_step": sc.total_curriculum_step, "difficulty_step": sc.difficulty_step,
+                "root_degree": sc.root_degree, "difficulty": sc.difficulty, "max_step": sc.max_step}
+    return {"min_difficulty": section.min_difficulty, "max_difficulty": section.max_difficulty,
+            "schedule_type": section.schedule_type,
+            "schedule_config": {k: v for k, v in schedule.items() if v is not None}}
 
 
 class CurriculumScheduler:

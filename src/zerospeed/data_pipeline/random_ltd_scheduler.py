@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..config.data_efficiency import RandomLTDConfig
+from ..config.data_efficiency import RandomLTDConfig, RandomLTDScheduleParams
 
 
 class RandomLTDScheduler:
@@ -34,9 +34,10 @@ class RandomLTDScheduler:
 
     def reset_to_init(self) -> None:
         sched = self.config_schedule
+        params: RandomLTDScheduleParams = sched.schedule_config
         self.state.update(min_value=sched.min_value, max_value=sched.max_value, current_value=sched.min_value,
-                          schedule_config=sched.schedule_config.model_dump(), schedule_type=sched.schedule_type,
-                          consumed_layer_tokens=0, current_steps=-1)
+                          schedule_config={"require_steps": params.require_steps, "seq_per_step": params.seq_per_step},
+                          schedule_type=sched.schedule_type, consumed_layer_tokens=0, current_steps=-1)
 
     def get_value(self, global_steps: int) -> int:
         sc = self.state["schedule_config"]

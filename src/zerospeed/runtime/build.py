@@ -470,7 +470,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
     loader = None
-    if training_data is not None:
+    if training_data is not None and cfg.data_efficiency.data_sampling.curriculum_learning.enabled:
+        from ..data_pipeline.sampler import build_curriculum_dataloader  # DeepSpeed's curriculum data sampler
+
+        loader = build_curriculum_dataloader(cfg.data_efficiency, training_data, batch.micro_batch_per_gpu, data_rank,
+                                             data_size, dp_group if seq_grid is None else seq_grid.get_data_parallel_group(),
+                                             batch.gradient_accumulation_steps, collate_fn, cfg.dataloader_drop_last)
+    elif training_data is not None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, data_rank, data_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
     if zero_opt is not None:
