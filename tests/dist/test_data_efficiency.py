@@ -141,3 +141,68 @@ def test_random_ltd_trains_with_its_token_schedule(tmp_path: Any) -> None:
         assert all(math.isfinite(x) for x in losses)
         # consumed layer-tokens: global batch 8 x (kept x 1 random-LTD layer + 16 x 1 full layer) per step
         assert state["consumed_layer_tokens"] == sum(8 * (k + 16) for k in kept)
+
+
+# --- curriculum data sampling ---------------------------------------------------------------------------
+N_SAMPLES = 200
+# DeepSpeed 0.19.8's DeepSpeedDataSampler on the same index files (made by write_metric_index below; DeepSpeed
+# reads them), seed 7, global batch 4 (micro 2 x gas 2 at world 1): its first 16 micro-batches.
+DS_BATCHES = {
+    "one": [[83, 3], [40, 0], [199, 79], [16, 39], [22, 166], [146, 103], [100, 129], [120, 123], [8, 156],
+            [62, 190], [196, 181], [155, 112], [90, 140], [78, 131], [54, 23], [31, 134]],
+    "two": [[80, 30], [120, 130], [140, 160], [100, 150], [156, 95], [162, 29], [155, 89], [43, 72], [189, 24],
+            [123, 82], [10, 92], [44, 101], [124, 175], [188, 137], [14, 151], [60, 33]],
+}
+
+
+def _metrics(name: str, index: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    (s1, m1), (s2, _) = index["seqlen"], index["vocab"]
+    seqlen = {"index_to_sample_path": s1, "index_to_metric_path": m1, "difficulty_type": "value",
+              "clustering_type": "schedule_based"}
+    if name == "one":
+        return {"seqlen": {**seqlen, "min_difficulty": 2, "max_difficulty": 10, "schedule_type": "fixed_linear",
+                           "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 2}}}
+    return {"seqlen": {**seqlen, "min_difficulty": 3, "max_difficulty": 10, "schedule_type": "fixed_discrete",
+                       "schedule_config": {"difficulty": [3, 6, 10], "max_step": [2, 4]}},
+            "vocab": {"index_to_sample_path": s2, "difficulty_type": "percentile", "clustering_type": "schedule_based",
+                      "min_difficulty": 40, "max_difficulty": 100, "schedule_type": "fixed_linear",
+                      "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 20}}}
+
+
+def _sampling_engine(name: str, index: dict[str, tuple[str, str]], clusters: str) -> tuple[Any, Any]:
+    import zerospeed
+    from torch.utils.data import TensorDataset
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "data_efficiency": {"enabled": True, "seed": 7, "data_sampling": {
+                  "enabled": True, "num_epochs": 2, "curriculum_learning": {
+                      "enabled": True, "data_cluster_path": clusters, "curriculum_metrics": _metrics(name, index)}}}}
+    engine, _, loader, _ = zerospeed.initialize(model=torch.nn.Linear(1, 1), config=config,
+                                                training_data=TensorDataset(torch.arange(N_SAMPLES)))
+    return engine, loader
+
+
+def _sampling(name: str, index: dict[str, tuple[str, str]], root: str) -> tuple[list[int], list[int]]:
+    engine, loader = _sampling_engine(name, index, f"{root}/clusters")
+    it = iter(loader)
+    first = [int(next(it)[0]) for _ in range(8)]
+    engine.save_checkpoint(f"{root}/ckpt")
+    engine2, loader2 = _sampling_engine(name, index, f"{root}/clusters")
+    engine2.load_checkpoint(f"{root}/ckpt")
+    it2 = iter(loader2)
+    return first, [int(next(it2)[0]) for _ in range(8)]
+
+
+@pytest.mark.parametrize("name", ["one", "two"])
+def test_curriculum_sampler_draws_deepspeeds_batches_and_resumes(name: str, tmp_path: Any) -> None:
+    import numpy as np
+
+    from zerospeed.data_pipeline import write_metric_index
+
+    i = np.arange(N_SAMPLES)
+    index = {"seqlen": write_metric_index((i * 7) % 10 + 1, str(tmp_path / "index"), "seqlen"),
+             "vocab": write_metric_index((i * 3) % 5, str(tmp_path / "index"), "vocab")}
+    (r0_first, r0_next), (r1_first, r1_next) = run_distributed(_sampling, 2, name, index, str(tmp_path), timeout=120)
+    got = [[a, b] for a, b in zip(r0_first + r0_next, r1_first + r1_next)]  # rank r takes sample r of each pair
+    assert got == DS_BATCHES[name]

@@ -476,7 +476,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = build_curriculum_dataloader(cfg.data_efficiency, training_data, batch.micro_batch_per_gpu, data_rank,
                                              data_size, dp_group if seq_grid is None else seq_grid.get_data_parallel_group(),
                                              batch.gradient_accumulation_steps, collate_fn, cfg.dataloader_drop_last)
-    elif training_data is not None:
+    elif cfg.data_efficiency.data_sampling.curriculum_learning.enabled:
+        warnings.warn("data_efficiency.data_sampling.curriculum_learning is enabled but initialize() got no "
+                      "training_data: the curriculum sampler drives only the training loader initialize() builds")
+    if training_data is not None and loader is None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, data_rank, data_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
     if zero_opt is not None:
