@@ -96,10 +96,15 @@ def _curriculum_and_pld(path: str) -> tuple[list[float], list[Any], list[float],
     again = _train(resumed, 2)
     # PLD: the forward of step g sees theta(g - 1) (1.0 for the first two steps), as DeepSpeed
     pld_engine = _engine({"progressive_layer_drop": PLD})
+    passed: list[Any] = []
+    pld_engine.module.register_forward_pre_hook(
+        lambda m, a, kw: passed.append((kw.get("progressive_layer_drop"), kw.get("pld_theta"))), with_kwargs=True)
     thetas = []
     for _ in range(4):
         _train(pld_engine, 1)
         thetas.append(pld_engine.get_pld_theta())
+    # the forwards of step g got theta(g - 1) (1.0 at steps 0 and 1)
+    assert passed == [(True, t) for t in [1.0, *thetas[:3]] for _ in range(GAS)]
     pld_engine.save_checkpoint(path + "_pld")
     pld_resumed = _engine({"progressive_layer_drop": PLD})
     pld_resumed.load_checkpoint(path + "_pld")
