@@ -21,7 +21,7 @@ CURRICULUM = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 4,
 # DeepSpeed: the forward at global_steps g gets update_difficulty(g + 1): floor((g+1)/4 * 12 + 4) down to x4
 SEQLEN_BY_STEP = [4, 8, 12, 16, 16]
 PLD = {"enabled": True, "theta": 0.5, "gamma": 0.1}
-RANDOM_LTD = {"data_routing": {"enabled": True, "random_ltd": {
+RANDOM_LTD = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
     "enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1, "random_ltd_layer_id": [1],
     "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
     "random_ltd_schedule": {"min_value": 4, "max_value": SEQ, "schedule_type": "fixed_linear",
@@ -127,6 +127,7 @@ def _random_ltd(path: str) -> tuple[list[int], list[float], dict[str, Any]]:
     from zerospeed.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
 
     engine = convert_to_random_ltd(_engine({"data_efficiency": RANDOM_LTD}), Block)
+    assert engine.random_ltd_enabled() and not engine.pld_enabled() and not engine.curriculum_enabled_legacy()
     kept: list[int] = []
     losses = []
     for _ in range(5):

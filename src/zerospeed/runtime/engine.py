@@ -306,6 +306,18 @@ class Engine(nn.Module):
         pld = getattr(self.data_efficiency, "progressive_layer_drop", None)
         return None if pld is None else pld.get_theta()
 
+    def pld_enabled(self) -> bool:
+        return self.config.progressive_layer_drop.enabled
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.config.curriculum_learning.enabled
+
+    def curriculum_learning_enabled(self) -> bool:
+        return self.config.data_efficiency.data_sampling.curriculum_learning.enabled
+
+    def random_ltd_enabled(self) -> bool:
+        return self.config.data_efficiency.data_routing.random_ltd.enabled
+
     @property
     def curriculum_scheduler_legacy(self) -> Any:
         return getattr(self.data_efficiency, "curriculum_scheduler_legacy", None)
