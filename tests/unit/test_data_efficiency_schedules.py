@@ -109,3 +109,19 @@ def test_sections_off_are_accepted_and_unfinished_keys_refused() -> None:
     with pytest.raises(NotSupportedYetError, match="layer_token_lr_schedule"):
         load_config({"train_batch_size": 1, "data_efficiency": {"data_routing": {"random_ltd": {
             "layer_token_lr_schedule": {"enabled": True}}}}})
+
+
+def test_indexed_files_round_trip_and_the_metric_index(tmp_path) -> None:
+    import numpy as np
+
+    from zerospeed.data_pipeline import read_indexed, write_indexed, write_metric_index
+
+    items = [np.array([3, 1, 2]), np.array([], dtype=np.int64), np.array([7])]
+    write_indexed(str(tmp_path / "x"), items, np.uint16)
+    back = read_indexed(str(tmp_path / "x"))
+    assert [a.tolist() for a in back] == [[3, 1, 2], [], [7]] and back[0].dtype == np.uint16
+    samples, metrics = write_metric_index([5, 2, 5, 9, 2], str(tmp_path / "idx"), "len")
+    assert [r.tolist() for r in read_indexed(samples)] == [[1, 4], [0, 2], [3]]  # by ascending value
+    assert [r.tolist() for r in read_indexed(metrics)] == [[2], [5], [9]]
+    with pytest.raises(ValueError, match="integer"):
+        write_metric_index([0.5, 1.5], str(tmp_path / "idx"), "float")
