@@ -131,3 +131,12 @@ def test_gpt_progressive_layer_drop_is_stochastic_depth_in_training_only() -> No
     assert calls.count(0) == 200 and 60 < calls.count(1) < 140
     model.eval()
     assert torch.equal(model(idx, progressive_layer_drop=True, pld_theta=0.0)[0], base)
+
+
+def test_convert_needs_the_engine_and_leaves_a_plain_model_alone() -> None:
+    from zerospeed.data_pipeline import convert_to_random_ltd
+
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="needs the engine"):
+        convert_to_random_ltd(model, Block)
+    assert not any(isinstance(m, RandomLayerTokenDrop) for m in model.modules())

@@ -123,15 +123,15 @@ class RandomLayerTokenDrop(nn.Module):
 def convert_to_random_ltd(model: Any, convert_type: type[nn.Module]) -> Any:
     """Wrap every ``convert_type`` submodule in ``RandomLayerTokenDrop``; ``model`` is the engine (or has a
     ``random_ltd_initialize``), which then picks the layers of ``random_ltd_layer_id``. Returns ``model``."""
+    if not callable(getattr(model, "random_ltd_initialize", None)):
+        raise ValueError("convert_to_random_ltd(model, ...) needs the engine zerospeed.initialize() returned (with "
+                         "data_efficiency.data_routing.random_ltd enabled), which configures the wrapped layers")
     inner = model.module if hasattr(model, "module") else model
     targets = [name for name, m in inner.named_modules() if isinstance(m, convert_type) and name]
     for name in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = inner.get_submodule(parent_name) if parent_name else inner
         setattr(parent, leaf, RandomLayerTokenDrop(getattr(parent, leaf)))
-    if not callable(getattr(model, "random_ltd_initialize", None)):
-        raise ValueError("convert_to_random_ltd(model, ...) needs the engine zerospeed.initialize() returned (with "
-                         "data_efficiency.data_routing.random_ltd enabled), which configures the wrapped layers")
     model.random_ltd_initialize()
     return model
 
