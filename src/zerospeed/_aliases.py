@@ -54,6 +54,15 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.sequence.layer": "zerospeed.parallel.sequence.layer",
     "zerospeed.runtime.sequence_parallel": "zerospeed.parallel.sequence",
     "zerospeed.runtime.sequence_parallel.ulysses_sp": "zerospeed.parallel.sequence.ulysses_sp",
+    "zerospeed.runtime.data_pipeline": "zerospeed.data_pipeline",
+    "zerospeed.runtime.data_pipeline.curriculum_scheduler": "zerospeed.data_pipeline.curriculum_scheduler",
+    "zerospeed.runtime.data_pipeline.data_routing": "zerospeed.data_pipeline.random_ltd",
+    "zerospeed.runtime.data_pipeline.data_routing.basic_layer": "zerospeed.data_pipeline.random_ltd",
+    "zerospeed.runtime.data_pipeline.data_routing.helper": "zerospeed.data_pipeline.random_ltd",
+    "zerospeed.runtime.data_pipeline.data_routing.scheduler": "zerospeed.data_pipeline.random_ltd_scheduler",
+    "zerospeed.runtime.progressive_layer_drop": "zerospeed.data_pipeline.progressive_layer_drop",
+    "zerospeed.ops.random_ltd": "zerospeed.data_pipeline.random_ltd",
+    "zerospeed.ops.random_ltd.dropping_utils": "zerospeed.data_pipeline.random_ltd",
 }
 
 

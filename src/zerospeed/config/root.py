@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from .base import Section, known_keys
 from .compression import GradientCompressionConfig
+from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
@@ -104,6 +105,12 @@ class ZeroSpeedConfig(Section):
     """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
     fp8: Fp8Config = Field(default_factory=Fp8Config)
     """zerospeed only: FP8 matmuls in the linear layers (config/fp8.py), and an FP8 weight all-gather under ZeRO-3."""
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """Curriculum data sampling and random-LTD (``zerospeed/data_pipeline/``)."""
+    curriculum_learning: LegacyCurriculumConfig = Field(default_factory=LegacyCurriculumConfig)
+    """DeepSpeed's legacy sequence-length curriculum: ``curriculum_seqlen=`` into the model's forward."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    """``progressive_layer_drop=True, pld_theta=...`` into the model's forward."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod

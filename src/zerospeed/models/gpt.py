@@ -125,9 +125,13 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, keep_prob: float = 1.0) -> torch.Tensor:
+        """``keep_prob`` < 1 (progressive layer drop): the block ran with this probability, so its residual
+        branches are scaled by ``1 / keep_prob`` to keep their expected contribution."""
+        h = self.attn(self.ln1(x))
+        x = x + (h if keep_prob == 1.0 else h / keep_prob)
+        h = self.mlp(self.ln2(x))
+        return x + (h if keep_prob == 1.0 else h / keep_prob)
 
 
 class GPT(nn.Module):
@@ -159,15 +163,34 @@ class GPT(nn.Module):
             std = resid_std if name.endswith("proj.weight") else 0.02
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
+    def _drop_layers(self, x: torch.Tensor, theta: float) -> torch.Tensor:
+        """Stochastic depth: block ``i`` runs with probability ``p_i = 1 - i * (1 - theta) / n_layer``."""
+        step = (1.0 - theta) / len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            keep = 1.0 - i * step
+            if keep >= 1.0 or float(torch.rand(())) < keep:
+                x = block(x, keep_prob=keep)
+        return x
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (the tied head counted once); ``non_embedding`` drops the position table."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        curriculum_seqlen: int | None = None, progressive_layer_drop: bool = False, pld_theta: float = 1.0,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``position_ids`` (default ``0..t-1``): positions of ``idx``'s tokens, e.g. a sequence shard's."""
+        """``position_ids`` (default ``0..t-1``): positions of ``idx``'s tokens, e.g. a sequence shard's.
+
+        The engine's data-efficiency arguments (DeepSpeed's names): ``curriculum_seqlen`` keeps the first
+        that many tokens of ``idx``, ``targets`` and ``position_ids`` (Megatron's sequence-length curriculum);
+        ``progressive_layer_drop`` with ``pld_theta`` skips block ``i`` with probability ``i * (1 - theta) / L``
+        in training (stochastic depth as in DeepSpeed's PLD BERT example; the first block always runs)."""
+        if curriculum_seqlen is not None and curriculum_seqlen < idx.size(1):
+            idx = idx[:, :curriculum_seqlen]
+            targets = None if targets is None else targets[:, :curriculum_seqlen]
+            position_ids = None if position_ids is None else position_ids[..., :curriculum_seqlen]
         t = idx.size(1)
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
@@ -175,8 +198,11 @@ class GPT(nn.Module):
         if position_ids is not None and int(pos.max()) >= self.config.block_size:
             raise ValueError(f"position {int(pos.max())} exceeds block_size {self.config.block_size}")
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        if progressive_layer_drop and self.training:
+            x = self._drop_layers(x, pld_theta)
+        else:
+            for block in self.blocks:
+                x = block(x)
         if targets is not None and self.config.tiled_loss_shards > 1:
             loss = fused_logits_loss(self.ln_f(x), self.lm_head, shift_labels=targets,
                                      shards=self.config.tiled_loss_shards)

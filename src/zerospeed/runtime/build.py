@@ -389,6 +389,19 @@ def _tensor_parallel(cfg: ZeroSpeedConfig, model: nn.Module, grid: Any) -> Any:
     return TensorParallelTraining(model, cfg.tensor_parallel, grid)
 
 
+def _data_efficiency(cfg: ZeroSpeedConfig, global_batch: int, pipelined: bool) -> Any:
+    """Curriculum / progressive layer drop / random-LTD schedules (data_pipeline/runtime.py), or None."""
+    from ..data_pipeline.runtime import DataEfficiency
+
+    state = DataEfficiency(cfg.curriculum_learning, cfg.progressive_layer_drop, cfg.data_efficiency, global_batch)
+    if not state.active:
+        return None
+    if pipelined:
+        raise NotSupportedYetError("curriculum_learning", "curriculum_learning, progressive_layer_drop and random-LTD "
+                                   "with a PipelineModule are not supported yet by zerospeed")
+    return state
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
@@ -478,7 +491,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     comm.COMMS_LOGGER.configure(cfg.comms_logger.enabled, cfg.comms_logger.verbose, cfg.comms_logger.prof_all,
                                 cfg.comms_logger.prof_ops, cfg.comms_logger.debug)
     loader = None
-    if training_data is not None:
+    if training_data is not None and cfg.data_efficiency.data_sampling.curriculum_learning.enabled:
+        from ..data_pipeline.sampler import build_curriculum_dataloader  # DeepSpeed's curriculum data sampler
+
+        loader = build_curriculum_dataloader(cfg.data_efficiency, training_data, batch.micro_batch_per_gpu, data_rank,
+                                             data_size, dp_group if seq_grid is None else seq_grid.get_data_parallel_group(),
+                                             batch.gradient_accumulation_steps, collate_fn, cfg.dataloader_drop_last)
+    elif cfg.data_efficiency.data_sampling.curriculum_learning.enabled:
+        warnings.warn("data_efficiency.data_sampling.curriculum_learning is enabled but initialize() got no "
+                      "training_data: the curriculum sampler drives only the training loader initialize() builds")
+    if training_data is not None and loader is None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, data_rank, data_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
     if zero_opt is not None:
@@ -491,6 +513,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
     engine.fp8_modules = fp8_modules  # names of the linears computing in FP8 (the fp8 section)
+    engine.data_efficiency = _data_efficiency(cfg, batch.train_batch_size, pipelined)
     if seq_grid is not None:
         engine.set_sequence_groups(seq_grid)
     if tp is not None:

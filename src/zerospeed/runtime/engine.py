@@ -32,6 +32,7 @@ from .observer import StepObserver
 
 class Engine(nn.Module):
     zero3: Any = None  # ZeRO-3 runtime (zero.stage3.Stage3Runtime) when stage 3 is on; set by build.py
+    data_efficiency: Any = None  # curriculum / PLD / random-LTD (data_pipeline.runtime.DataEfficiency); build.py
     def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes,
                  optimizer: ZeroOptimizer | None, lr_scheduler: Any, dp_group: comm.Group | None,
                  device: torch.device, compute_dtype: torch.dtype, training_dataloader: Any = None) -> None:
@@ -227,6 +228,8 @@ class Engine(nn.Module):
             self.observer.forward_start()
             if self.config.fp16.auto_cast:
                 inputs = cast_inputs_half(inputs)
+            if self.data_efficiency is not None:  # curriculum_seqlen=, progressive_layer_drop=, pld_theta=
+                kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             out = self.module(*inputs, **kwargs)
             self.observer.forward_end()
         return out
@@ -276,6 +279,8 @@ class Engine(nn.Module):
                                "another engine's backward stay in p.grad; clear them with zero_grad())")
         if boundary:
             self.backwards_in_window = 0
+            if self.data_efficiency is not None:
+                self.data_efficiency.on_step_boundary(self.global_steps)
             applied = self.optimizer.step()
             self._accumulating = False
             self._step_applied = applied
@@ -295,6 +300,45 @@ class Engine(nn.Module):
 
     def was_step_applied(self) -> bool:
         return self._step_applied
+
+    # --- data efficiency (data_pipeline/; DeepSpeed's names) ------------------------------------------
+    def get_pld_theta(self) -> float | None:
+        pld = getattr(self.data_efficiency, "progressive_layer_drop", None)
+        return None if pld is None else pld.get_theta()
+
+    def pld_enabled(self) -> bool:
+        return self.config.progressive_layer_drop.enabled
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.config.curriculum_learning.enabled
+
+    def curriculum_learning_enabled(self) -> bool:
+        return self.config.data_efficiency.data_sampling.curriculum_learning.enabled
+
+    def random_ltd_enabled(self) -> bool:
+        return self.config.data_efficiency.data_routing.random_ltd.enabled
+
+    @property
+    def curriculum_scheduler_legacy(self) -> Any:
+        return getattr(self.data_efficiency, "curriculum_scheduler_legacy", None)
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        return getattr(self.data_efficiency, "random_ltd_scheduler", None)
+
+    def random_ltd_initialize(self) -> None:
+        """Configure the ``RandomLayerTokenDrop`` layers of ``random_ltd_layer_id`` (``convert_to_random_ltd``)."""
+        if self.random_ltd_scheduler is None:
+            raise ValueError("random_ltd_initialize() needs data_efficiency.data_routing.random_ltd.enabled: true")
+        from ..data_pipeline.random_ltd import init_random_ltd_layers
+
+        init_random_ltd_layers(self.module, self.data_efficiency.random_ltd_config, self.random_ltd_scheduler)
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict[str, Any]) -> None:
+        """``{metric: fn(step) -> difficulty}`` for the curriculum sampler's metrics of schedule_type custom."""
+        sampler = getattr(self.training_dataloader, "data_sampler", None)
+        if sampler is not None and hasattr(sampler, "set_custom_curriculum_learning_schedule"):
+            sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
 
     # --- state queries ----------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

@@ -153,3 +153,5 @@ def _load_training_state(engine: Any, meta: dict[str, Any], reader: Any, names: 
     loader = engine.training_dataloader
     if meta.get("data") is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(meta["data"])
+    if meta.get("data_efficiency") is not None and engine.data_efficiency is not None:
+        engine.data_efficiency.load_state_dict(meta["data_efficiency"])

@@ -99,6 +99,8 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
                    "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
                    "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "data": to_json(loader.state_dict(), "dataloader") if hasattr(loader, "state_dict") else None,
+        "data_efficiency": None if engine.data_efficiency is None else
+        to_json(engine.data_efficiency.state_dict(), "data_efficiency"),
         "client_state": client_json,
     }
     snap.json_files[layout.META] = meta
