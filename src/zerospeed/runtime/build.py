@@ -238,7 +238,8 @@ def _gradients_off_device(cfg: ZeroSpeedConfig, live: list[ShardedGroup]) -> boo
     files), cpu offload with the model on an accelerator (to host partitions)."""
     device = cfg.zero_optimization.offload_optimizer.device
     on_accelerator = any(g.device.type != "cpu" for g in live)
-    return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator)
+    partial = cfg.zero_optimization.offload_optimizer.ratio < 1.0  # the device share steps device gradients
+    return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator and not partial)
 
 
 def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
