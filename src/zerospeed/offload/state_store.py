@@ -77,6 +77,12 @@ class HostStore:
                 state[mp] = {**(st or {}), "step": self.steps[gi], **mine}
         return loaded
 
+    def replaced(self) -> bool:
+        """Whether something (a checkpoint load) put other tensors in ``optimizer.state`` since ``adopt``."""
+        state = self.optimizer.state
+        return any(state.get(mp) is None or any(state[mp].get(k) is not v for k, v in self.views[gi][i].items())
+                   for gi, g in enumerate(self.groups) for i, mp in enumerate(g.master_params))
+
     def host_bytes(self) -> int:
         return sum(t.numel() * 4 for d in self.flat for t in d.values())
 

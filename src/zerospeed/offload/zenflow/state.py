@@ -3,13 +3,15 @@
 Per master parameter, element-wise (so it reshards like ``exp_avg``): ``zenflow_selected`` (1 where the
 element is selected), ``zenflow_<key>`` for the device-side optimizer state of the selected elements (0
 elsewhere) and ``zenflow_accum`` (the gradients accumulated for the host). Plain values, the same on every
-rank: the iteration, the accumulated count, the device-side step count, the ``auto`` rule's counters and,
-for a 2-D weight, its selected columns (``"3,7,12"``) and ``auto`` sums. The entries exist only from a save
+rank: the iteration, the accumulated count, the device-side step count, the ``auto`` rule's counters,
+whether an overlapped host update is done but not applied (``zenflow_cpu_master``, element-wise, holds its
+result) and, for a 2-D weight, its selected columns (``"3,7,12"``) and ``auto`` sums. The entries exist only from a save
 to the next step, which removes them (or adopts them, after a load).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +54,7 @@ class ZenFlowCheckpoint:
                     st[k][idx] = z.sel_state[gi][k].cpu()
             flats.append((mask, st))
         auto = z.auto
-        common: dict[str, Any] = {"iteration": z.t, "accumulated": z.n, "selective_step": float(z.sel_step),
+        common: dict[str, Any] = {"pending": z.pending is not None, "iteration": z.t, "accumulated": z.n, "selective_step": float(z.sel_step),
                                   "auto_steps": auto.steps if auto is not None else 0}
         slots = self._matrix_slots()
         cols = {(gi, m.index): c for gi, lay in enumerate(z.layouts) for m, c in zip(lay.matrices, z.columns[gi])}
@@ -61,6 +63,8 @@ class ZenFlowCheckpoint:
             g, (mask, st) = z.groups[gi], flats[gi]
             entry: dict[str, Any] = {PREFIX + "selected": g.slot_view(mask, i), PREFIX + "accum": g.slot_view(z.accum[gi], i)}
             entry.update({PREFIX + k: g.slot_view(v, i) for k, v in st.items()})
+            if z.cpu_master:  # overlap_step: the host update's own master (its last update maybe not applied yet)
+                entry[PREFIX + "cpu_master"] = g.slot_view(z.cpu_master[gi], i)
             entry.update({PREFIX + k: v for k, v in common.items()})
             if (gi, i) in cols:
                 entry[PREFIX + "columns"] = ",".join(str(int(c)) for c in cols[(gi, i)])
@@ -113,5 +117,15 @@ class ZenFlowCheckpoint:
                 rest[j] = float(by_param.get((gi, i), {}).get(PREFIX + "non_critical", 0.0))
             z.auto.avg_critical, z.auto.non_critical = avg, rest
             z.auto.steps = int(first[PREFIX + "auto_steps"])
-        for c, g in zip(z.cpu_master, z.groups):
+        saved_cpu = all(PREFIX + "cpu_master" in st for _, _, _, st in found)
+        for gi, (c, g) in enumerate(zip(z.cpu_master, z.groups)):
             c.copy_(g.master)  # type: ignore[arg-type]
+            if saved_cpu:
+                for fgi, i, _, st in found:
+                    if fgi == gi:
+                        view = g.slot_view(c, i)
+                        view.copy_(st[PREFIX + "cpu_master"].reshape(view.shape))
+        if z.cpu_master and saved_cpu and bool(first.get(PREFIX + "pending", False)):
+            done: Future[None] = Future()  # the saved host update is done; it reaches the model at the next one
+            done.set_result(None)
+            z.pending = done

@@ -11,7 +11,7 @@ Per rank, on its flat fp32 master partition ``M`` and reduced (unscaled, clipped
   ``t + 1``, DeepSpeed's ``step_id``), the selected elements keep their device-side values, ``A`` restarts.
   With ``overlap_step`` the host update runs in a worker thread on its own copy ``C`` of the master while the
   next steps train; its result reaches ``M`` (all but ``S``) at the next host update: one interval stale
-  (a reselection, or a checkpoint save, first waits for it and applies it).
+  (a reselection first waits for it and applies it; a checkpoint save waits for it and saves it unapplied).
 
 The write-back after each step all-gathers ``M`` into the model, so the model sees ``S`` move every step.
 Checkpoints: ``sync_for_checkpoint`` finishes a pending host update and writes ZenFlow's own state into
@@ -74,6 +74,8 @@ class ZenFlowStepper(OffloadStepper):
     # --- the step ------------------------------------------------------------------------------------
     def _step_host(self, grads: list[torch.Tensor]) -> None:
         assert self.host is not None
+        if self.pending is not None and self.host.replaced():
+            self._drop_pending()  # a checkpoint was loaded: the update in flight belongs to the old state
         self.host.adopt()
         self.ckpt.adopt()
         t = self.t
@@ -203,10 +205,23 @@ class ZenFlowStepper(OffloadStepper):
             a.zero_()
         self.host_updates += 1
 
+    @torch.no_grad()
+    def _drop_pending(self) -> None:
+        assert self.pending is not None
+        pending, self.pending = self.pending, None
+        pending.exception()  # wait; its result (and any error) is discarded
+        for a in self.spare:
+            a.zero_()
+        for c, g in zip(self.cpu_master, self.groups):
+            c.copy_(g.master)  # type: ignore[arg-type]
+
     # --- checkpoints, accounting, lifecycle ----------------------------------------------------------
     def sync_for_checkpoint(self) -> None:
+        """Let the host update in flight finish (it is saved as done but not yet applied, so a save does not
+        change the run) and write ZenFlow's state into ``optimizer.state``."""
         super().sync_for_checkpoint()
-        self._finish_pending()
+        if self.pending is not None:
+            self.pending.result()
         self.ckpt.write()
 
     def state_bytes_by_home(self) -> dict[str, int]:
