@@ -150,3 +150,22 @@ def _lamb() -> str:
 def test_zenflow_refuses_an_optimizer_without_flat_kernel() -> None:
     msg = run_distributed(_lamb, 1, timeout=60)[0]
     assert "zenflow" in msg and "Lamb" in msg and "not supported yet" in msg
+
+
+def _epoch_from_loader() -> int:
+    import zerospeed
+
+    model = make_model()
+    data = torch.utils.data.TensorDataset(torch.randn(24, 8), torch.randn(24, 4))
+    _, opt, loader, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), training_data=data,
+                                            config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                                                          "zenflow": {"select_strategy": "epoch",
+                                                                                      "select_interval": 2}}})
+    assert len(loader) == 12  # world 1: 24 samples / micro-batch 2
+    return opt.stepper.schedule.select_interval
+
+
+def test_zenflow_epoch_length_comes_from_the_training_data() -> None:
+    assert run_distributed(_epoch_from_loader, 1, timeout=60)[0] == 2 * 12 // 2  # 2 epochs of 6 optimizer steps
