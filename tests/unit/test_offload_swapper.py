@@ -113,7 +113,9 @@ def test_offload_config_sections() -> None:
     assert not load_config({"train_batch_size": 8}, 2).zero_optimization.offload_optimizer.enabled
     bad = [({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "needs nvme_path"),
            ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "device"),
-           ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "partial offload"),
+           ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.3}}},
+            "partial offload.*nvme"),
+           ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}}, "ratio"),
            ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_cnt": 3}}}, "buffer_count"),
            ({"aio": {"use_gds": True}}, "GPUDirect"),
            ({"aio": {"block_size": 1000}}, "multiple of 4096")]

@@ -27,7 +27,10 @@ class OffloadOptimizerConfig(Section):
 
     ``buffer_count`` host buffers stream the ``nvme`` state (``buffer_count - 2`` sub-groups read ahead, one
     written behind; at least 3); ``pin_memory`` pins them and the host gradient partitions (CUDA only);
-    ``ratio`` below 1 (partial offload) is not supported yet. ``fast_init`` and ``pipeline_read`` /
+    ``ratio`` (DeepSpeed's partial offload, Offload++) is the fraction of the optimizer's sub-groups stepped on
+    the host: the first ``int((1 - ratio) * n)`` of the ``n`` sub-groups keep their master and state on the
+    device and step there, in parallel with the host step of the rest (``offload/partial.py``); ``device: cpu``
+    only. ``fast_init`` and ``pipeline_read`` /
     ``pipeline_write`` are performance hints whose effect zerospeed always has: the master is written
     straight into the swap files and the zero state only reserved (fallocate), and sub-group reads and
     writes always overlap the step (DeepSpeed's ``false`` only turns that overlap off).
@@ -40,7 +43,7 @@ class OffloadOptimizerConfig(Section):
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
-    ratio: float = Field(1.0, gt=0.0, le=1.0)
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
 
     @field_validator("device", mode="before")
     @classmethod
@@ -54,8 +57,9 @@ class OffloadOptimizerConfig(Section):
         if self.device == "nvme" and self.buffer_count < 3:
             raise ValueError(f"device 'nvme' needs buffer_count >= 3 (read-ahead, update, write-behind), got "
                              f"{self.buffer_count}")
-        if self.device != "none" and self.ratio != 1.0:
-            raise ValueError(f"ratio {self.ratio} (partial offload) is not supported yet by zerospeed; use 1.0")
+        if self.device == "nvme" and self.ratio != 1.0:
+            raise ValueError(f"ratio {self.ratio} (partial offload) with device 'nvme' is not supported yet by "
+                             "zerospeed; use device 'cpu' or ratio 1.0")
         return self
 
     @property

@@ -43,7 +43,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.parallel_write": "pipeline-stage parallel checkpoint writes (checkpoint.parallel_write)",
     "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
-    "zero_optimization.zenflow": "ZenFlow",
+    "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
+                                                         "ZenFlow optimizer process)",
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",
     "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",
@@ -74,6 +75,7 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "checkpoint.checkpoint_serialization": (None, True),
     "zero_optimization.mics_shard_size": (None, -1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
+    "zero_optimization.zenflow.pt_reserved_cores_perc": (None, 0.5),
 }
 
 

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
+from .zenflow import ZenFlowConfig
 
 _AUTO_DEFAULTS = {
     "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -71,6 +72,8 @@ class ZeroConfig(Section):
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     # ZeRO-Infinity: stage-3 parameter shards on the host or on disk (config/offload.py).
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    # ZenFlow: top-k columns stepped on the device, the rest accumulated for the host (config/zenflow.py).
+    zenflow: ZenFlowConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -119,6 +122,18 @@ class ZeroConfig(Section):
         if v == "auto":
             return _AUTO_DEFAULTS[info.field_name]  # type: ignore[attr-defined]
         return v
+
+    @model_validator(mode="after")
+    def _zenflow_needs_cpu_offload(self) -> "ZeroConfig":
+        if self.zenflow is None:
+            return self
+        if self.offload_optimizer.device != "cpu":
+            raise ValueError("zenflow needs offload_optimizer.device 'cpu' (as in DeepSpeed: ZenFlow splits a "
+                             f"CPU-offloaded step), got '{self.offload_optimizer.device}'")
+        if self.offload_optimizer.ratio < 1.0:
+            raise ValueError("zenflow with offload_optimizer.ratio < 1 (partial offload) is not supported yet by "
+                             "zerospeed; use one of them")
+        return self
 
     @model_validator(mode="after")
     def _zeropp_needs_stage3(self) -> "ZeroConfig":

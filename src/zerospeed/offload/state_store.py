@@ -55,9 +55,11 @@ class HostStore:
         return {k: [self.flat[sg.gi][k][x:y] for x, y in sg.pieces] for k in self.kernel.state_keys}
 
     @torch.no_grad()
-    def adopt(self) -> None:
-        """Point ``optimizer.state`` at our buffers, first copying in any tensors placed there (a load)."""
+    def adopt(self) -> bool:
+        """Point ``optimizer.state`` at our buffers, first copying in any tensors placed there (a load);
+        returns whether anything was copied in."""
         state = self.optimizer.state
+        loaded = False
         for gi, g in enumerate(self.groups):
             for i, mp in enumerate(g.master_params):
                 st = state.get(mp)
@@ -65,6 +67,7 @@ class HostStore:
                 if st is not None and st.get("step") is not None and st["step"] is not self.steps[gi]:
                     self.steps[gi].fill_(float(st["step"]))
                 if st is None or any(st.get(k) is not v for k, v in mine.items()):
+                    loaded = loaded or st is not None
                     for k, v in mine.items():
                         src = None if st is None else st.get(k)
                         if torch.is_tensor(src):
@@ -72,6 +75,13 @@ class HostStore:
                         elif st is not None:  # a missing key starts fresh, as in torch
                             v.fill_(self.kernel.initial(k, self.optimizer.param_groups[gi]))
                 state[mp] = {**(st or {}), "step": self.steps[gi], **mine}
+        return loaded
+
+    def replaced(self) -> bool:
+        """Whether something (a checkpoint load) put other tensors in ``optimizer.state`` since ``adopt``."""
+        state = self.optimizer.state
+        return any(state.get(mp) is None or any(state[mp].get(k) is not v for k, v in self.views[gi][i].items())
+                   for gi, g in enumerate(self.groups) for i, mp in enumerate(g.master_params))
 
     def host_bytes(self) -> int:
         return sum(t.numel() * 4 for d in self.flat for t in d.values())

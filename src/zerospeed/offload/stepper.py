@@ -23,6 +23,7 @@ a checkpoint).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -39,6 +40,7 @@ from .grad_sink import GRAD, HostGrads, SwappedGrads
 from .master_home import MASTER, SwappedMaster
 from .preflight import check_nvme_path
 from .state_store import HostStore, SwappedState, state_layout, state_views
+from .partial import DeviceShare, HostWorker, split_subgroups
 from .subgroups import SubGroup, plan_subgroups
 from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
 
@@ -105,13 +107,38 @@ class OffloadStepper:
         # 2-3) or host partitions (cpu offload on an accelerator); None on a CPU-only machine under cpu offload.
         self.sink: SwappedGrads | HostGrads | None = None
         self.stream_grads = stream_grads
+        self.share: DeviceShare | None = None  # partial offload: the sub-groups stepped on the device
+        self.worker: HostWorker | None = None
+        self.host_thread = ""  # the thread that ran the last host step (a worker thread under partial offload)
         if cfg.device == "cpu":
             if self.kernel is not None:
                 self.host = HostStore(groups, optimizer, self.kernel, self.steps)
+            if cfg.ratio < 1.0:
+                self._init_partial()
             if stream_grads:  # on an accelerator: the gradient partitions live on the host too
                 self.sink = HostGrads([g.plan.partition_numel for g in groups], cfg.pin_memory, get_accelerator())
         else:
             self._init_nvme(aio, rank)
+
+    def _init_partial(self) -> None:
+        if self.kernel is None or self.host is None:
+            raise ConfigError(f"{KEY}.ratio", f"partial offload (ratio {self.cfg.ratio}) steps Adam, AdamW or Adagrad "
+                                              f"on both sides; {type(self.optimizer).__name__} is not supported yet by "
+                                              "zerospeed with ratio < 1 (use ratio 1)")
+        jobs = [sg for sgs in self.subgroups for sg in sgs]
+        device_jobs, self.host_jobs = split_subgroups(jobs, self.cfg.ratio)
+        self.share = DeviceShare(device_jobs, self.host, self.kernel, self.groups[0].device)
+
+    def sync_for_checkpoint(self) -> None:
+        """Bring state held on the device (partial offload on an accelerator) into ``optimizer.state``."""
+        if self.share is not None:
+            self.share.flush()
+
+    def state_bytes_by_home(self) -> dict[str, int]:
+        """Optimizer state bytes by where the step uses it: ``device`` (partial offload's device share) and
+        ``host`` (offloaded). Accounting, not measurement."""
+        device = 0 if self.share is None else self.share.state_bytes()
+        return {"device": device, "host": self.host_state_bytes() - device}
 
     def _init_nvme(self, aio: AioConfig, rank: int) -> None:
         if self.kernel is None:
@@ -188,10 +215,28 @@ class OffloadStepper:
 
     def _step_host(self, grads: list[torch.Tensor]) -> None:
         assert self.host is not None and self.kernel is not None
-        self.host.adopt()
+        if self.host.adopt() and self.share is not None:
+            self.share.reload()  # a checkpoint load put new state in the host store
         self._begin()
+        if self.share is None:
+            self._host_jobs(grads, [sg for sgs in self.subgroups for sg in sgs])
+            return
+        if self.worker is None:
+            self.worker = HostWorker()
+        host_half = self.worker.submit(lambda: self._host_jobs(grads, self.host_jobs))
+        t0 = time.perf_counter()
+        try:
+            self.share.step(grads, self.steps, self.optimizer.param_groups)
+        finally:
+            t_device = time.perf_counter() - t0
+            host_half.result()  # re-raises the host half's error, after the device half is done
+        self.last_stats = {"device_s": t_device, "step_s": time.perf_counter() - t0,
+                           "device_subgroups": float(len(self.share.jobs)), "host_subgroups": float(len(self.host_jobs))}
+
+    def _host_jobs(self, grads: list[torch.Tensor], jobs: list[SubGroup]) -> None:
+        assert self.host is not None and self.kernel is not None
+        self.host_thread = threading.current_thread().name
         stager = _GradStager(grads, self.cfg.pin_memory)
-        jobs = [sg for sgs in self.subgroups for sg in sgs]
         for j, sg in enumerate(jobs):
             if j + 1 < len(jobs):
                 stager.prefetch(j + 1, jobs[j + 1])
@@ -300,6 +345,9 @@ class OffloadStepper:
         """Remove the swap files. With ``restore`` a parked master is first read back into memory (the model
         stays trainable); a run that is finishing passes ``restore=False`` (a master larger than RAM would
         not fit back)."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
         if self.swapper is not None:
             if restore and not self.broken:
                 for g in self.groups:

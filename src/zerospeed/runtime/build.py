@@ -206,6 +206,7 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
     offload_device = cfg.zero_optimization.offload_optimizer.device
     on_disk = offload_device == "nvme" and cfg.zero_stage > 0
     separate = offload_device != "none" and get_accelerator().device().type != "cpu"
+    separate = separate or cfg.zero_optimization.zenflow is not None  # ZenFlow steps a flat master
     for g in raw_groups:
         trainable = [p for p in g["params"] if p.requires_grad]
         options.append({k: v for k, v in g.items() if k != "params"})
@@ -238,7 +239,8 @@ def _gradients_off_device(cfg: ZeroSpeedConfig, live: list[ShardedGroup]) -> boo
     files), cpu offload with the model on an accelerator (to host partitions)."""
     device = cfg.zero_optimization.offload_optimizer.device
     on_accelerator = any(g.device.type != "cpu" for g in live)
-    return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator)
+    partial = cfg.zero_optimization.offload_optimizer.ratio < 1.0  # the device share steps device gradients
+    return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator and not partial)
 
 
 def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
@@ -270,8 +272,17 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     if zcfg.offload_optimizer.enabled:
         from ..offload import OffloadStepper
 
-        zero_opt.stepper = OffloadStepper(live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group,
-                                          dp_rank, stream_grads=settings.partition_sink)
+        stepper_args = (live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group, dp_rank)
+        if zcfg.zenflow is not None:
+            from ..offload.zenflow import ZenFlowStepper
+
+            if moe is not None:
+                raise NotSupportedYetError("zero_optimization.zenflow", "ZenFlow with MoE expert parameters is not "
+                                           "supported yet by zerospeed")
+
+            zero_opt.stepper = ZenFlowStepper(*stepper_args, stream_grads=settings.partition_sink, zenflow=zcfg.zenflow)
+        else:
+            zero_opt.stepper = OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
         reducer.sink = zero_opt.stepper.sink  # where reduced gradients go instead of device partitions (or None)
     return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
 
@@ -503,6 +514,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None and loader is None:
         loader = build_dataloader(training_data, batch.micro_batch_per_gpu, data_rank, data_size, collate_fn,
                                   cfg.dataloader_drop_last, seed=cfg.seed or 0)
+        if hasattr(getattr(zero_opt, "stepper", None), "set_steps_per_epoch") and hasattr(loader.dataset, "__len__"):
+            zero_opt.stepper.set_steps_per_epoch(len(loader) // batch.gradient_accumulation_steps)  # ZenFlow's epochs
     if zero_opt is not None:
         zero_opt.reducer.names = {p: n for n, p in model.named_parameters()}
     engine_cls: type[Engine] = Engine

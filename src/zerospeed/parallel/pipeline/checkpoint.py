@@ -72,6 +72,8 @@ def save_pipeline_checkpoint(engine: Any, save_dir: str, tag: Any = None, client
     names = names_by_id(module)
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
+    if getattr(engine.optimizer, "stepper", None) is not None:  # partial offload / ZenFlow: their state in opt.state
+        engine.optimizer.stepper.sync_for_checkpoint()
     tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, async_save,
                                                   dp_rank)
     skip = _replicated_names(engine)  # tied copies: the first stage holding the tie writes them

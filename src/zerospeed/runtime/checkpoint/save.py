@@ -61,6 +61,9 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     names = names_by_id(engine.module)
     groups = _groups(engine)
     opt = engine.optimizer.optimizer if engine.optimizer is not None else None
+    stepper = getattr(engine.optimizer, "stepper", None)
+    if stepper is not None:  # partial offload on an accelerator: device-held state into optimizer.state
+        stepper.sync_for_checkpoint()
     dp_rank = comm.get_rank(engine.dp_group)
     tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, dp_rank)
     if save_group(engine) is not engine.dp_group:  # tensor parallelism: replicated tensors by the first tp rank
