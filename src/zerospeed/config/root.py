@@ -16,6 +16,7 @@ from .compression import GradientCompressionConfig
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
+from .compile import CompileConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
 from .offload import AioConfig
@@ -101,6 +102,8 @@ class ZeroSpeedConfig(Section):
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """``engine.compile()``: torch.compile of the model; DeepCompile's keys are refused (config/compile.py)."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod
@@ -278,6 +281,7 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
         if cfg.elasticity.enabled:
             _check_elastic_batch_keys(cfg, raw["elasticity"])
         cfg._raw = written
+        cfg.compile.refuse_unsupported()
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:

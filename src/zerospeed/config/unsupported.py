@@ -35,7 +35,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "eigenvalue": "eigenvalue computation",
     "progressive_layer_drop": "progressive layer drop",
     "hybrid_engine": "the hybrid (RLHF) engine",
-    "compile": "the compile section (torch.compile of the engine)",
     "weight_quantization": "weight quantization",
     "comet": "the Comet monitor",
     "timers": "the timers section (throughput timer options)",
