@@ -281,7 +281,6 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
         if cfg.elasticity.enabled:
             _check_elastic_batch_keys(cfg, raw["elasticity"])
         cfg._raw = written
-        cfg.compile.refuse_unsupported()
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:
