@@ -16,25 +16,28 @@ from zerospeed.testing import run_distributed
 from .parity import make_model, micro_batch, param_groups, reference_losses
 
 STEPS, MB, LR = 3, 2, 1e-2
-# (name, zero_optimization section); tiny buckets and persistence threshold so stage 3 really partitions
+# (name, zero_optimization section, gradient accumulation steps); tiny buckets and persistence threshold so
+# stage 3 really partitions
 CASES = [
-    ("z0", {"stage": 0}),
-    ("z1", {"stage": 1, "reduce_bucket_size": 200}),
-    ("z2", {"stage": 2, "reduce_bucket_size": 200}),
-    ("z3", {"stage": 3, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 0}),
+    ("z0", {"stage": 0}, 1),
+    ("z1", {"stage": 1, "reduce_bucket_size": 200}, 1),
+    ("z2", {"stage": 2, "reduce_bucket_size": 200}, 2),
+    ("z3", {"stage": 3, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 0}, 1),
     ("z3-offload", {"stage": 3, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 0,
-                    "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+                    "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, 2),
 ]
 
 
-def _train(zero: dict[str, Any], backend: Any) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+def _train(zero: dict[str, Any], backend: Any, gas: int = 1) -> tuple[list[float], dict[str, torch.Tensor],
+                                                                     dict[str, Any]]:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from zerospeed import comm
 
     world, rank = comm.get_world_size(), comm.get_rank()
     model = make_model()
-    config = {"train_micro_batch_size_per_gpu": MB, "gradient_clipping": 1.0, "zero_optimization": zero,
+    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+              "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8}}}
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     facts: dict[str, Any] = {"before": engine.is_compiled}
@@ -48,12 +51,14 @@ def _train(zero: dict[str, Any], backend: Any) -> tuple[list[float], dict[str, t
         facts["compiled_module"] = engine.module._compiled_call_impl is not None
     losses, facts["graphs"] = [], []
     for step in range(STEPS):
-        x, y = micro_batch(step, 0, rank, world, MB, 1)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        total = torch.zeros(())
+        for micro in range(gas):
+            x, y = micro_batch(step, micro, rank, world, MB, gas)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / gas
         facts["graphs"].append(counter.frame_count if counter else 0)
-        total = loss.detach().clone()
         comm.all_reduce(total)
         losses.append(float(total) / world)
     from zerospeed.zero import full_state_dict
@@ -65,15 +70,16 @@ def _train(zero: dict[str, Any], backend: Any) -> tuple[list[float], dict[str, t
 
 def _parity_all() -> dict[str, Any]:
     out = {}
-    for name, zero in CASES:
-        out[name] = (_train(zero, None), _train(zero, "aot_eager"))
+    for name, zero, gas in CASES:
+        out[name] = (_train(zero, None, gas), _train(zero, "aot_eager", gas))
     return out
 
 
 def test_compiled_training_equals_eager_and_the_reference_at_every_stage() -> None:
     result = run_distributed(_parity_all, 2, timeout=240)[0]
-    ref_losses, ref_state = reference_losses(STEPS, MB, 1, 2, clip=1.0, lr=LR)
-    for name, _ in CASES:
+    refs = {gas: reference_losses(STEPS, MB, gas, 2, clip=1.0, lr=LR) for gas in (1, 2)}
+    for name, _, gas in CASES:
+        ref_losses, ref_state = refs[gas]
         (eager_losses, eager_state, _), (losses, state, facts) = result[name]
         assert facts["before"] is False and facts["after"] is True and facts["compiled_module"], name
         assert facts["keys"] == sorted(ref_state), name  # compiled in place: no "_orig_mod." names
