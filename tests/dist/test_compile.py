@@ -45,7 +45,7 @@ def _train(zero: dict[str, Any], backend: Any, gas: int = 1) -> tuple[list[float
     if backend is not None:
         torch._dynamo.reset()  # this engine's graphs only
         counter = CompileCounterWithBackend(backend)
-        engine.compile(backend=counter, compile_kwargs={"dynamic": False})
+        engine.compile(backend=counter, compile_kwargs={"dynamic": False if zero["stage"] < 3 else None})
         engine.compile(backend="this is not a backend")  # a second call does nothing
         facts["after"] = engine.is_compiled
         facts["compiled_module"] = engine.module._compiled_call_impl is not None
@@ -190,12 +190,25 @@ def _refusals() -> list[str]:
         except (NotImplementedError, ValueError) as exc:
             out.append(str(exc))
     assert not engine.is_compiled
+    import warnings
+
+    for dynamic in (None, False):
+        model = make_model()
+        engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3}})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.compile(backend="eager", compile_kwargs={"dynamic": dynamic})
+        out.append(" | ".join(str(w.message) for w in caught))
     return out
 
 
 def test_compile_refuses_what_it_does_not_build() -> None:
     messages = run_distributed(_refusals, 2, timeout=60)[0]
-    assert len(messages) == 3
+    assert len(messages) == 5
+    assert messages[3] == ""  # stage 3, dynamic shapes left to dynamo: no warning
+    assert "dynamic" in messages[4] and "recompile_limit" in messages[4]
     assert "schedule" in messages[0] and "not supported yet" in messages[0]
     assert "compiled_autograd_enabled" in messages[1] and "not supported yet" in messages[1]
     assert "compile_kwargs" in messages[2]

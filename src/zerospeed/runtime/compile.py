@@ -9,7 +9,10 @@ forward is one graph. What stays eager, deliberately:
 * stage 3's gather and release hooks (``zero/stage3/hooks.py``) are excluded from tracing: each is a graph
   break, so the compute of each module between two hooks compiles while collectives, prefetch and offload
   run eagerly. The graphs are traced in the first step and reused after (no recompilation: a parameter is
-  always whole, with the same shape, while its module's graph runs);
+  always whole, with the same shape, while its module's graph runs). A module whose call breaks the graph
+  compiles as a frame of its own, one per class: layers of one class with different shapes share it
+  through dynamo's automatic dynamic shapes, so ``compile_kwargs={"dynamic": False}`` recompiles it per
+  shape and, past ``torch._dynamo.config.recompile_limit`` (8) shapes, runs the rest eagerly (warned);
 * an activation-checkpointed region (``zerospeed.checkpointing.checkpoint``) runs eagerly: its recompute hands
   saved tensors back by position, which only the same eager operations reproduce.
 
@@ -20,6 +23,7 @@ Not built: DeepCompile (``compile.deepcompile`` and its keys are refused when th
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from torch import nn
@@ -30,8 +34,9 @@ _log = logging.getLogger("zerospeed.compile")
 
 
 def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
-                   compiled_autograd_enabled: bool) -> None:
-    """Compile ``module`` in place with ``torch.compile(backend=..., **compile_kwargs)``."""
+                   compiled_autograd_enabled: bool, partitioned: bool = False) -> None:
+    """Compile ``module`` in place with ``torch.compile(backend=..., **compile_kwargs)``; ``partitioned``:
+    ZeRO stage 3's hooks are installed on it."""
     if schedule is not None:
         raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile passes; DeepCompile is not "
                                   "supported yet by zerospeed: call engine.compile() without a schedule")
@@ -43,6 +48,11 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
                          f"{type(compile_kwargs).__name__}")
     if "backend" in compile_kwargs:
         _log.warning("The `backend` in `compile_kwargs` will be overridden. Use the `backend` argument instead.")
+    if partitioned and compile_kwargs.get("dynamic") is False:
+        warnings.warn("engine.compile(compile_kwargs={'dynamic': False}) under ZeRO stage 3: each module between "
+                      "two gather/release hooks compiles as a frame of its own class, once per parameter shape; "
+                      "past torch._dynamo.config.recompile_limit shapes per class the rest run eagerly. Leave "
+                      "'dynamic' unset to share one graph per class", stacklevel=3)
     backend = get_accelerator().get_compile_backend() if backend is None else backend
     _log.info("compiling the model with torch.compile (backend=%s)", backend)
     module.compile(**{**compile_kwargs, "backend": backend})

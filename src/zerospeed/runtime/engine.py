@@ -304,7 +304,7 @@ class Engine(nn.Module):
         if self._is_compiled:
             return
         compile_module(self.module, backend, {} if compile_kwargs is None else compile_kwargs, schedule,
-                       compiled_autograd_enabled)
+                       compiled_autograd_enabled, partitioned=self.zero3 is not None)
         self._is_compiled = True
 
     @property
