@@ -52,3 +52,26 @@ def test_accelerator_compile_backend() -> None:
     assert type(get_accelerator())().get_compile_backend() == "inductor"  # per instance, not global
     with pytest.raises(ValueError, match="not supported"):
         acc.set_compile_backend("no-such-backend")
+
+
+def test_deepspeed_compiler_helpers_at_their_path() -> None:
+    import torch
+
+    from zerospeed.runtime import compiler
+
+    assert compiler.is_compile_supported() and not compiler.is_compiling()
+    seen = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(compiler.is_compiling())
+        return x + 1
+
+    eager_probe = compiler.disable(probe)
+
+    @torch.compile(backend="eager")
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(compiler.is_compiling())
+        return eager_probe(x * 2)
+
+    assert f(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert seen == [True, False]  # traced body, then the disabled function run eagerly

@@ -26,6 +26,7 @@ import logging
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..accelerator import get_accelerator
@@ -68,4 +69,20 @@ def compiled_graph_count() -> dict[str, int]:
             "frames": int(counters["frames"]["total"])}
 
 
-__all__ = ["compile_module", "compiled_graph_count"]
+# --- DeepSpeed's ``deepspeed.runtime.compiler`` helpers (served at ``zerospeed.runtime.compiler``) -----------
+def is_compile_supported() -> bool:
+    """True: zerospeed's torch (2.13) has ``torch.compile``."""
+    return hasattr(torch, "compile")
+
+
+def is_compiling() -> bool:
+    """True while dynamo traces the calling code (``torch.compiler.is_compiling``)."""
+    return torch.compiler.is_compiling()
+
+
+def disable(func: Any) -> Any:
+    """``func`` excluded from tracing (``torch.compiler.disable``): a graph break where it is called."""
+    return torch.compiler.disable(func)
+
+
+__all__ = ["compile_module", "compiled_graph_count", "disable", "is_compile_supported", "is_compiling"]
