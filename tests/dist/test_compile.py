@@ -51,16 +51,17 @@ def _train(zero: dict[str, Any], backend: Any, gas: int = 1) -> tuple[list[float
         facts["compiled_module"] = engine.module._compiled_call_impl is not None
     losses, facts["graphs"] = [], []
     for step in range(STEPS):
-        total = torch.zeros(())
+        total = 0.0
         for micro in range(gas):
             x, y = micro_batch(step, micro, rank, world, MB, gas)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
-            total += loss.detach() / gas
+            total += float(loss.detach()) / gas
         facts["graphs"].append(counter.frame_count if counter else 0)
-        comm.all_reduce(total)
-        losses.append(float(total) / world)
+        summed = torch.tensor(total, device=comm.device_for_backend(engine.dp_group))
+        comm.all_reduce(summed)
+        losses.append(float(summed) / world)
     from zerospeed.zero import full_state_dict
 
     state = {k: v.float().clone() for k, v in full_state_dict(model, group=engine.dp_group).items()}
