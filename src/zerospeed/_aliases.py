@@ -30,6 +30,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils.tensor_fragment": "zerospeed.zero.fragments",
     "zerospeed.runtime.lr_schedules": "zerospeed.optim.schedules",
     "zerospeed.runtime.zero": "zerospeed.zero",
+    "zerospeed.runtime.compiler": "zerospeed.runtime.compile",
     "zerospeed.runtime.zero.stage_1_and_2": "zerospeed.zero.estimate",
     "zerospeed.runtime.zero.stage3": "zerospeed.zero.estimate",
     "zerospeed.ops": "zerospeed.optim.named",

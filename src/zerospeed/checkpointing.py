@@ -391,11 +391,14 @@ def _never_unpacked(_: Any) -> torch.Tensor:
     raise RuntimeError("internal error: a recomputed activation graph was used for backward")
 
 
+@torch._disable_dynamo
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` keeping only its inputs; recompute its activations in backward.
 
     Works without :func:`configure` (default options). Outputs are whatever ``function`` returns. Under
-    ``torch.no_grad()`` the function simply runs.
+    ``torch.no_grad()`` the function simply runs. Inside a compiled model (``engine.compile()``) the region
+    runs eagerly, a graph break: its recompute hands saved tensors back by position, which only the same
+    eager operations reproduce (a traced region saves others).
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)

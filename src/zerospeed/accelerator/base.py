@@ -108,6 +108,21 @@ class Accelerator(ABC):
     def use_host_timers(self) -> bool:
         return self.is_synchronized_device()
 
+    compile_backend: str = "inductor"
+
+    def get_compile_backend(self) -> str:
+        """The ``torch.compile`` backend ``engine.compile()`` uses by default (DeepSpeed's: inductor)."""
+        return self.compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        """Choose that default among the backends torch registers (``torch._dynamo.list_backends``)."""
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f"{backend} not supported by {self.device_name()}. Supported backends are {known}")
+        self.compile_backend = backend
+
     # --- copies to the host off the compute stream (offload) ----------------------------------------
     def side_stream(self) -> Any:
         """A stream for copies that overlap compute, or None where copies are synchronous (CPU)."""

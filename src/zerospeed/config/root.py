@@ -17,6 +17,7 @@ from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, Progr
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
+from .compile import CompileConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
 from .fp8 import Fp8Config
@@ -111,6 +112,8 @@ class ZeroSpeedConfig(Section):
     """DeepSpeed's legacy sequence-length curriculum: ``curriculum_seqlen=`` into the model's forward."""
     progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
     """``progressive_layer_drop=True, pld_theta=...`` into the model's forward."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """``engine.compile()``: torch.compile of the model; DeepCompile's keys are refused (config/compile.py)."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod

@@ -35,7 +35,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine": "the hybrid (RLHF) engine",
-    "compile": "the compile section (torch.compile of the engine)",
     "weight_quantization": "weight quantization",
     "comet": "the Comet monitor",
     "timers": "the timers section (throughput timer options)",
@@ -67,6 +66,17 @@ STAGE3_KEYS = ("stage3_module_granularity_threshold", "zeropp_loco_param", "stag
 for _k in STAGE3_KEYS:
     NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
 
+# The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain
+# torch.compile (engine.compile()) reads none of them, in DeepSpeed as here.
+DEEPCOMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
+                    "offload_activation", "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
+                    "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
+                    "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+                    "keep_all_input_tensors", "passes")
+for _k in DEEPCOMPILE_KEYS:
+    NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
+                                         "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
+
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
@@ -76,6 +86,10 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "zero_optimization.mics_shard_size": (None, -1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
     "zero_optimization.zenflow.pt_reserved_cores_perc": (None, 0.5),
+    "compile.free_activation_threshold": (None, 10 * 1024 * 1024),
+    "compile.offload_activation_pin_memory": (None, True),
+    "compile.double_buffer": (None, True),
+    "compile.keep_int_input_tensors": (None, True),
 }
 
 

@@ -75,6 +75,7 @@ class Engine(nn.Module):
         self.backwards_in_window = 0
         self._checked_generation = 0
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
+        self._is_compiled = False
         if optimizer is not None:
             from ..zero import fragments
 
@@ -297,6 +298,23 @@ class Engine(nn.Module):
             self._comm_volume_at_step_start = total
         self.observer.step_end(boundary)
         self.micro_steps += 1
+
+    def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None,  # type: ignore[override]
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the model in place (``backend`` None: the
+        accelerator's, inductor) under any ZeRO stage (``runtime/compile.py``); a second call does nothing."""
+        from .compile import compile_module
+
+        self._ensure_usable()
+        if self._is_compiled:
+            return
+        compile_module(self.module, backend, {} if compile_kwargs is None else compile_kwargs, schedule,
+                       compiled_autograd_enabled, partitioned=self.zero3 is not None)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
 
     def was_step_applied(self) -> bool:
         return self._step_applied

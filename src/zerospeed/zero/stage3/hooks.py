@@ -9,6 +9,10 @@
 
 The root module's hooks mark pass boundaries, and on an exception add a note explaining partitioned
 parameters (the usual cause being a parameter used outside the module that owns it).
+
+Under ``engine.compile()`` every hook is excluded from tracing (``torch._disable_dynamo``, lazy like
+DeepSpeed's ``compiler.lazy_disable``): a deliberate graph break, so the partitioning logic stays eager and
+each module's compute between two hooks compiles (``runtime/compile.py``).
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(x)
 
 
+@torch._disable_dynamo
 def _pre_forward(fetcher: Fetcher, unit: Unit, module: nn.Module, args: Any) -> None:
     fetcher.acquire(unit, FORWARD, track=torch.is_grad_enabled())
 
 
+@torch._disable_dynamo
 def _post_forward(fetcher: Fetcher, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
     fetcher.release(unit, FORWARD)
     if output is None or not torch.is_grad_enabled():
@@ -62,10 +68,12 @@ def _post_forward(fetcher: Fetcher, unit: Unit, module: nn.Module, args: Any, ou
             tensors, lambda grads: fetcher.acquire(unit, BACKWARD, track=True), mode="any")
 
 
+@torch._disable_dynamo
 def _root_pre(fetcher: Fetcher, module: nn.Module, args: Any) -> None:
     fetcher.begin_forward()
 
 
+@torch._disable_dynamo
 def _root_post(fetcher: Fetcher, module: nn.Module, args: Any, output: Any) -> None:
     exc = sys.exc_info()[1]
     fetcher.end_forward(clean=exc is None)

@@ -1,0 +1,125 @@
+"""engine.compile() vs eager: step time of the demo GPT under ZeRO 0 and 3, world 2, compile time apart.
+
+    .venv/bin/python benchmarks/bench_compile.py [--preset demo] [--micro-batch 8] [--steps 5] [--repeat 1]
+        [--stages 0 3] [--backend inductor] [--json]
+
+Each (stage, mode) run is its own pair of forked Gloo ranks with the same model, seed and batches; eager
+and compiled runs alternate. "first step" is the first step's wall time (tracing and code generation
+included, with an empty inductor cache per compiled run); "compile" is that minus the eager run's mean
+step; the steady figures are means over ``--steps`` later steps (wall and CPU seconds per rank). "graphs"
+and "breaks" are dynamo's counts for the run: stage 3's gather/release hooks are deliberate graph breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import zerospeed
+from zerospeed.models import GPT, PRESETS
+from zerospeed.testing import run_distributed
+
+
+def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | None) -> dict[str, Any]:
+    from zerospeed.runtime.compile import compiled_graph_count
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = PRESETS[preset]()
+    model = GPT(cfg, seed=0)
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if backend is not None:
+        engine.compile(backend=backend)
+    gen = torch.Generator().manual_seed(engine.global_rank)
+    batches = [torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size + 1), generator=gen)
+               for _ in range(steps + 1)]
+    walls, cpus, losses = [], [], []
+    for b in batches:
+        w0, c0 = time.perf_counter(), time.process_time()
+        _, loss = engine(b[:, :-1], b[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        losses.append(float(loss.detach()))
+    counts = compiled_graph_count() if backend is not None else {"graphs": 0, "graph_breaks": 0}
+    return {"first_s": walls[0], "wall_s": sum(walls[1:]) / steps, "cpu_s": sum(cpus[1:]) / steps,
+            "losses": losses, **counts}
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for _ in range(args.repeat):
+        for stage in args.stages:
+            for backend in (None, args.backend):
+                with tempfile.TemporaryDirectory(prefix="bench_compile_inductor_") as cache:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold compile, as on a fresh machine
+                    ranks = run_distributed(_rank, 2, args.preset, args.micro_batch, args.steps, stage, backend,
+                                            timeout=3600)
+                mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in ("first_s", "wall_s", "cpu_s")}
+                rows.append({"stage": stage, "mode": backend or "eager", **mean, "graphs": ranks[0]["graphs"],
+                             "graph_breaks": ranks[0]["graph_breaks"], "losses": ranks[0]["losses"]})
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean over repeats per (stage, mode), with the compiled/eager ratios and the compile time."""
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["stage"], r["mode"])
+        acc = out.setdefault(key, {"stage": r["stage"], "mode": r["mode"], "n": 0, "first_s": 0.0, "wall_s": 0.0,
+                                   "cpu_s": 0.0, "graphs": r["graphs"], "graph_breaks": r["graph_breaks"],
+                                   "losses": r["losses"]})
+        acc["n"] += 1
+        for k in ("first_s", "wall_s", "cpu_s"):
+            acc[k] += r[k]
+    for acc in out.values():
+        for k in ("first_s", "wall_s", "cpu_s"):
+            acc[k] /= acc["n"]
+    for (stage, mode), acc in out.items():
+        eager = out[(stage, "eager")]
+        acc["compile_s"] = acc["first_s"] - eager["wall_s"] if mode != "eager" else 0.0
+        acc["wall_ratio"] = acc["wall_s"] / eager["wall_s"]
+        acc["cpu_ratio"] = acc["cpu_s"] / eager["cpu_s"]
+        acc["max_loss_diff"] = max(abs(a - b) for a, b in zip(acc["losses"], eager["losses"]))
+    return list(out.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 3])
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    summary = summarize(measure(args))
+    if args.json:
+        for row in summary:
+            print(json.dumps(row))
+        return
+    print(f"GPT {args.preset}, world 2 (Gloo, CPU), micro-batch {args.micro_batch}, {args.steps} steps, "
+          f"repeat {args.repeat}, torch {torch.__version__}, {os.cpu_count()} cores")
+    print("| stage | mode | first step s | compile s | wall s/step | CPU s/step | wall vs eager | CPU vs eager "
+          "| graphs | breaks | max loss diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in summary:
+        print(f"| {r['stage']} | {r['mode']} | {r['first_s']:.2f} | {r['compile_s']:.1f} | {r['wall_s']:.3f} | "
+              f"{r['cpu_s']:.3f} | {r['wall_ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['graphs']} | "
+              f"{r['graph_breaks']} | {r['max_loss_diff']:.1e} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
