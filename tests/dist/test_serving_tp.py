@@ -127,3 +127,53 @@ def test_server_drives_tp2_engine() -> None:
     r0, r1 = run_distributed(_http, 2, timeout=120)
     assert r0["text"] == r0["again"] == r0["want"] and r0["bad"] == 400
     assert r1["forwards"] == r0["forwards"] > 0  # the worker returned: the app's shutdown released it
+
+
+def test_serve_command_tp2_forks_a_worker(tmp_path) -> None:
+    """`zerospeed serve DIR --tp-size 2 --quant int8` in a subprocess: rank 0 answers HTTP with tp=1's tokens
+    (INT8 with groups inside the shards: the same codes on both ranks), and Ctrl-C ends both ranks."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from zerospeed.inference import init_inference
+    from zerospeed.inference.model_dir import save_gpt_dir
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32), seed=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)  # sharper logits: varied bytes
+    d = save_gpt_dir(model, tmp_path / "tiny")
+    ids = torch.tensor([list(b"Hello")])
+    quant = {"weight": {"num_bits": 8, "q_groups": 2}}
+    want = init_inference(model, dtype="fp32", quant=quant).generate(ids, max_new_tokens=8)[0, 5:].tolist()
+    (tmp_path / "cfg.json").write_text(json.dumps({"tensor_parallel": {"tp_grain_size": 8}}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "zerospeed.launcher.cli", "serve", str(d), "--port", str(port),
+                             "--tp-size", "2", "--quant", "int8", "--q-groups", "2", "--kv-blocks", "32",
+                             "--config", str(tmp_path / "cfg.json")], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 8, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == bytes(want).decode("utf-8", errors="replace")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
