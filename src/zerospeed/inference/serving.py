@@ -82,6 +82,8 @@ class ServingEngine:
         self.channel = PlanChannel(self.tp_group) if self.tp_size > 1 else None
         if compile:
             self.adapter.compile()  # fused norm/QKV, out-proj/MLP and head regions (eager fallback)
+        else:
+            self.adapter.fuse()  # q/k/v and gate/up as one matmul each, on the model's own weights
         max_context = sm.max_context
         if self.adapter.max_positions is not None:
             max_context = min(max_context, self.adapter.max_positions)
@@ -152,9 +154,10 @@ class ServingEngine:
         self.forwards += 1
         self.tokens_forwarded += len(ids)
         events = []
+        greedy = logits.argmax(-1).tolist() if rows else []  # one call for every greedy request
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
-            token = sample_next(logits[j], req.params, req.generator)
+            token = greedy[j] if req.params.greedy else sample_next(logits[j], req.params, req.generator)
             req.output.append(token)
             reason = self._finish_reason(req, token)
             if reason is not None:
