@@ -82,7 +82,7 @@ class ServingEngine:
         self.channel = PlanChannel(self.tp_group) if self.tp_size > 1 else None
         if compile:
             self.adapter.compile()  # fused norm/QKV, out-proj/MLP and head regions (eager fallback)
-        else:
+        elif not self.adapter.regions:  # not compiled (here or by init_inference): eager speed-ups
             self.adapter.fuse()  # q/k/v and gate/up as one matmul each, on the model's own weights
         max_context = sm.max_context
         if self.adapter.max_positions is not None:
