@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/bench_serving.py [--model llama|gpt2] [--requests 48] [--rate 8] [--prompt 16 256]
         [--output 16 128] [--budget 256] [--static-batch 8] [--threads 1] [--contenders zerospeed hf-static hf-cb]
-        [--compile] [--json]
+        [--rounds 3] [--compile] [--json]
 
-A load generator replays one mixed workload against each contender in turn, in real time: ``--requests``
+A load generator replays one mixed workload against each contender in turn, in real time (after one untimed
+warm-up pass per contender; ``--rounds`` rounds, each running every contender with the order rotated, so a
+load change on a shared machine hits all of them; the ratio to static batching is taken *within* each round): ``--requests``
 requests whose prompt and output lengths are drawn uniformly from ``--prompt`` / ``--output`` and whose
 arrivals are a Poisson process of ``--rate`` requests per second (``--rate 0``: all at once), all from a
 fixed seed; same model (fp32, from a config), same machine, greedy decoding, no eos (every request produces
@@ -189,6 +191,7 @@ def main() -> None:
     ap.add_argument("--static-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds; each runs every contender (order rotated)")
     ap.add_argument("--compile", action="store_true", help="zerospeed with torch.compile'd regions")
     ap.add_argument("--contenders", nargs="+", default=["zerospeed", "hf-static", "hf-cb"])
     ap.add_argument("--json", action="store_true")
@@ -197,27 +200,45 @@ def main() -> None:
     model = build(args.model)
     reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed)
     runners = {"zerospeed": run_zerospeed, "hf-static": run_hf_static, "hf-cb": run_hf_cb}
-    results, ref = {}, None
-    for name in args.contenders:
-        c0 = time.process_time()
-        times, tokens = runners[name](model, reqs, args)
-        if name == "zerospeed":
-            ref = tokens
-        results[name] = {"contender": name, **summarize(reqs, times, tokens, ref), "cpu_s": time.process_time() - c0}
-    base = results.get("hf-static")
+    warm = [(0.0, p, min(o, 8)) for _, p, o in reqs[:8]]
+    for name in args.contenders:  # untimed: first-call costs (allocator, oneDNN, compile) out of the figures
+        runners[name](model, warm, args)
+    rounds: list[dict[str, dict]] = []
+    ref = None
+    for k in range(args.rounds):
+        order = args.contenders[k % len(args.contenders):] + args.contenders[:k % len(args.contenders)]
+        results = {}
+        for name in order:
+            c0 = time.process_time()
+            times, tokens = runners[name](model, reqs, args)
+            if name == "zerospeed" and ref is None:
+                ref = tokens
+            results[name] = {"contender": name, **summarize(reqs, times, tokens, ref), "cpu_s": time.process_time() - c0}
+        rounds.append(results)
     print(f"# {args.model}, {args.requests} requests, Poisson rate {args.rate}/s, prompts {args.prompt[0]}-"
           f"{args.prompt[1]}, outputs {args.output[0]}-{args.output[1]}, budget {args.budget}, static batch "
-          f"{args.static_batch}, threads {args.threads}, compile {args.compile}")
-    for r in results.values():
-        if base:
-            r["x_static"] = r["tok_per_s"] / base["tok_per_s"]
-        if args.json:
-            print(json.dumps(r))
-        else:
-            print(f"{r['contender']:<10} {r['tok_per_s']:8.1f} tok/s ({r['seconds']:6.1f} s, cpu {r['cpu_s']:6.1f} s)"
-                  f"  x{r.get('x_static', float('nan')):.2f} static | TTFT p50 {r['ttft_p50']:6.3f} p99 "
-                  f"{r['ttft_p99']:6.3f} s | TPOT p50 {1000 * r['tpot_p50']:6.1f} p99 {1000 * r['tpot_p99']:6.1f} ms"
-                  f" | same tokens {r['same_tokens_as_zerospeed']}/{args.requests}")
+          f"{args.static_batch}, threads {args.threads}, compile {args.compile}, {args.rounds} interleaved rounds")
+    for k, results in enumerate(rounds):
+        base = results.get("hf-static")
+        for r in results.values():
+            r["round"] = k
+            if base:
+                r["x_static"] = r["tok_per_s"] / base["tok_per_s"]
+                r["x_static_cpu"] = base["cpu_s"] / r["cpu_s"]
+            if args.json:
+                print(json.dumps(r))
+            else:
+                print(f"r{k} {r['contender']:<10} {r['tok_per_s']:8.1f} tok/s ({r['seconds']:6.2f} s, cpu "
+                      f"{r['cpu_s']:6.2f} s)  x{r.get('x_static', float('nan')):.2f} static"
+                      f" (cpu x{r.get('x_static_cpu', float('nan')):.2f}) | TTFT p50 {r['ttft_p50']:6.3f} p99 "
+                      f"{r['ttft_p99']:6.3f} s | TPOT p50 {1000 * r['tpot_p50']:6.1f} p99 {1000 * r['tpot_p99']:6.1f}"
+                      f" ms | same tokens {r['same_tokens_as_zerospeed']}/{args.requests}")
+    if all("hf-static" in r for r in rounds):
+        for name in args.contenders:
+            wall = sorted(r[name]["x_static"] for r in rounds)
+            cpu = sorted(r[name]["x_static_cpu"] for r in rounds)
+            print(f"# {name}: paired x static per round (tok/s) {', '.join(f'{x:.2f}' for x in wall)}; median "
+                  f"{wall[len(wall) // 2]:.2f}; by CPU s median {cpu[len(cpu) // 2]:.2f}")
 
 
 if __name__ == "__main__":

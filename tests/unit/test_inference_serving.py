@@ -111,5 +111,5 @@ def test_fastgen_config_limits():
         ServingEngine(model, {"state_manager": {"max_ragged_sequence_count": 10, "max_ragged_batch_size": 5}})
     with pytest.raises(NotSupportedYetError, match="memory_config.mode"):
         ServingEngine(model)  # DeepSpeed's default 'reserve' mode is not built
-    with pytest.raises(NotSupportedYetError, match="tp_size"):
-        ServingEngine(model, {"tensor_parallel": {"tp_size": 2}, **_cfg()})
+    with pytest.raises(ValueError, match="needs the process group"):
+        ServingEngine(model, {"tensor_parallel": {"tp_size": 2}, **_cfg()})  # tp > 1: tests/dist/test_serving_tp.py

@@ -15,11 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zerospeed.config.errors import NotSupportedYetError
 
 from .compiled import CompiledRegion
+from .fused_weights import FusedLinears
 
 __all__ = ["Attend", "DecoderAdapter", "adapter_for"]
 
@@ -102,6 +104,10 @@ class DecoderAdapter(ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits of rows of ``hidden``."""
         return self._head(hidden)
+
+    def fuse(self) -> int:
+        """Let linears that share an input run as one matmul (``fused_weights``); how many groups were fused."""
+        return 0
 
     def compile(self, backend: str | Callable[..., Any] | None = None, options: dict[str, Any] | None = None) -> None:
         """Run the three regions through ``torch.compile`` (eager fallback per region on failure)."""
@@ -195,6 +201,13 @@ class GPT2Adapter(DecoderAdapter):
         return (("attn.c_attn", "qkv"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))
 
 
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``LlamaRMSNorm`` as one fused op in fp32 (its own forward otherwise)."""
+    if type(norm).__name__ != "LlamaRMSNorm" or x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -223,23 +236,47 @@ class LlamaAdapter(DecoderAdapter):
         cos, sin = body.rotary_emb(x[None], pos[None])
         return x, (cos[0][:, None, :], sin[0][:, None, :])  # [T, 1, D]: broadcast over heads
 
+    def fuse(self) -> int:
+        """q/k/v and gate/up of every block as one matmul each (weights re-pointed into one buffer, no copy)."""
+        self._fused: dict[tuple[int, str], FusedLinears] = {}
+        for block in self.blocks():
+            a, m = block.self_attn, block.mlp
+            for name, mods in (("qkv", (a.q_proj, a.k_proj, a.v_proj)), ("gate_up", (m.gate_proj, m.up_proj))):
+                fused = FusedLinears.build(mods)
+                if fused is not None:
+                    self._fused[(id(block), name)] = fused
+        return len(self._fused)
+
+    def _run_fused(self, block: nn.Module, name: str, mods: tuple[nn.Module, ...], h: torch.Tensor
+                   ) -> list[torch.Tensor]:
+        fused = getattr(self, "_fused", {}).get((id(block), name))
+        if fused is not None and fused.valid(mods):
+            return fused(h)
+        return [p(h) for p in mods]
+
     def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin = extra
         a = block.self_attn
-        h = block.input_layernorm(x)
-        q, k, v = (_heads(p(h), self.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        h = _rms_norm(block.input_layernorm, x)
+        q, k, v = (_heads(y, self.head_dim) for y in self._run_fused(block, "qkv", (a.q_proj, a.k_proj, a.v_proj), h))
+        qk = torch.cat((q, k), dim=1)  # one rotation for queries and keys
+        qk = qk * cos + _rotate_half(qk) * sin
+        return qk[:, : q.shape[1]], qk[:, q.shape[1]:], v
 
     def attention_scale(self, block: nn.Module) -> float:
         return block.self_attn.scaling
 
     def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x + block.self_attn.o_proj(y.reshape(y.shape[0], -1))
-        return x + block.mlp(block.post_attention_layernorm(x))
+        m = block.mlp
+        if type(m).__name__ != "LlamaMLP":
+            return x + m(block.post_attention_layernorm(x))
+        gate, up = self._run_fused(block, "gate_up", (m.gate_proj, m.up_proj), _rms_norm(block.post_attention_layernorm, x))
+        return x + m.down_proj(m.act_fn(gate) * up)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(x))
+        return self.model.lm_head(_rms_norm(self.model.model.norm, x))
 
     def tp_plan(self) -> tuple[tuple[str, str], ...]:
         return (("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),

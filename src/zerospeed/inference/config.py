@@ -165,7 +165,6 @@ class RaggedInferenceEngineConfig(Section):
         """Raise ``NotSupportedYetError`` for a setting zerospeed's serving engine does not do yet."""
         sm = self.state_manager
         bad = [(k, v) for k, v, on in [
-            ("tensor_parallel.tp_size", self.tensor_parallel.tp_size, self.tensor_parallel.tp_size > 1),
             ("state_manager.offload", True, sm.offload),
             ("state_manager.memory_config.mode", "reserve", sm.memory_config.mode == "reserve"),
             ("quantization.quantization_mode", self.quantization.quantization_mode,

@@ -49,21 +49,18 @@ class InferenceEngine(nn.Module):
         wq = config.weight_quantization
         if config.dtype is not torch.int8:
             model.to(config.dtype)
-        if wq is not None:
-            from .quantization import quantize_model
-
-            quantize_model(model, wq)
         self.module = model
         self._adapter: DecoderAdapter | None = None
         self.tp_group: Any = None
         if config.tp_size > 1:
-            if wq is not None:
-                raise NotSupportedYetError("quant", "weight quantization with tensor_parallel.tp_size > 1: not "
-                                           "supported yet by zerospeed")
             from .tensor_parallel import shard_for_inference
 
             self.tp_group = _tp_group(config)
             shard_for_inference(self.adapter, self.tp_group, config.tensor_parallel.tp_grain_size)
+        if wq is not None:  # after sharding: each rank quantizes its own shards (per-shard group scales)
+            from .quantization import quantize_model
+
+            quantize_model(model, wq)
         self._forward: CompiledRegion | None = None
         self._compiled = False
         if config.replace_with_kernel_inject:

@@ -123,10 +123,25 @@ class PagedKVCache:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {c.start + c.length} positions")
         return [table[p // size] * size + p % size for p in range(c.start, c.start + c.length)]
 
-    def _decode_reads(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded read slots ``[N, S]`` of one-token chunks (S = the longest) and their mask ``[N, 1, 1, S]``."""
+    def _decode_groups(self, chunks: list[SeqChunk], idx: list[int]) -> list[tuple[list[int], int]]:
+        """One-token chunks ``idx`` cut into at most two groups by cached length (each read padded to its
+        group's longest), when the cut saves at least a quarter of the padded reads; ``[(members, longest)]``."""
+        order = sorted(idx, key=lambda i: chunks[i].start)
+        lens = [chunks[i].start + 1 for i in order]
+        n, whole = len(order), len(order) * lens[-1]
+        best, cut = whole, n
+        for j in range(1, n):
+            area = j * lens[j - 1] + (n - j) * lens[-1]
+            if area < best:
+                best, cut = area, j
+        if best > 0.75 * whole:
+            return [(order, lens[-1])]
+        return [(order[:cut], lens[cut - 1]), (order[cut:], lens[-1])]
+
+    def _decode_reads(self, chunks: list[SeqChunk], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat read slots of one-token chunks, each padded to ``longest``, and their additive mask ``[1, N, 1, S]``
+        (0 for cached positions ``<=`` the chunk's own, ``-inf`` for padding)."""
         size = self.block_size
-        longest = max(c.start + 1 for c in chunks)
         width = blocks_needed(longest, size)
         for c in chunks:
             if blocks_needed(c.start + 1, size) > len(c.block_table):
@@ -135,50 +150,61 @@ class PagedKVCache:
                                for c in chunks], dtype=torch.long)
         pos = torch.arange(longest)
         slots = tables[:, pos // size] * size + pos % size
-        mask = pos[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
-        return slots.to(self.k.device), mask[:, None, None, :].to(self.k.device)
+        keep = pos[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
+        mask = torch.zeros(keep.shape, dtype=self.k.dtype).masked_fill_(~keep, float("-inf"))
+        return slots.flatten().to(self.k.device), mask[None, :, None, :].to(self.k.device)
 
     def attention(self, batch: RaggedBatch):  # -> Attend
         """The ``attend`` callable for ``batch`` (see ``adapters.Attend``).
 
-        One-token chunks (decodes) attend in one batched call over their padded, masked cache reads;
-        longer chunks (prompt pieces) attend one by one with a causal mask. Grouped-query heads are
-        shared inside ``scaled_dot_product_attention`` (``enable_gqa``), not copied.
+        One-token chunks (decodes) attend together: their cached keys/values are gathered padded to the
+        longest (in up to two length groups, to cut the padding) and each query-head group multiplies its own
+        key/value head (grouped-query heads are never copied), with an additive mask for the padding. Longer
+        chunks (prompt pieces) attend one by one with PyTorch's fused causal attention; a chunk that starts a
+        sequence uses its own new keys/values directly, without reading the cache back.
         """
         bs = batch.chunks
-        write = torch.tensor([s for c in bs for s in self._slot_list(c)], dtype=torch.long, device=self.k.device)
+        device = self.k.device
+        write = torch.tensor([s for c in bs for s in self._slot_list(c)], dtype=torch.long, device=device)
         offsets = [0]
         for c in bs:
             offsets.append(offsets[-1] + c.length)
         single = [i for i, c in enumerate(bs) if c.length == 1]
         multi = [i for i, c in enumerate(bs) if c.length > 1]
-        reads = {i: self.slots(bs[i].block_table, 0, bs[i].start + bs[i].length) for i in multi}
-        masks = {i: _chunk_mask(bs[i], self.k.device) for i in multi}
+        reads = {i: self.slots(bs[i].block_table, 0, bs[i].start + bs[i].length) for i in multi if bs[i].start > 0}
+        masks = {i: _chunk_mask(bs[i], device) for i in reads}
+        groups = []
         if single:
-            rows = torch.tensor([offsets[i] for i in single], device=self.k.device)
-            dslots, dmask = self._decode_reads([bs[i] for i in single])
-            flat = dslots.flatten()
+            for members, longest in self._decode_groups(bs, single):
+                flat, mask = self._decode_reads([bs[i] for i in members], longest)
+                rows = torch.tensor([offsets[i] for i in members], device=device)
+                groups.append((rows, flat, mask, len(members), longest))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             kl, vl = self.k[layer], self.v[layer]
             kl.index_copy_(1, write, k.transpose(0, 1).to(kl.dtype))
             vl.index_copy_(1, write, v.transpose(0, 1).to(vl.dtype))
             out = torch.empty_like(q)
-            gqa = q.shape[1] != k.shape[1]
-            if single:
-                qs = q.index_select(0, rows)[:, :, None, :]  # [N, H, 1, D]
-                shape = (kl.shape[0], *dslots.shape, kl.shape[-1])  # [Hkv, N, S, D]
-                ks = kl.index_select(1, flat).view(shape).transpose(0, 1)  # [N, Hkv, S, D]
-                vs = vl.index_select(1, flat).view(shape).transpose(0, 1)
-                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dmask, scale=scale, enable_gqa=gqa)
-                out.index_copy_(0, rows, y[:, :, 0, :])
+            heads, kv, dim = q.shape[1], kl.shape[0], q.shape[2]
+            gqa = heads != kv
+            for rows, flat, mask, n, longest in groups:
+                qg = (q.index_select(0, rows) * scale).view(n, kv, heads // kv, dim).transpose(0, 1)  # [Hkv,N,g,D]
+                ks = kl.index_select(1, flat).view(kv, n, longest, dim)  # [Hkv, N, S, D]
+                vs = vl.index_select(1, flat).view(kv, n, longest, dim)
+                p = torch.matmul(qg, ks.transpose(-1, -2).to(qg.dtype)).add_(mask).softmax(-1, dtype=torch.float32)
+                y = torch.matmul(p.to(vs.dtype), vs)  # [Hkv, N, g, D]
+                out.index_copy_(0, rows, y.transpose(0, 1).reshape(n, heads, dim).to(q.dtype))
             for i in multi:
-                qs = q[offsets[i]:offsets[i + 1]].transpose(0, 1)  # [H, n, D]
-                ks, vs = kl.index_select(1, reads[i]), vl.index_select(1, reads[i])  # [Hkv, S, D]
-                mask = masks[i]
+                a, b = offsets[i], offsets[i + 1]
+                qs = q[a:b].transpose(0, 1)  # [H, n, D]
+                if i in reads:
+                    ks, vs = kl.index_select(1, reads[i]), vl.index_select(1, reads[i])  # [Hkv, S, D]
+                    mask = masks[i]
+                else:  # the chunk starts its sequence: its keys are exactly this forward's
+                    ks, vs, mask = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), True
                 y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=None if isinstance(mask, bool) else mask,
                                                    is_causal=mask is True, scale=scale, enable_gqa=gqa)
-                out[offsets[i]:offsets[i + 1]] = y.transpose(0, 1)
+                out[a:b] = y.transpose(0, 1)
             return out
 
         return attend

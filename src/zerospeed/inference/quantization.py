@@ -14,13 +14,24 @@ PyTorch's own weight-only kernels instead (same bytes, same codes): ``torch._wei
 symmetric per channel (CPU and CUDA) and ``torch._weight_int4pack_mm_for_cpu`` for INT4 asymmetric groups of
 32/64/128/256 columns (its ``w = (q - 8) * s + z`` is ours with ``z = m + 8 s``); other combinations raise
 ``NotSupportedYetError``. Hugging Face's ``Conv1D`` (GPT-2's transposed linear) is converted the same way.
+
+Under tensor parallelism the model is cut first and each rank quantizes its own shards ("per shard group
+scales"): a column-parallel layer (``LinearLayer``, ``FusedQKVLinear``) keeps whole rows, so its codes and
+scales are exactly tp=1's rows; a row-parallel layer (``LinearAllreduce``) holds ``L`` of the ``in`` columns
+and uses groups of ``gcd(L, in / q_groups)`` columns — tp=1's groups when they fall inside a shard (then the
+codes equal tp=1's), else each shard's piece of a group gets its own scale — and all-reduces its partial
+output (``QuantizedRowParallel``) before adding the whole bias.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zerospeed import comm
 
 from zerospeed.config.errors import NotSupportedYetError
 
@@ -28,7 +39,7 @@ from .config import QuantTypeEnum, WeightQuantConfig
 
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
 
-__all__ = ["QuantizedLinear", "dequantize", "model_bytes", "quantize", "quantize_model"]
+__all__ = ["QuantizedLinear", "QuantizedRowParallel", "dequantize", "model_bytes", "quantize", "quantize_model"]
 
 
 def _grouped(w: torch.Tensor, groups: int) -> torch.Tensor:
@@ -156,6 +167,49 @@ def _int4pack(codes: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
+class QuantizedRowParallel(nn.Module):
+    """A quantized row-parallel shard: ``all_reduce(x_r Q(W_r)^T) + b`` over the tensor-parallel group."""
+
+    def __init__(self, layer: nn.Module, cfg: WeightQuantConfig) -> None:
+        super().__init__()
+        if layer.sequence_parallel or not layer.input_is_parallel:
+            raise NotSupportedYetError("quant", f"quantizing row-parallel layer '{layer.label}' with sequence "
+                                       "parallelism or a replicated input: not supported yet by zerospeed")
+        weight = layer.linear_weight
+        full_in = sum(layer.partition_sizes)
+        if full_in % cfg.q_groups:
+            raise ValueError(f"in_features {full_in} of '{layer.label}' is not divisible by quant.weight.q_groups="
+                             f"{cfg.q_groups}")
+        width = math.gcd(weight.shape[1], full_in // cfg.q_groups)
+        self.linear = QuantizedLinear(weight, None, cfg.model_copy(update={"q_groups": weight.shape[1] // width}))
+        self.bias = layer.bias
+        self.group = layer.mp_group
+
+    def weight_nbytes(self) -> int:
+        return self.linear.weight_nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        comm.all_reduce(y, self.group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _quantized(module: nn.Module, cfg: WeightQuantConfig) -> nn.Module | None:
+    """The quantized replacement of a linear (plain or tensor-parallel shard), else None."""
+    from zerospeed.parallel.tensor import LinearAllreduce, LinearLayer
+
+    if isinstance(module, LinearAllreduce):
+        return QuantizedRowParallel(module, cfg) if module.tp_world_size > 1 else QuantizedLinear(
+            module.linear_weight, module.bias, cfg)
+    if isinstance(module, LinearLayer):
+        if module.tp_world_size > 1 and (module.gather_output or module.sequence_parallel or module.overlap_comm):
+            raise NotSupportedYetError("quant", f"quantizing column-parallel layer '{module.label}' with gathered "
+                                       "output, sequence parallelism or overlap: not supported yet by zerospeed")
+        return QuantizedLinear(module.linear_weight, module.bias, cfg)  # whole rows: no communication forward
+    found = _linear_weight(module)
+    return None if found is None else QuantizedLinear(found[0], found[1], cfg)
+
+
 def _linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(weight [out, in], bias)`` of a linear layer (nn.Linear or HF Conv1D), else None."""
     if isinstance(module, nn.Linear):
@@ -170,14 +224,15 @@ def quantize_model(model: nn.Module, cfg: WeightQuantConfig) -> int:
     """Replace every linear layer of ``model`` in place by a ``QuantizedLinear``; returns how many.
 
     Layers are swapped one at a time, so each full-precision weight can be freed before the next is
-    quantized (peak memory: the model plus one layer's temporaries, not two models).
+    quantized (peak memory: the model plus one layer's temporaries, not two models). Tensor-parallel
+    shards (``zerospeed.parallel.tensor`` layers, after ``shard_for_inference``) are quantized per shard.
     """
+    from zerospeed.parallel.tensor import LinearAllreduce, LinearLayer
+
     targets = [(module, child_name) for module in model.modules() for child_name, child in module.named_children()
-               if _linear_weight(child) is not None]
+               if isinstance(child, (LinearLayer, LinearAllreduce)) or _linear_weight(child) is not None]
     for parent, child_name in targets:
-        weight, bias = _linear_weight(getattr(parent, child_name))  # type: ignore[misc]
-        setattr(parent, child_name, QuantizedLinear(weight, bias, cfg))
-        del weight, bias
+        setattr(parent, child_name, _quantized(getattr(parent, child_name), cfg))
     return len(targets)
 
 
@@ -188,6 +243,8 @@ def model_bytes(model: nn.Module, linear_weights_only: bool = False) -> int:
         for m in model.modules():
             if isinstance(m, QuantizedLinear):
                 total += m.weight_nbytes()
+            elif hasattr(m, "linear_weight") and not isinstance(m, QuantizedRowParallel):  # a tensor-parallel shard
+                total += m.weight.numel() * m.weight.element_size()
             elif (found := _linear_weight(m)) is not None:
                 total += found[0].numel() * found[0].element_size()
         return total

@@ -5,7 +5,9 @@ Events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /
 One asyncio task drives the engine: while requests are in flight it runs ``engine.step()`` and routes each
 new token to its request's queue; handlers only enqueue, await, and cancel (a dropped stream cancels its
 request and frees its KV blocks). All engine calls happen on the event loop thread, so no locks are needed
-(each forward blocks the loop for its duration: fine for the small models this serves on CPU).
+(each forward blocks the loop for its duration: fine for the small models this serves on CPU). With tensor
+parallelism this process is rank 0; the other ranks sit in ``engine.run_worker()``, kept alive by a heartbeat
+while idle and released by ``engine.shutdown()`` when the app stops.
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input is 400, a full
 queue (``max_tracked_sequences``) is 429.
 """
@@ -30,6 +32,8 @@ from .sampling import SamplingParams
 from .serving import QueueFullError, ServingEngine, TokenEvent
 
 __all__ = ["create_app"]
+
+_HEARTBEAT_S = 60.0
 
 
 class _Body(BaseModel):
@@ -93,7 +97,11 @@ class _Server:
         while True:
             if not self.engine.has_work:
                 self.wake.clear()
-                await self.wake.wait()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), _HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    self.engine.heartbeat()  # tensor-parallel workers wait in a collective with a timeout
+                    continue
             for ev in self.engine.step():
                 self.stats["tokens_generated_total"] += 1
                 q = self.queues.get(ev.uid)
@@ -171,6 +179,7 @@ def create_app(loaded: LoadedModel, engine: ServingEngine) -> FastAPI:
         srv.task = asyncio.create_task(srv.drive())
         yield
         srv.task.cancel()
+        engine.shutdown()  # tensor parallelism: release the worker ranks
 
     app = FastAPI(title="zerospeed", docs_url=None, redoc_url=None, lifespan=lifespan)
 

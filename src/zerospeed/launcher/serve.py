@@ -2,13 +2,23 @@
 
 MODEL_DIR is a Hugging Face causal-LM directory (GPT-2, Llama) or a zerospeed GPT saved with
 ``zerospeed.inference.model_dir.save_gpt_dir``. ``--config`` takes DeepSpeed-FastGen's engine config
-(``state_manager`` limits, KV blocks). Imports torch only when run.
+(``state_manager`` limits, KV blocks, ``tensor_parallel``). Imports torch only when run.
+
+Tensor parallelism (``--tp-size N`` or the config's ``tensor_parallel.tp_size``): run as is, the command forks
+N-1 worker ranks on this machine (Gloo, a file rendezvous in a temporary directory); started N times by
+``zerospeed launch`` / torchrun instead (``WORLD_SIZE`` = N), it uses those ranks. Every rank loads and
+shards the model; rank 0 serves HTTP and the others run the engine's worker loop until the server stops.
+``--quant int8|int4`` quantizes the (sharded) linear weights through ``init_inference``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-blocks", type=int, default=1024,
                         help="KV-cache blocks when the config gives no memory_config (default 1024)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--tp-size", type=int, default=None,
+                        help="tensor-parallel ranks (default: the config's tensor_parallel.tp_size, else 1)")
+    parser.add_argument("--quant", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the linear layers (int8: symmetric, int4: asymmetric)")
+    parser.add_argument("--q-groups", type=int, default=1, help="quantization groups per output row (default 1)")
 
 
 def engine_config(config_path: str | None, kv_blocks: int) -> dict[str, Any]:
@@ -33,22 +48,84 @@ def engine_config(config_path: str | None, kv_blocks: int) -> dict[str, Any]:
     return cfg
 
 
+def build_engine(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """``(loaded model, ServingEngine)`` on this rank (sharded / quantized as asked)."""
+    from zerospeed.inference import ServingEngine, init_inference
+    from zerospeed.inference.config import parse_dtype
+    from zerospeed.inference.model_dir import load_model_dir
+
+    dtype = parse_dtype(args.dtype)
+    loaded = load_model_dir(args.model_dir, dtype)
+    model: Any = loaded.model
+    if args.quant:
+        tp = cfg.get("tensor_parallel", {})
+        weight = {"num_bits": 8 if args.quant == "int8" else 4, "q_groups": args.q_groups,
+                  "q_type": "symmetric" if args.quant == "int8" else "asymmetric"}
+        model = init_inference(model, dtype=dtype, quant={"weight": weight}, tensor_parallel=tp)
+    engine = ServingEngine(model, cfg, decode=loaded.tokenizer.decode, eos_token_ids=loaded.eos_token_ids)
+    return loaded, engine
+
+
+def _worker(rank: int, tp: int, store: str, args: argparse.Namespace, cfg: dict[str, Any]) -> None:
+    """A forked tensor-parallel rank: join the group, shard, run rank 0's forwards until it stops."""
+    from zerospeed import comm
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank)})
+    comm.init_distributed(dist_backend="gloo", store=comm.file_store(store, tp), rank=rank, world_size=tp)
+    build_engine(args, cfg)[1].run_worker()
+
+
+def _fork_workers(tp: int, args: argparse.Namespace, cfg: dict[str, Any]) -> str:
+    """Start ranks 1..tp-1 (forked, Gloo); the rendezvous file for rank 0. Any worker failing ends the server."""
+    import multiprocessing as mp
+
+    store = os.path.join(tempfile.mkdtemp(prefix="zs-serve-"), "store")
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_worker, args=(r, tp, store, args, cfg), daemon=True) for r in range(1, tp)]
+    for p in procs:
+        p.start()
+
+    def watch(p: Any) -> None:
+        p.join()
+        if p.exitcode != 0:
+            print(f"zerospeed serve: tensor-parallel rank {procs.index(p) + 1} exited with {p.exitcode}; stopping",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+    for p in procs:
+        threading.Thread(target=watch, args=(p,), daemon=True).start()
+    return store
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:
         raise UsageError("zerospeed serve needs the serve extra: pip install 'zerospeed[serve]'") from None
-    from zerospeed.inference.config import parse_dtype
-    from zerospeed.inference.model_dir import load_model_dir
     from zerospeed.inference.server import create_app
-    from zerospeed.inference.serving import ServingEngine
 
+    cfg = engine_config(args.config, args.kv_blocks)
+    tp_cfg = cfg.setdefault("tensor_parallel", cfg.pop("tp", {}))
+    if args.tp_size is not None:
+        tp_cfg["tp_size"] = args.tp_size
+    tp = int(tp_cfg.get("tp_size", 1))
+    if tp < 1:
+        raise UsageError(f"--tp-size must be >= 1, got {tp}")
+    if tp > 1:
+        from zerospeed import comm
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by zerospeed launch / torchrun
+            comm.init_distributed()
+        else:
+            store = _fork_workers(tp, args, cfg)
+            comm.init_distributed(dist_backend="gloo", store=comm.file_store(store, tp), rank=0, world_size=tp)
     try:
-        loaded = load_model_dir(args.model_dir, parse_dtype(args.dtype))
-        engine = ServingEngine(loaded.model, engine_config(args.config, args.kv_blocks),
-                               decode=loaded.tokenizer.decode, eos_token_ids=loaded.eos_token_ids)
+        loaded, engine = build_engine(args, cfg)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    if engine.tp_rank != 0:
+        engine.run_worker()
+        return 0
     uvicorn.run(create_app(loaded, engine), host=args.host, port=args.port, log_level="info")
     return 0
 
