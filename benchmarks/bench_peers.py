@@ -31,8 +31,12 @@ import sys
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # count devices without initialising CUDA (fork)
 
-from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage  # noqa: E402
-from harness import Result, run_all  # noqa: E402
+try:  # run as ``python benchmarks/bench_peers.py`` (script dir on sys.path) or as a package module
+    from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
+    from harness import Result, run_all
+except ImportError:  # pragma: no cover
+    from benchmarks.contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
+    from benchmarks.harness import Result, run_all
 
 from zerospeed.models import GPT, PRESETS  # noqa: E402
 
