@@ -103,6 +103,7 @@ class GradReducer:
             for g in groups
         ]
         self.staging: dict[tuple[int, int], torch.Tensor] = {}
+        self.pads: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # see _padding
         self.accumulates_locally = False  # stage 2 with local_accumulation, once its full buffers exist
         # This rank's reduced gradient partition, in the accumulation dtype.
         self.partition: list[torch.Tensor | None] = [None] * len(groups)
@@ -132,11 +133,39 @@ class GradReducer:
         if full is not None:
             return full[n * bucket.partition_offset: n * (bucket.partition_offset + bucket.shard_numel)]
         buf = self.staging.get((g, b))
-        if buf is None:
-            buf = torch.zeros(n * bucket.shard_numel, dtype=self.s.accum_dtype, device=grp.device)
+        if buf is None:  # uninitialised: each gradient is copied in (not added to zeros); the rest is zeroed
+            buf = torch.empty(n * bucket.shard_numel, dtype=self.s.accum_dtype, device=grp.device)
+            view = buf.view(n, bucket.shard_numel)
+            for row, lo, hi in self._padding(g, b):
+                view[row:, lo:hi].zero_()
             self.staging[(g, b)] = buf
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.grad_bytes())
         return buf
+
+    def _padding(self, g: int, b: int) -> list[tuple[int, int, int]]:
+        """Bucket (g, b)'s padding, as column ranges ``[lo, hi)`` from ``row`` down (no gradient lands there)."""
+        pads = self.pads.get((g, b))
+        if pads is None:
+            grp = self.groups[g]
+            pads = []
+            for i in grp.plan.buckets[b].params:
+                slot = grp.plan.slots[i]
+                q, r = divmod(slot.numel, slot.shard)
+                if r:
+                    pads.append((q, slot.offset + r, slot.offset + slot.shard))
+                if q + (1 if r else 0) < grp.num_partitions:
+                    pads.append((q + (1 if r else 0), slot.offset, slot.offset + slot.shard))
+            self.pads[(g, b)] = pads
+        return pads
+
+    def _zero_missing(self, g: int, b: int, buf: torch.Tensor) -> None:
+        """Before a transient bucket buffer is reduced: zero the columns of parameters that sent no gradient."""
+        grp = self.groups[g]
+        view = buf.view(grp.num_partitions, grp.plan.buckets[b].shard_numel)
+        for i in grp.plan.buckets[b].params:
+            if (g, i) not in self.got:
+                slot = grp.plan.slots[i]
+                view[:, slot.offset: slot.offset + slot.shard].zero_()
 
     def partition_buffer(self, g: int) -> torch.Tensor:
         """The reduced gradient partition of group g (accumulation dtype)."""
@@ -175,8 +204,9 @@ class GradReducer:
         if buf is None:
             buf = self.late[k] = torch.zeros(grp.num_partitions * bucket.shard_numel, dtype=self.s.accum_dtype,
                                              device=grp.device)
+        first = not late and self.full[g] is None and (g, i) not in self.got  # into an uninitialised staging buffer
         scatter_into(buf.view(grp.num_partitions, bucket.shard_numel), slot.offset, slot.shard,
-                     grad.reshape(-1), accumulate=True)
+                     grad.reshape(-1), accumulate=not first)
         p.grad = None
         self.got.add((g, i))
         if unused:  # not counted: the bucket must still wait for every parameter it expects
@@ -270,6 +300,8 @@ class GradReducer:
             self._complete(self.pending.pop(0))
         g, b = self.order[k]
         self.next_launch = k + 1
+        if self.full[g] is None:  # a transient buffer: columns of parameters that sent nothing are still unset
+            self._zero_missing(g, b, self._bucket_buffer(g, b))
         if self.s.dp_size == 1:
             self.pending.append(_Pending(g, b, None, self._bucket_buffer(g, b), None))
             return
