@@ -108,6 +108,8 @@ def main() -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--only", nargs="+", metavar="TEXT", help="only contenders whose name contains one of these "
+                   "(DDP, the baseline, always runs)")
     p.add_argument("--quick", action="store_true", help="mid size only, 2 rounds of 3 timed steps (a few minutes)")
     p.add_argument("--write", metavar="DOC", help="write the tables between the bench_peers markers of DOC")
     a = p.parse_args()
@@ -129,7 +131,9 @@ def main() -> int:
             spec = BenchSpec(preset=size, micro_batch=a.micro_batch, grad_accum=1 if part == "gas1" else 2,
                              world_size=a.world, warmup=a.warmup, steps=a.steps, device=a.device, dtype=a.dtype)
             print(f"== {size} {part} ==", flush=True)
-            results = run_all(spec, contenders(part, a.device), baseline=BASELINE, repeat=a.repeat)
+            chosen = [c for c in contenders(part, a.device)
+                      if a.only is None or c.name == BASELINE or any(t in c.name for t in a.only)]
+            results = run_all(spec, chosen, baseline=BASELINE, repeat=a.repeat)
             text = table(spec, results)
             print(text + "\n", flush=True)
             out.append(text)
