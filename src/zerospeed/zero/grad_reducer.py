@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from .layout import scatter_into
+from .layout import padding_ranges, scatter_into
 from .sharded_group import ShardedGroup
 
 
@@ -143,19 +143,12 @@ class GradReducer:
         return buf
 
     def _padding(self, g: int, b: int) -> list[tuple[int, int, int]]:
-        """Bucket (g, b)'s padding, as column ranges ``[lo, hi)`` from ``row`` down (no gradient lands there)."""
+        """Bucket (g, b)'s padding (``layout.padding_ranges``), computed once."""
         pads = self.pads.get((g, b))
         if pads is None:
             grp = self.groups[g]
-            pads = []
-            for i in grp.plan.buckets[b].params:
-                slot = grp.plan.slots[i]
-                q, r = divmod(slot.numel, slot.shard)
-                if r:
-                    pads.append((q, slot.offset + r, slot.offset + slot.shard))
-                if q + (1 if r else 0) < grp.num_partitions:
-                    pads.append((q + (1 if r else 0), slot.offset, slot.offset + slot.shard))
-            self.pads[(g, b)] = pads
+            pads = self.pads[(g, b)] = padding_ranges((grp.plan.slots[i] for i in grp.plan.buckets[b].params),
+                                                      grp.num_partitions)
         return pads
 
     def _zero_missing(self, g: int, b: int, buf: torch.Tensor) -> None:
