@@ -32,6 +32,8 @@ class BenchSpec:
     lr: float = 1e-3
     weight_decay: float = 0.1
     clip: float = 1.0
+    device: str = "cpu"  # "cuda": one device per rank (NCCL), bf16 below means autocast / zerospeed's bf16 section
+    dtype: str = "fp32"  # "fp32" or "bf16"
 
     def global_micro_batches(self) -> int:
         return self.grad_accum * self.world_size
@@ -99,13 +101,15 @@ class TorchTrainer:
         self.params = [p for p in wrapped.parameters()]
         self.opt = _adamw(self.params, spec)
         self.clip = spec.clip
+        self.autocast = torch.autocast(spec.device, dtype=torch.bfloat16, enabled=spec.dtype == "bf16")
 
     def step(self, micro_batches: list[Batch]) -> float:
         self.opt.zero_grad(set_to_none=True)  # at the start, so state_bytes() after a step still sees grads
         total = 0.0
         for i, (x, y) in enumerate(micro_batches):
             with self.no_sync(i < len(micro_batches) - 1):
-                _, loss = self.wrapped(x, y)
+                with self.autocast:
+                    _, loss = self.wrapped(x, y)
                 (loss / len(micro_batches)).backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -119,9 +123,15 @@ class TorchTrainer:
         return None  # torch's collectives are not counted
 
 
+def _place(model: nn.Module, spec: BenchSpec) -> nn.Module:
+    """Torch contenders build on the rank's device (zerospeed's engine and DeepSpeed move the model themselves)."""
+    return model.to(torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" else "cpu")
+
+
 def make_single(model: nn.Module, spec: BenchSpec) -> Trainer:
     from contextlib import nullcontext
 
+    model = _place(model, spec)
     return TorchTrainer(model, spec, model, lambda _skip: nullcontext())
 
 
@@ -130,7 +140,9 @@ def make_ddp(model: nn.Module, spec: BenchSpec) -> Trainer:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, gradient_as_bucket_view=True)
+    model = _place(model, spec)
+    ddp = DDP(model, gradient_as_bucket_view=True,
+              device_ids=[torch.cuda.current_device()] if spec.device == "cuda" else None)
     return TorchTrainer(model, spec, ddp, lambda skip: ddp.no_sync() if skip else nullcontext())
 
 
@@ -139,6 +151,7 @@ def make_fsdp2(model: nn.Module, spec: BenchSpec, reshard_after_forward: bool = 
 
     from torch.distributed.fsdp import fully_shard
 
+    model = _place(model, spec)
     for block in model.blocks:  # type: ignore[attr-defined]
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
@@ -165,7 +178,8 @@ def engine_step(engine: Any, micro_batches: list[Batch]) -> float:
 class ZeroSpeedTrainer:
     """zerospeed's engine, configured by a ds_config dict equivalent to the torch baselines."""
 
-    def __init__(self, model: nn.Module, spec: BenchSpec, stage: int, zero_extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: nn.Module, spec: BenchSpec, stage: int, zero_extra: dict[str, Any] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         import zerospeed
 
         config = {
@@ -176,6 +190,8 @@ class ZeroSpeedTrainer:
             "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                                                       "weight_decay": spec.weight_decay}},
             "zero_optimization": {"stage": stage, **(zero_extra or {})},
+            "bf16": {"enabled": spec.dtype == "bf16"},
+            **(extra or {}),
         }
         self.engine, self.opt, _, _ = zerospeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
@@ -260,8 +276,9 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-def deepspeed_stage(stage: int) -> Contender:
-    return Contender(f"DeepSpeed stage {stage}", lambda m, s: DeepSpeedTrainer(m, s, stage), skip=deepspeed_missing)
+def deepspeed_stage(stage: int, device: str = "cpu") -> Contender:
+    skip = deepspeed_missing if device == "cpu" else (lambda: "the DeepSpeed contender runs on CPU only (fp32, Gloo)")
+    return Contender(f"DeepSpeed stage {stage}", lambda m, s: DeepSpeedTrainer(m, s, stage), skip=skip)
 
 
 def zerospeed_missing() -> str | None:
@@ -286,10 +303,11 @@ def fsdp2(reshard_after_forward: bool = True, name: str = "torch FSDP2") -> Cont
     return Contender(name, lambda m, s: make_fsdp2(m, s, reshard_after_forward))
 
 
-def zerospeed_stage(stage: int, zero_extra: dict[str, Any] | None = None, name: str | None = None) -> Contender:
-    """zerospeed at ZeRO ``stage``; ``zero_extra``: more ``zero_optimization`` keys."""
-    return Contender(name or f"zerospeed stage {stage}", lambda m, s: ZeroSpeedTrainer(m, s, stage, zero_extra),
-                     skip=zerospeed_missing)
+def zerospeed_stage(stage: int, zero_extra: dict[str, Any] | None = None, name: str | None = None,
+                    extra: dict[str, Any] | None = None) -> Contender:
+    """zerospeed at ZeRO ``stage``; ``zero_extra``: more ``zero_optimization`` keys; ``extra``: top-level keys."""
+    return Contender(name or f"zerospeed stage {stage}",
+                     lambda m, s: ZeroSpeedTrainer(m, s, stage, zero_extra, extra), skip=zerospeed_missing)
 
 
 def world_of(contender: Contender, spec: BenchSpec) -> int:

@@ -52,6 +52,7 @@ class Result:
     ratio: float | None = None  # wall s/step over the baseline's in the same round (median over rounds)
     cpu_ratio: float | None = None  # the same for CPU s/step
     comm_bytes_per_step: int | None = None  # bytes a rank communicated in the last step (max over ranks), if counted
+    peak_device_mib: float | None = None  # CUDA: peak allocated device memory (max over ranks)
 
 
 def rank_batches(spec: BenchSpec, rank: int, world: int) -> list[list[Batch]]:
@@ -79,6 +80,9 @@ def _rank_main(spec: BenchSpec, contender: Contender) -> dict[str, Any]:
     torch.set_num_threads(contender.threads)
     rank, world = comm.get_rank(), comm.get_world_size()
     batches = rank_batches(spec, rank, world)
+    if spec.device == "cuda":  # the harness's NCCL ranks each hold one device
+        dev = torch.device("cuda", torch.cuda.current_device())
+        batches = [[(x.to(dev), y.to(dev)) for x, y in step] for step in batches]
     torch.manual_seed(spec.seed)
     trainer = contender.make(GPT(PRESETS[spec.preset](), seed=spec.seed), spec)
     walls, cpus, losses = [], [], []
@@ -97,12 +101,14 @@ def _rank_main(spec: BenchSpec, contender: Contender) -> dict[str, Any]:
         "start_rss": start_rss,
         "state": trainer.state_bytes(),
         "comm": trainer.comm_bytes() if hasattr(trainer, "comm_bytes") else None,
+        "peak_device": torch.cuda.max_memory_allocated() if spec.device == "cuda" else None,
     }
 
 
 def run_contender(spec: BenchSpec, contender: Contender, timeout: float = 1800.0) -> Result:
     world = world_of(contender, spec)
-    per_rank = run_distributed(_rank_main, world, spec, contender, timeout=timeout)
+    per_rank = run_distributed(_rank_main, world, spec, contender, timeout=timeout,
+                               backend="nccl" if spec.device == "cuda" else "gloo")
     cfg = PRESETS[spec.preset]()
     wall = max(r["wall"] for r in per_rank)
     tokens = spec.global_micro_batches() * spec.micro_batch * cfg.block_size
@@ -120,6 +126,7 @@ def run_contender(spec: BenchSpec, contender: Contender, timeout: float = 1800.0
         state_detail={k: v / MiB for k, v in state.items()},
         last_loss=sum(r["loss"] for r in per_rank) / len(per_rank),
         comm_bytes_per_step=None if per_rank[0]["comm"] is None else max(r["comm"] for r in per_rank),
+        peak_device_mib=None if per_rank[0]["peak_device"] is None else max(r["peak_device"] for r in per_rank) / MiB,
     )
 
 

@@ -97,6 +97,13 @@ class ZeroSpeedConfig(Section):
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,
     the collective and the group (torch's default, 30 minutes, when unset)."""
+    zero_local_grad_accumulation: bool = False
+    """zerospeed only (top level: DeepSpeed refuses unknown keys inside ``zero_optimization``). ZeRO stage 2 with
+    gradient accumulation: ``true`` accumulates the micro-steps' gradients in a full-size local buffer (4Ψ bytes
+    more per rank in fp32, made on the first micro-step that does not end an accumulation) and reduce-scatters
+    once per boundary, 2Ψ on the wire per step as DDP with ``no_sync``; ``false`` (DeepSpeed's way) keeps no
+    full-size gradient and reduce-scatters every micro-step, (gas+1)Ψ. No effect at other stages (0-1 always
+    accumulate locally; stage 3 warns) or when gradients bypass device memory (offload on an accelerator, NVMe)."""
     zerospeed: ZerospeedOptions = Field(default_factory=ZerospeedOptions)
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     """DeepSpeed's autotuner section: ``zerospeed autotune`` plans experiments from it; the engine profiles them."""

@@ -19,7 +19,7 @@ from torch import nn
 from zerospeed.parallel.sequence.tiled import TiledMLP
 from zerospeed.parallel.sequence.tiled_loss import fused_logits_loss
 
-__all__ = ["GPT", "GPTConfig", "bench", "demo", "tiny"]
+__all__ = ["GPT", "GPTConfig", "bench", "demo", "gpt2_small", "mid", "tiny"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,16 @@ def demo() -> GPTConfig:
 def bench() -> GPTConfig:
     """About 10.8M parameters: a heavier benchmark where communication and optimizer state matter more."""
     return GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384)
+
+
+def mid() -> GPTConfig:
+    """About 27M parameters (6 layers, width 608): the smaller size of the peer benchmark."""
+    return GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=608)
+
+
+def gpt2_small() -> GPTConfig:
+    """GPT-2 small's shape (124M parameters: 12 layers, width 768, 12 heads, vocabulary 50257, seq 512)."""
+    return GPTConfig(vocab_size=50257, block_size=512, n_layer=12, n_head=12, n_embd=768)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -256,6 +257,8 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
                               prescale_gradients=cfg.prescale_gradients,
                               gradient_predivide_factor=cfg.gradient_predivide_factor,
                               partition_sink=_gradients_off_device(cfg, live), **_topk(cfg, base))
+    if cfg.zero_local_grad_accumulation:
+        settings = _local_accumulation(cfg, settings)
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
         reducer = moe.make_reducer(live, settings, stage3)
     else:
@@ -285,6 +288,16 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
             zero_opt.stepper = OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
         reducer.sink = zero_opt.stepper.sink  # where reduced gradients go instead of device partitions (or None)
     return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
+
+
+def _local_accumulation(cfg: ZeroSpeedConfig, settings: ReduceSettings) -> ReduceSettings:
+    """``zero_local_grad_accumulation`` (zerospeed only): stage 2 accumulates locally, reduces per boundary."""
+    if cfg.zero_stage != 2 or settings.partition_sink:
+        if cfg.zero_stage == 3 or settings.partition_sink:
+            warnings.warn("zero_local_grad_accumulation has no effect here (it applies to ZeRO stage 2 with the "
+                          "gradients in device memory; stages 0-1 always accumulate locally)")
+        return settings
+    return dataclasses.replace(settings, local_accumulation=True)
 
 
 def _moe_training(cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None, grid: Any = None) -> Any:

@@ -6,7 +6,11 @@ row ``r`` of the ``[N, S]`` view: row r holds the parameter's elements ``[r*s, (
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+
+from .partition import ParamSlot
 
 
 def scatter_into(buf2d: torch.Tensor, col: int, shard: int, flat: torch.Tensor, accumulate: bool) -> None:
@@ -31,3 +35,16 @@ def gather_from(buf2d: torch.Tensor, col: int, shard: int, flat: torch.Tensor) -
         flat[: q * shard].view(q, shard).copy_(buf2d[:q, col:col + shard])
     if r:
         flat[q * shard:].copy_(buf2d[q, col:col + r])
+
+
+def padding_ranges(slots: Iterable[ParamSlot], rows: int) -> list[tuple[int, int, int]]:
+    """Where no element of these parameters lands in a ``[rows, S]`` buffer: ``(row, lo, hi)`` means
+    columns ``[lo, hi)`` of rows ``row`` to the last (the padding of each parameter's column block)."""
+    out = []
+    for slot in slots:
+        q, r = divmod(slot.numel, slot.shard)
+        if r:
+            out.append((q, slot.offset + r, slot.offset + slot.shard))
+        if q + (1 if r else 0) < rows:
+            out.append((q + (1 if r else 0), slot.offset, slot.offset + slot.shard))
+    return out

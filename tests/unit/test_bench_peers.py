@@ -1,0 +1,41 @@
+"""bench_peers / bench_mfu helpers: the loss check fails on disagreement, the doc section is rewritten in place,
+and the model FLOPs count is 6·N·T plus the attention term."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_mfu import _count, config, model_flops_per_step
+from benchmarks.bench_peers import BEGIN, END, check_losses, write_section
+from benchmarks.harness import Result
+from zerospeed.models import GPT, GPTConfig
+
+
+def _result(name: str, loss: float) -> Result:
+    return Result(name, 2, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, {}, loss)
+
+
+def test_check_losses_names_the_outlier() -> None:
+    check_losses([_result("torch DDP", 3.0), _result("zerospeed stage 2", 3.0001)], "fp32")
+    with pytest.raises(AssertionError, match="zerospeed stage 3"):
+        check_losses([_result("torch DDP", 3.0), _result("zerospeed stage 3", 3.01)], "fp32")
+
+
+def test_write_section_replaces_between_markers(tmp_path: Path) -> None:
+    doc = tmp_path / "b.md"
+    doc.write_text(f"intro\n{BEGIN}\nold table\n{END}\nafter\n")
+    write_section(str(doc), "new table")
+    assert doc.read_text() == f"intro\n{BEGIN}\nnew table\n{END}\nafter\n"
+    (tmp_path / "none.md").write_text("no markers")
+    with pytest.raises(SystemExit):
+        write_section(str(tmp_path / "none.md"), "x")
+
+
+def test_mfu_flops_count() -> None:
+    small = GPTConfig(vocab_size=300, block_size=64, n_layer=3, n_head=4, n_embd=64)
+    assert _count(small) == GPT(small).num_params()
+    n = _count(small)
+    assert model_flops_per_step(small, n, 128) == 6 * (n - 64 * 64) * 128 + 12 * 3 * 64 * 64 * 128
+    assert 1.0e9 < _count(config(20)) < 1.2e9  # the "~1B" model of the MFU check
