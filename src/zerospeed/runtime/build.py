@@ -107,6 +107,11 @@ def _check_client_offload(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer) -
 
 
 def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> None:
+    if hasattr(opt, "shard_orthogonalizer"):  # Muon: whole matrices orthogonalised by owner ranks (exact)
+        if cfg.zero_optimization.offload_optimizer.device == "nvme":
+            raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "Muon with the optimizer "
+                                       "offloaded to NVMe is not supported yet by zerospeed (cpu offload is)")
+        return
     if cfg.zero_stage == 0 or isinstance(opt, _ELEMENTWISE):
         return
     if hasattr(opt, "shard_norm_reducer"):  # Lamb: per-tensor norms are summed over the shards (exact)
@@ -119,6 +124,24 @@ def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> N
             "Use Adam/AdamW/SGD/Adagrad, stage 0, or set zero_allow_untested_optimizer: true.",
         )
     warnings.warn(f"{type(opt).__name__} under ZeRO stage {cfg.zero_stage}: per-tensor statistics see shards only")
+
+
+def _muon_groups(cfg: ZeroSpeedConfig, model: nn.Module, raw_groups: list[dict[str, Any]],
+                 split_model: bool) -> list[dict[str, Any]]:
+    """DeepSpeed's Muon/Adam halves of each group, tagged by the layers' full shapes (optim/muon_groups.py)."""
+    from ..optim.muon_groups import split_muon_groups, tag_use_muon
+    from ..zero.stage3 import shard_of
+
+    if split_model:  # a matrix cut over experts or tensor-parallel ranks would be orthogonalised piecewise
+        raise NotSupportedYetError("optimizer.type", "Muon with tensor parallelism or Mixture-of-Experts layers "
+                                   "is not supported yet by zerospeed")
+
+    def full_shape(p: nn.Parameter) -> torch.Size:
+        s = shard_of(p)
+        return p.shape if s is None else s.shape
+
+    tag_use_muon(model, full_shape)
+    return split_muon_groups(raw_groups, dict(cfg.optimizer.params) if cfg.optimizer is not None else {})
 
 
 def _build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimizer | None) -> Any:
@@ -430,6 +453,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                    "zerospeed (expert tensor parallelism through an mpu is)")
     stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank, moe)
     raw_groups = _param_groups(model, model_parameters, optimizer)
+    if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
+        raw_groups = _muon_groups(cfg, model, raw_groups, moe is not None or tp is not None)
     if moe is not None:
         moe.sync_experts(model)
         raw_groups = moe.split_groups(raw_groups, from_client=optimizer is not None)
