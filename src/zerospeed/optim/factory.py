@@ -19,6 +19,7 @@ from zerospeed.config.base import Section
 from zerospeed.config.errors import ConfigError, NotSupportedYetError, did_you_mean
 
 from .lamb import Lamb
+from .muon_groups import MuonParams, build_muon  # noqa: F401  (config/schema.py lists MuonParams' keys)
 from .validate import parse_params, reject_auto
 
 PATH = "optimizer.params"
@@ -166,8 +167,6 @@ def build_optimizer(
     if canonical == "Lamb":
         return _build_lamb(params, groups)
     if canonical == "Muon":
-        from .muon_groups import build_muon
-
         return build_muon(params, groups)
     if canonical in ONEBIT_NAMES:
         return _build_onebit(canonical, params, groups)

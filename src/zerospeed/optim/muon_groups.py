@@ -49,7 +49,6 @@ class MuonParams(Section):
     adam_w_mode: bool = True
     per_head_muon: bool = False
     torch_adam: bool = False
-    foreach: bool | None = None
     fp32_optimizer_states: bool | None = None
 
     @field_validator("ns_method")
@@ -67,11 +66,15 @@ class MuonParams(Section):
         return value
 
     def half_defaults(self, use_muon: bool) -> dict[str, Any]:
-        keys, override = (MUON_KEYS, self.muon_lr) if use_muon else (ADAM_KEYS, self.adam_lr)
-        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-        if override is not None:
-            out["lr"] = override
-        return out
+        """The config's settings for one half (``MUON_KEYS`` / ``ADAM_KEYS``), ``muon_lr``/``adam_lr`` first."""
+        if use_muon:
+            lr = self.lr if self.muon_lr is None else self.muon_lr
+            values = {"lr": lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                      "ns_method": self.ns_method}
+        else:
+            lr = self.lr if self.adam_lr is None else self.adam_lr
+            values = {"lr": lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+        return {k: v for k, v in values.items() if v is not None}
 
 
 def parse_muon_params(params: dict[str, Any] | None) -> MuonParams:
