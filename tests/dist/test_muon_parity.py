@@ -107,7 +107,7 @@ def train(engine: Any, first: int, steps: int) -> list[float]:
     losses = []
     for step in range(first, first + steps):
         x, y = batch(step, MB * GLOBAL_MICRO)
-        total = torch.zeros(())
+        x, y, total = x.to(engine.device), y.to(engine.device), torch.zeros((), device=engine.device)
         for m in range(gas):
             lo = (m * world + rank) * MB
             loss = engine(x[lo:lo + MB], y[lo:lo + MB])
@@ -195,3 +195,22 @@ def test_muon_parity_offload_and_client(fn: Any, stage: int) -> None:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for k, v in ref_state.items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=f"parameter {k}")
+
+
+def _vector_in_muon_group() -> None:
+    import zerospeed
+    from zerospeed.optim.muon import Muon
+
+    model = make_model()
+    opt = Muon(model.parameters())  # biases and norms too: Muon cannot orthogonalise them
+    config = {"train_micro_batch_size_per_gpu": MB, "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = zerospeed.initialize(model=model, optimizer=opt, config=config)
+    x, y = batch(0, MB)
+    engine.backward(engine(x, y))
+    engine.step()
+
+
+def test_vector_in_a_muon_group_fails_on_every_rank() -> None:
+    with pytest.raises(Exception, match="ndim >= 2") as info:
+        run_distributed(_vector_in_muon_group, 2, timeout=60)
+    assert "timed out" not in str(info.value).lower()

@@ -162,3 +162,12 @@ class MuonWithAuxAdam(_MuonSteps):
             if self.adam_w_mode:
                 p.mul_(1 - lr * wd)
             p.add_(m_hat / (v_hat.sqrt() + eps), alpha=-lr)
+
+
+# DeepSpeed's names (``deepspeed.runtime.zero.muon.original_muon``): its distributed and single-device classes
+# compute the same update; zerospeed's engine distributes the work itself (zero/muon_exchange.py).
+SingleDeviceMuon = Muon
+SingleDeviceMuonWithAuxAdam = MuonWithAuxAdam
+
+__all__ = ["ADAM_DEFAULTS", "MUON_DEFAULTS", "Muon", "MuonWithAuxAdam", "SingleDeviceMuon",
+           "SingleDeviceMuonWithAuxAdam"]

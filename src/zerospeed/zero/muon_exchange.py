@@ -76,6 +76,10 @@ class MuonShardExchange:
 
     def _exchange(self, grp: ShardedGroup, mats: list[tuple[int, torch.Tensor, str]]) -> list[torch.Tensor]:
         n, me = grp.num_partitions, grp.rank
+        for i, _, _ in mats:  # checked on every rank before any exchange, so all ranks fail alike
+            if len(grp._full_shape(i)) < 2:
+                raise ValueError(f"Muon updates matrices (ndim >= 2), got a parameter of shape "
+                                 f"{tuple(grp._full_shape(i))}; give it to the auxiliary Adam (use_muon = False)")
         pg = self._group_of(grp)
         slots = [grp.plan.slots[i] for i, _, _ in mats]
         owners = assign_owners([s.numel for s in slots], n)
