@@ -8,7 +8,9 @@ machine load hits both. Muon runs DeepSpeed's split (``optim/muon_groups.py``) w
 ``wte`` (tied with the head) and ``wpe`` tagged ``use_muon = False`` (DeepSpeed's name rule looks for
 ``embed`` / ``lm_head``, which these names do not contain). Reported per contender (median over rounds): wall
 and CPU seconds per step (steps after the first), the seconds of the optimizer step alone (``engine.step()``
-at the boundary: Muon's exchange and Newton-Schulz live there), and the loss of the last step. A benchmark
+at the boundary: Muon's exchange and Newton-Schulz live there), the loss of the last step, and the CPU
+milliseconds of one ``optimizer.step()`` over the whole model in one process, one thread like each rank (no
+communication: the compute cost of the update itself). A benchmark
 prints figures; it asserts nothing.
 """
 
@@ -74,6 +76,30 @@ def run(optimizer: dict[str, Any], steps: int, stage: int) -> dict[str, Any]:
             "opt_step_s": statistics.median(step_s[1:] or step_s)}
 
 
+def local_step_ms(optimizer: dict[str, Any], reps: int) -> float:
+    """CPU milliseconds of one ``optimizer.step()`` over the demo GPT in this process (no communication)."""
+    from zerospeed.optim import build_optimizer
+    from zerospeed.optim.muon_groups import split_muon_groups, tag_use_muon
+
+    model = GPT(PRESETS["demo"](), seed=0)
+    groups: list[dict[str, Any]] = [{"params": list(model.parameters())}]
+    if optimizer["type"] == "Muon":
+        model.wte.weight.use_muon = False  # type: ignore[attr-defined]
+        model.wpe.weight.use_muon = False  # type: ignore[attr-defined]
+        tag_use_muon(model)
+        groups = split_muon_groups(groups, optimizer["params"])
+    opt = build_optimizer(optimizer["type"], optimizer["params"], groups)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2
+    opt.step()
+    times = []
+    for _ in range(reps):
+        c0 = time.process_time()
+        opt.step()
+        times.append(time.process_time() - c0)
+    return 1e3 * statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
@@ -85,6 +111,8 @@ def main() -> None:
     args = p.parse_args()
     names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    torch.set_num_threads(1)  # as each forked rank runs (testing/harness.py)
+    local = {n: local_step_ms(CONTENDERS[n], 10) for n in names}
     for _ in range(args.rounds):
         for name in names:
             runs[name].append(run_distributed(run, args.world, CONTENDERS[name], args.steps, args.stage,
@@ -92,18 +120,19 @@ def main() -> None:
     n_params = GPT(PRESETS["demo"](), seed=0).num_params()
     print(f"GPT[demo] {n_params / 1e6:.2f}M params | world {args.world} | ZeRO-{args.stage} | micro {MICRO} x seq 128 "
           f"| {args.steps} steps x {args.rounds} rounds (interleaved; medians)")
-    print(f"{'optimizer':<15}{'s/step':>9}{'cpu s/step':>12}{'opt step s':>12}{'last loss':>11}")
+    print(f"{'optimizer':<15}{'s/step':>9}{'cpu s/step':>12}{'opt step s':>12}{'last loss':>11}{'1-proc step cpu ms':>20}")
     for name in names:
         rs = runs[name]
         row = {"optimizer": name, "world": args.world, "stage": args.stage, "steps": args.steps,
                "s_per_step": statistics.median(r["s_per_step"] for r in rs),
                "cpu_per_step": statistics.median(r["cpu_per_step"] for r in rs),
-               "opt_step_s": statistics.median(r["opt_step_s"] for r in rs), "last_loss": rs[0]["losses"][-1]}
+               "opt_step_s": statistics.median(r["opt_step_s"] for r in rs), "last_loss": rs[0]["losses"][-1],
+               "local_step_cpu_ms": local[name]}
         if args.json:
             print(json.dumps(row), flush=True)
         else:
             print(f"{name:<15}{row['s_per_step']:>9.3f}{row['cpu_per_step']:>12.3f}{row['opt_step_s']:>12.4f}"
-                  f"{row['last_loss']:>11.3f}", flush=True)
+                  f"{row['last_loss']:>11.3f}{row['local_step_cpu_ms']:>20.1f}", flush=True)
 
 
 if __name__ == "__main__":
