@@ -214,3 +214,18 @@ def test_vector_in_a_muon_group_fails_on_every_rank() -> None:
     with pytest.raises(Exception, match="ndim >= 2") as info:
         run_distributed(_vector_in_muon_group, 2, timeout=60)
     assert "timed out" not in str(info.value).lower()
+
+
+def _with_autotp() -> None:
+    import zerospeed
+
+    from .tp_fixtures import engine_config, make_model as tp_model
+
+    config = engine_config(2, 1, 2, 0.0, {"optimizer": {"type": "Muon", "params": {}}})
+    zerospeed.initialize(model=tp_model("gpt"), config=config)
+
+
+def test_muon_with_tensor_parallelism_is_not_supported_yet() -> None:
+    """A tensor-parallel shard of a matrix is not the matrix: orthogonalising it would be wrong, so it is refused."""
+    with pytest.raises(Exception, match="Muon with tensor parallelism"):
+        run_distributed(_with_autotp, 2, timeout=60)

@@ -2,8 +2,8 @@
 
 DeepSpeed's ``Adam`` is decoupled weight decay (AdamW) unless ``adam_w_mode`` is false; ``AdamW`` is always
 decoupled; defaults are FusedAdam's (weight_decay 0, not torch AdamW's 0.01). ``Lamb`` is our own
-:class:`~zerospeed.optim.lamb.Lamb`; ``Muon`` is DeepSpeed's ``MuonWithAuxAdam`` (``optim/muon_groups.py``). Other names (``SGD``, ``Adagrad``, ...) are torch.optim classes given the
-params unchanged, as DeepSpeed does. Every key is checked: unknown keys and leftover "auto" values fail with
+:class:`~zerospeed.optim.lamb.Lamb`; ``Muon`` is DeepSpeed's ``MuonWithAuxAdam`` (``optim/muon_groups.py``).
+Other names (``SGD``, ``Adagrad``, ...) are torch.optim classes given the params unchanged, as DeepSpeed does. Every key is checked: unknown keys and leftover "auto" values fail with
 their key path.
 """
 

@@ -126,15 +126,10 @@ def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> N
     warnings.warn(f"{type(opt).__name__} under ZeRO stage {cfg.zero_stage}: per-tensor statistics see shards only")
 
 
-def _muon_groups(cfg: ZeroSpeedConfig, model: nn.Module, raw_groups: list[dict[str, Any]],
-                 split_model: bool) -> list[dict[str, Any]]:
+def _muon_groups(cfg: ZeroSpeedConfig, model: nn.Module, raw_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """DeepSpeed's Muon/Adam halves of each group, tagged by the layers' full shapes (optim/muon_groups.py)."""
     from ..optim.muon_groups import split_muon_groups, tag_use_muon
     from ..zero.stage3 import shard_of
-
-    if split_model:  # a matrix cut over experts or tensor-parallel ranks would be orthogonalised piecewise
-        raise NotSupportedYetError("optimizer.type", "Muon with tensor parallelism or Mixture-of-Experts layers "
-                                   "is not supported yet by zerospeed")
 
     def full_shape(p: nn.Parameter) -> torch.Size:
         s = shard_of(p)
@@ -454,7 +449,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     stage3 = _place_model(cfg, model, policy.compute, device, dp_group, dp_rank, moe)
     raw_groups = _param_groups(model, model_parameters, optimizer)
     if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
-        raw_groups = _muon_groups(cfg, model, raw_groups, moe is not None or tp is not None)
+        raw_groups = _muon_groups(cfg, model, raw_groups)
     if moe is not None:
         moe.sync_experts(model)
         raw_groups = moe.split_groups(raw_groups, from_client=optimizer is not None)
@@ -462,6 +457,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank, moe)
     live = [g for g in groups if g is not None]
     base = _build_base_optimizer(cfg, optimizer, groups, options)
+    tp_split = tp is not None or (grid is not None and getattr(grid, "get_slice_parallel_world_size", lambda: 1)() > 1)
+    if hasattr(base, "shard_orthogonalizer") and (moe is not None or tp_split):  # Muon on matrix pieces: wrong
+        raise NotSupportedYetError("optimizer.type", "Muon with tensor parallelism or Mixture-of-Experts layers "
+                                   "is not supported yet by zerospeed")
     compressing = _check_compressing(cfg, base)
     zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
                                                                dp_rank, moe)
