@@ -41,6 +41,9 @@ ACCEPTED_HINTS: dict[str, str] = {
         "under stage 3 a gathered weight's storage is freed after its module's forward even when autograd "
         "saved a view of it (e.g. W.t() in F.linear) and refilled for backward, for every op, not only "
         "linear: the memory effect of true; the computation is the same either way"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (
+        "DeepSpeed's choice to keep Muon's momentum in memory while other optimizer state is swapped to NVMe; "
+        "zerospeed always keeps it in memory (Muon with NVMe optimizer offload is refused), what true asks for"),
     "optimizer.params.torch_adam": (
         "zerospeed's Adam and AdamW are always torch.optim's implementation (what true selects in DeepSpeed's "
         "FusedAdam); the update is the same either way"),

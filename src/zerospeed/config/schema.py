@@ -73,7 +73,7 @@ def all_leaves() -> list[Leaf]:
     out = leaves(ZeroSpeedConfig)
     out = [leaf for leaf in out if leaf.key not in ("optimizer.params", "scheduler.params")]
     for name in ("AdamParams", "LambParams", "OneBitAdamParams", "ZeroOneAdamParams",
-                 "OneBitLambParams"):
+                 "OneBitLambParams", "MuonParams"):
         out += leaves(getattr(opt, name), "optimizer.params.", "params")
     for name in sorted(n for n in vars(sched) if n.endswith("Params")):
         model = getattr(sched, name)

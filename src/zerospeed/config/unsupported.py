@@ -50,7 +50,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
     "zero_optimization.override_module_apply": "zero.Init overriding nn.Module.apply",
     "zero_optimization.enable_sanity_checks": "ZeRO internal sanity checks",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "the Muon momentum buffer option",
     "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",

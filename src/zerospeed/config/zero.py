@@ -57,6 +57,8 @@ class ZeroConfig(Section):
     sub_group_size: int = Field(1_000_000_000, gt=0)
     memory_efficient_linear: bool = True
     log_trace_cache_warnings: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    """DeepSpeed: keep Muon's momentum in memory instead of NVMe swap files; zerospeed always does (config/hints.py)."""
     # Stage 3 (DeepSpeed names and defaults).
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)

@@ -2,8 +2,8 @@
 
 DeepSpeed's ``Adam`` is decoupled weight decay (AdamW) unless ``adam_w_mode`` is false; ``AdamW`` is always
 decoupled; defaults are FusedAdam's (weight_decay 0, not torch AdamW's 0.01). ``Lamb`` is our own
-:class:`~zerospeed.optim.lamb.Lamb`. Other names (``SGD``, ``Adagrad``, ...) are torch.optim classes given the
-params unchanged, as DeepSpeed does. Every key is checked: unknown keys and leftover "auto" values fail with
+:class:`~zerospeed.optim.lamb.Lamb`; ``Muon`` is DeepSpeed's ``MuonWithAuxAdam`` (``optim/muon_groups.py``).
+Other names (``SGD``, ``Adagrad``, ...) are torch.optim classes given the params unchanged, as DeepSpeed does. Every key is checked: unknown keys and leftover "auto" values fail with
 their key path.
 """
 
@@ -19,6 +19,7 @@ from zerospeed.config.base import Section
 from zerospeed.config.errors import ConfigError, NotSupportedYetError, did_you_mean
 
 from .lamb import Lamb
+from .muon_groups import MuonParams, build_muon  # noqa: F401  (config/schema.py lists MuonParams' keys)
 from .validate import parse_params, reject_auto
 
 PATH = "optimizer.params"
@@ -30,7 +31,7 @@ _TORCH_OPTIMIZERS = {n.lower(): n for n in _TORCH_PASSTHROUGH if hasattr(torch.o
 # DeepSpeed's 1-bit optimizers (zerospeed.optim.onebit): they exchange compressed momentum themselves.
 ONEBIT_NAMES: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
-OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", *ONEBIT_NAMES, *_TORCH_OPTIMIZERS.values())
+OPTIMIZER_NAMES: tuple[str, ...] = ("Adam", "AdamW", "Lamb", "Muon", *ONEBIT_NAMES, *_TORCH_OPTIMIZERS.values())
 
 # DeepSpeed optimizer types zerospeed does not implement yet.
 _NOT_YET = {
@@ -38,7 +39,6 @@ _NOT_YET = {
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
-    "muon": "Muon",
 }
 _CPU_ADAM = {"cpuadam", "deepspeedcpuadam", "fusedadam", "cpuadagrad", "deepspeedcpuadagrad"}
 
@@ -166,6 +166,8 @@ def build_optimizer(
         return _build_adam(canonical, params, groups)
     if canonical == "Lamb":
         return _build_lamb(params, groups)
+    if canonical == "Muon":
+        return build_muon(params, groups)
     if canonical in ONEBIT_NAMES:
         return _build_onebit(canonical, params, groups)
     return _build_torch(getattr(torch.optim, canonical), params, groups)

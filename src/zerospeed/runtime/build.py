@@ -108,6 +108,11 @@ def _check_client_offload(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer) -
 
 
 def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> None:
+    if hasattr(opt, "shard_orthogonalizer"):  # Muon: whole matrices orthogonalised by owner ranks (exact)
+        if cfg.zero_optimization.offload_optimizer.device == "nvme":
+            raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "Muon with the optimizer "
+                                       "offloaded to NVMe is not supported yet by zerospeed (cpu offload is)")
+        return
     if cfg.zero_stage == 0 or isinstance(opt, _ELEMENTWISE):
         return
     if hasattr(opt, "shard_norm_reducer"):  # Lamb: per-tensor norms are summed over the shards (exact)
@@ -120,6 +125,19 @@ def _check_zero_optimizer(cfg: ZeroSpeedConfig, opt: torch.optim.Optimizer) -> N
             "Use Adam/AdamW/SGD/Adagrad, stage 0, or set zero_allow_untested_optimizer: true.",
         )
     warnings.warn(f"{type(opt).__name__} under ZeRO stage {cfg.zero_stage}: per-tensor statistics see shards only")
+
+
+def _muon_groups(cfg: ZeroSpeedConfig, model: nn.Module, raw_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """DeepSpeed's Muon/Adam halves of each group, tagged by the layers' full shapes (optim/muon_groups.py)."""
+    from ..optim.muon_groups import split_muon_groups, tag_use_muon
+    from ..zero.stage3 import shard_of
+
+    def full_shape(p: nn.Parameter) -> torch.Size:
+        s = shard_of(p)
+        return p.shape if s is None else s.shape
+
+    tag_use_muon(model, full_shape)
+    return split_muon_groups(raw_groups, dict(cfg.optimizer.params) if cfg.optimizer is not None else {})
 
 
 def _build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimizer | None) -> Any:
@@ -488,6 +506,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         for shard in stage3.shards:
             shard.quantize_gather = "fp8"
     raw_groups = _param_groups(model, model_parameters, optimizer)
+    if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
+        raw_groups = _muon_groups(cfg, model, raw_groups)
     if moe is not None:
         moe.sync_experts(model)
         raw_groups = moe.split_groups(raw_groups, from_client=optimizer is not None)
@@ -495,6 +515,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     groups, options = _build_groups(cfg, raw_groups, stage3, policy.compute, dp_size, dp_rank, moe)
     live = [g for g in groups if g is not None]
     base = _build_base_optimizer(cfg, optimizer, groups, options)
+    tp_split = tp is not None or (grid is not None and getattr(grid, "get_slice_parallel_world_size", lambda: 1)() > 1)
+    if hasattr(base, "shard_orthogonalizer") and (moe is not None or tp_split):  # Muon on matrix pieces: wrong
+        raise NotSupportedYetError("optimizer.type", "Muon with tensor parallelism or Mixture-of-Experts layers "
+                                   "is not supported yet by zerospeed")
     compressing = _check_compressing(cfg, base)
     zero_opt = None if base is None else _build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, dp_size,
                                                                dp_rank, moe)

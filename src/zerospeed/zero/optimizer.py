@@ -54,6 +54,11 @@ class ZeroOptimizer:
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
             # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
             optimizer.shard_norm_reducer = self._sum_over_shards
+        if self.partitioned and hasattr(optimizer, "shard_orthogonalizer"):
+            # Muon: Newton-Schulz needs each matrix whole; owners orthogonalise them (zero/muon_exchange.py).
+            from .muon_exchange import MuonShardExchange
+
+            optimizer.shard_orthogonalizer = MuonShardExchange(groups, lambda grp: self.gather_group(grp))
 
     # --- torch.optim.Optimizer-like surface -------------------------------------------------------
     @property
