@@ -30,6 +30,7 @@ from .monitoring import (
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .pipeline import PipelineConfig
 from .precision import Bf16Config, Fp16Config
+from .sparse_attention import SparseAttentionConfig
 from .tensor_parallel import TensorParallelConfig
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
 from .zero import ZeroConfig
@@ -101,6 +102,9 @@ class ZeroSpeedConfig(Section):
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """Block-sparse attention layout (DeepSpeed's section; None when absent): the model builds its
+    ``SparsityConfig`` from ``engine.config.sparse_attention.sparsity_config(num_heads)``."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod

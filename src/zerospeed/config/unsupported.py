@@ -18,7 +18,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
-    "sparse_attention": "sparse attention",
     "data_efficiency": "data efficiency (curriculum / random-LTD)",
     "curriculum_learning": "curriculum learning",
     "amp": "apex AMP",
