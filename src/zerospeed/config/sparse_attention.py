@@ -46,8 +46,8 @@ class SparseAttentionConfig(Section):
     horizontal_global_attention: bool = False
     num_different_global_patterns: int = Field(1, ge=1)
     num_random_blocks: int = Field(0, ge=0)
-    local_window_blocks: list[int] = Field(default_factory=lambda: [4])
-    global_block_indices: list[int] = Field(default_factory=lambda: [0])
+    local_window_blocks: list[int] = [4]  # pydantic copies list defaults
+    global_block_indices: list[int] = [0]
     global_block_end_indices: list[int] | None = None
     num_sliding_window_blocks: int = Field(3, ge=1)
 
@@ -61,7 +61,8 @@ class SparseAttentionConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         """DeepSpeed's ``DeepSpeedConfig.sparse_attention``: ``mode`` and the keys the mode reads."""
-        return {"mode": self.mode, **{k: getattr(self, k) for k in MODE_KEYS[self.mode]}}
+        values = SparseAttentionConfig.model_dump(self)  # every key goes on to the layout class
+        return {"mode": self.mode, **{k: values[k] for k in MODE_KEYS[self.mode]}}
 
     def __getitem__(self, key: str) -> Any:
         return self.to_dict()[key]
