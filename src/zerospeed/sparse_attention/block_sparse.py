@@ -3,9 +3,9 @@
 The layout's non-zero blocks are listed once (``BlockTable``), head-major and row by row:
 ``block i = (head[i], row[i], col[i])``. For a batch, with ``b`` = block size and ``D`` = head size::
 
-    q_i = Q[:, head_i, rows of block row_i]          (B, nnz, b, D)   gathered queries
+    q_i = scale * Q[:, head_i, rows of block row_i]  (B, nnz, b, D)   gathered (scaled) queries
     k_i, v_i = K, V[:, head_i, keys of block col_i]   (B, nnz, b, D)   gathered keys, values
-    s_i = q_i @ k_i^T * scale  (+ rpe, + masks)       (B, nnz, b, b)   scores of the listed blocks only
+    s_i = q_i @ k_i^T  (+ rpe, + masks)               (B, nnz, b, b)   scores of the listed blocks only
     softmax over all blocks of the same (head, row):  max and sum reduced per row segment
     out[head, row] = sum_i softmax(s_i) @ v_i         (index_add over the blocks of each row)
 
@@ -81,14 +81,15 @@ def block_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         raise ValueError(f"query of shape {tuple(query.shape)} does not match the layout: {table.heads} heads, "
                          f"{nb} blocks of {b} tokens")
     segments = heads * nb
-    q = query.reshape(bsz, segments, b, dim)[:, table.row_segment]
-    k = key.reshape(bsz, segments, b, dim)[:, table.key_segment]
-    v = value.reshape(bsz, segments, b, dim)[:, table.key_segment]
+    if scale != 1.0:  # scaling the queries (seq entries) rather than the scores (nnz * b * b entries)
+        query = query * scale
+    # index_select, not x[:, idx]: its backward is an index_add, much faster on CPU than index_put
+    q = torch.index_select(query.reshape(bsz, segments, b, dim), 1, table.row_segment)
+    k = torch.index_select(key.reshape(bsz, segments, b, dim), 1, table.key_segment)
+    v = torch.index_select(value.reshape(bsz, segments, b, dim), 1, table.key_segment)
     # fp16/bf16 inputs: the softmax runs in fp32 (as DeepSpeed's kernel does), the matmuls in the input dtype
     acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     scores = torch.matmul(q, k.transpose(-1, -2)).to(acc)  # (B, nnz, b, b)
-    if scale != 1.0:
-        scores = scores * scale
     if rpe is not None:
         scores = scores + _blocks_of_square(_as_4d(rpe, "rpe", seq), table)
     if key_padding_mask is not None:

@@ -1,0 +1,154 @@
+"""Block-sparse attention (``SparseSelfAttention``, DeepSpeed's fixed layout) vs dense SDPA as the sequence grows.
+
+Contenders, one forward + backward of attention on (batch, heads, seq, head_dim) fp32 tensors:
+
+* ``sparse``       ``zerospeed.ops.sparse_attention.SparseSelfAttention`` with ``FixedSparsityConfig``
+                   (block-wise in PyTorch: only the layout's blocks are computed and stored);
+* ``dense sdpa``   ``F.scaled_dot_product_attention`` without a mask (full attention; on CPU torch picks its
+                   flash kernel, which never stores the seq x seq scores);
+* ``masked sdpa``  the same call with the layout as a boolean (seq x seq) mask: the dense way to get the same
+                   result as ``sparse``. It stores seq² entries, so it is skipped past ``--masked-max``.
+
+Time is the median wall time (and CPU time of the process, steadier on a shared machine) of ``--repeat``
+forward + backward passes (after one warm-up at the smallest
+length). Memory is *measured*: on CPU the peak resident set of the process during one pass minus the resident
+set at its start (``/proc/self/clear_refs`` resets the kernel's peak; glibc is told to ``mmap`` every
+allocation over 64 KiB so freed tensors leave the resident set); on CUDA the allocator's peak above the start.
+Inputs are allocated before the measurement starts, so it counts what attention itself adds.
+
+    PYTHONPATH=src python benchmarks/bench_sparse_attention.py [--seqs 1024,2048,4096,8192,16384] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from zerospeed.ops.sparse_attention import FixedSparsityConfig, SparseSelfAttention
+from zerospeed.profiling.memory import measure_memory
+
+MiB = 1024 * 1024
+
+
+def _mmap_large_allocations() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: give freed memory back at once
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: every allocation over 64 KiB is its own mapping
+    except OSError:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_once(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor],
+             device: torch.device) -> tuple[float, float, int]:
+    """One forward + backward: (wall seconds, CPU seconds of the process, measured peak bytes above the start)."""
+    for t in inputs:
+        t.grad = None
+    gc.collect()
+    _sync(device)
+    with measure_memory(device) as mem:
+        start, cpu = time.perf_counter(), time.process_time()
+        out = fn(*inputs)
+        out.backward(torch.ones_like(out))
+        _sync(device)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        del out
+    return seconds, cpu, mem.growth_bytes
+
+
+def measure(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], device: torch.device,
+            repeat: int) -> dict[str, float]:
+    runs = [run_once(fn, inputs, device) for _ in range(repeat)]
+    return {"seconds": statistics.median(r[0] for r in runs), "cpu_seconds": statistics.median(r[1] for r in runs),
+            "peak_mib": max(r[2] for r in runs) / MiB}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--local-blocks", type=int, default=16, help="FixedSparsityConfig.num_local_blocks")
+    ap.add_argument("--attention", default="bidirectional", choices=["bidirectional", "unidirectional"])
+    ap.add_argument("--dense-max", type=int, default=16384, help="longest sequence for dense sdpa")
+    ap.add_argument("--masked-max", type=int, default=4096, help="longest sequence for masked sdpa (seq² mask)")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        _mmap_large_allocations()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    cfg = FixedSparsityConfig(num_heads=args.heads, block=args.block, num_local_blocks=args.local_blocks,
+                              attention=args.attention)
+    sparse = SparseSelfAttention(cfg, max_seq_length=max(seqs)).to(device)
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator().manual_seed(0)
+    for i, seq in enumerate(seqs):
+        shape = (args.batch, args.heads, seq, args.head_dim)
+        inputs = [torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3)]
+        layout = sparse.get_layout(seq)
+        density = float(layout.float().mean())
+        contenders: dict[str, Callable[..., torch.Tensor]] = {"sparse": sparse}
+        if seq <= args.dense_max:
+            contenders["dense sdpa"] = F.scaled_dot_product_attention
+        if seq <= args.masked_max:
+            keep = layout.bool().repeat_interleave(args.block, 1).repeat_interleave(args.block, 2).to(device)
+            contenders["masked sdpa"] = lambda q, k, v, m=keep: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        for name, fn in contenders.items():
+            if i == 0:
+                run_once(fn, inputs, device)  # warm-up (kernels, allocator, the sparse block table)
+            res = measure(fn, inputs, device, args.repeat)
+            row = {"seq": seq, "contender": name, "density": density, **res, "device": str(device),
+                   "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch, "block": args.block}
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+        del inputs
+    if not args.json:
+        _table(rows, args, seqs)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], args: argparse.Namespace, seqs: list[int]) -> None:
+    print(f"fwd+bwd of attention, batch {args.batch}, {args.heads} heads x {args.head_dim}, fp32, {args.device}; "
+          f"FixedSparsityConfig(block={args.block}, num_local_blocks={args.local_blocks}, {args.attention}); "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| seq | layout density | sparse wall s | dense sdpa wall s | masked sdpa wall s | sparse cpu s | "
+          "dense sdpa cpu s | masked sdpa cpu s | sparse MiB | dense sdpa MiB | masked sdpa MiB | "
+          "sparse / dense cpu |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for seq in seqs:
+        by = {r["contender"]: r for r in rows if r["seq"] == seq}
+
+        def cell(name: str, key: str, fmt: str) -> str:
+            return format(by[name][key], fmt) if name in by else "skipped"
+
+        ratio = (f"{by['sparse']['cpu_seconds'] / by['dense sdpa']['cpu_seconds']:.2f}x" if "dense sdpa" in by
+                 else "-")
+        print(f"| {seq:,} | {by['sparse']['density']:.3f} | {cell('sparse', 'seconds', '.3f')} | "
+              f"{cell('dense sdpa', 'seconds', '.3f')} | {cell('masked sdpa', 'seconds', '.3f')} | "
+              f"{cell('sparse', 'cpu_seconds', '.3f')} | {cell('dense sdpa', 'cpu_seconds', '.3f')} | "
+              f"{cell('masked sdpa', 'cpu_seconds', '.3f')} | "
+              f"{cell('sparse', 'peak_mib', '.0f')} | {cell('dense sdpa', 'peak_mib', '.0f')} | "
+              f"{cell('masked sdpa', 'peak_mib', '.0f')} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
