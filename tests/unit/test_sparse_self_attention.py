@@ -177,3 +177,13 @@ def test_bert_sparse_self_attention_with_dense_layout_equals_bert_attention() ->
     with pytest.raises(ValueError, match="multiple of the number of attention heads"):
         Cfg.hidden_size = 30
         BertSparseSelfAttention(Cfg())
+
+
+def test_loading_a_state_dict_replaces_the_layout_in_use() -> None:
+    a = SparseSelfAttention(BigBirdSparsityConfig(H, BLK, num_random_blocks=2, seed=1), max_seq_length=L)
+    b = SparseSelfAttention(BigBirdSparsityConfig(H, BLK, num_random_blocks=2, seed=2), max_seq_length=L)
+    q, k, v = qkv()
+    b(q, k, v)  # builds b's block table
+    assert not torch.equal(a.master_layout, b.master_layout)
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(q, k, v), a(q, k, v), rtol=0, atol=0)

@@ -71,6 +71,11 @@ class SparseSelfAttention(nn.Module):
             self._tables.clear()
         self._need_layout_synchronization = False
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._tables.clear()  # a loaded master layout replaces the one the cached tables were built from
+        self._need_layout_synchronization = False  # a checkpoint's layout is the same on every rank
+
     def block_table(self, L: int, device: torch.device) -> BlockTable:  # noqa: N803
         key = (L, str(device))
         if key not in self._tables:
