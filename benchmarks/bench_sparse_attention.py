@@ -4,6 +4,8 @@ Contenders, one forward + backward of attention on (batch, heads, seq, head_dim)
 
 * ``sparse``       ``zerospeed.ops.sparse_attention.SparseSelfAttention`` with ``FixedSparsityConfig``
                    (block-wise in PyTorch: only the layout's blocks are computed and stored);
+* ``sparse chunked`` the same with ``chunk_blocks``: whole rows ``--chunk-blocks`` blocks at a time, each chunk
+                   recomputed in backward (less memory, one more forward pass of work);
 * ``dense sdpa``   ``F.scaled_dot_product_attention`` without a mask (full attention; on CPU torch picks its
                    flash kernel, which never stores the seq x seq scores);
 * ``masked sdpa``  the same call with the layout as a boolean (seq x seq) mask: the dense way to get the same
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--local-blocks", type=int, default=16, help="FixedSparsityConfig.num_local_blocks")
+    ap.add_argument("--chunk-blocks", type=int, default=2048, help="chunk_blocks of the 'sparse chunked' contender")
     ap.add_argument("--attention", default="bidirectional", choices=["bidirectional", "unidirectional"])
     ap.add_argument("--dense-max", type=int, default=16384, help="longest sequence for dense sdpa")
     ap.add_argument("--masked-max", type=int, default=4096, help="longest sequence for masked sdpa (seq² mask)")
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = FixedSparsityConfig(num_heads=args.heads, block=args.block, num_local_blocks=args.local_blocks,
                               attention=args.attention)
     sparse = SparseSelfAttention(cfg, max_seq_length=max(seqs)).to(device)
+    chunked = SparseSelfAttention(cfg, max_seq_length=max(seqs), chunk_blocks=args.chunk_blocks).to(device)
     rows: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(0)
     for i, seq in enumerate(seqs):
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         inputs = [torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3)]
         layout = sparse.get_layout(seq)
         density = float(layout.float().mean())
-        contenders: dict[str, Callable[..., torch.Tensor]] = {"sparse": sparse}
+        contenders: dict[str, Callable[..., torch.Tensor]] = {"sparse": sparse, "sparse chunked": chunked}
         if seq <= args.dense_max:
             contenders["dense sdpa"] = F.scaled_dot_product_attention
         if seq <= args.masked_max:
@@ -130,10 +134,11 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, seqs: list[int]
     print(f"fwd+bwd of attention, batch {args.batch}, {args.heads} heads x {args.head_dim}, fp32, {args.device}; "
           f"FixedSparsityConfig(block={args.block}, num_local_blocks={args.local_blocks}, {args.attention}); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| seq | layout density | sparse wall s | dense sdpa wall s | masked sdpa wall s | sparse cpu s | "
-          "dense sdpa cpu s | masked sdpa cpu s | sparse MiB | dense sdpa MiB | masked sdpa MiB | "
-          "sparse / dense cpu |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    names = ["sparse", "sparse chunked", "dense sdpa", "masked sdpa"]
+    print("| seq | layout density | " + " | ".join(f"{n} wall s" for n in names) + " | "
+          + " | ".join(f"{n} cpu s" for n in names) + " | " + " | ".join(f"{n} MiB" for n in names)
+          + " | sparse / dense cpu |")
+    print("|---" * (3 + 3 * len(names)) + "|")
     for seq in seqs:
         by = {r["contender"]: r for r in rows if r["seq"] == seq}
 
@@ -142,12 +147,9 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, seqs: list[int]
 
         ratio = (f"{by['sparse']['cpu_seconds'] / by['dense sdpa']['cpu_seconds']:.2f}x" if "dense sdpa" in by
                  else "-")
-        print(f"| {seq:,} | {by['sparse']['density']:.3f} | {cell('sparse', 'seconds', '.3f')} | "
-              f"{cell('dense sdpa', 'seconds', '.3f')} | {cell('masked sdpa', 'seconds', '.3f')} | "
-              f"{cell('sparse', 'cpu_seconds', '.3f')} | {cell('dense sdpa', 'cpu_seconds', '.3f')} | "
-              f"{cell('masked sdpa', 'cpu_seconds', '.3f')} | "
-              f"{cell('sparse', 'peak_mib', '.0f')} | {cell('dense sdpa', 'peak_mib', '.0f')} | "
-              f"{cell('masked sdpa', 'peak_mib', '.0f')} | {ratio} |")
+        cells = [cell(n, "seconds", ".3f") for n in names] + [cell(n, "cpu_seconds", ".3f") for n in names] \
+            + [cell(n, "peak_mib", ".0f") for n in names]
+        print(f"| {seq:,} | {by['sparse']['density']:.3f} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":

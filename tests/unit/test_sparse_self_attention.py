@@ -187,3 +187,27 @@ def test_loading_a_state_dict_replaces_the_layout_in_use() -> None:
     assert not torch.equal(a.master_layout, b.master_layout)
     b.load_state_dict(a.state_dict())
     torch.testing.assert_close(b(q, k, v), a(q, k, v), rtol=0, atol=0)
+
+
+def test_chunked_rows_give_the_same_result_with_one_chunk_alive() -> None:
+    cfg = BigBirdSparsityConfig(H, BLK, different_layout_per_head=True, num_random_blocks=1, seed=4)
+    full = SparseSelfAttention(cfg, max_seq_length=L)
+    chunked = SparseSelfAttention(cfg, max_seq_length=L, chunk_blocks=5)
+    table = chunked.block_table(L, torch.device("cpu"))
+    parts = table.chunks(5)
+    assert len(parts) > 4 and sum(sub.nnz for sub, _, _ in parts) == table.nnz
+    assert [first for _, first, _ in parts] == sorted({first for _, first, _ in parts})
+    assert sum(count for _, _, count in parts) == H * (L // BLK)
+    q, k, v = qkv()
+    rpe = torch.randn(1, H, L, L, dtype=torch.float64, requires_grad=True)
+    kp = torch.zeros(B, L, dtype=torch.float64)
+    kp[1, -30:] = -1e4
+    out = chunked(q, k, v, rpe=rpe, key_padding_mask=kp)
+    ref = full(q, k, v, rpe=rpe, key_padding_mask=kp)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-8)
+    for a, b in zip(grads(out, (q, k, v, rpe)), grads(ref, (q, k, v, rpe))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(q, k, v), full(q, k, v), rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        SparseSelfAttention(cfg, chunk_blocks=0)

@@ -9,6 +9,10 @@ added (``"add"``) or, in ``"mul"`` mode, entries equal to 0 drop the key (-inf) 
 boolean mask always means keep (True) / drop (False).
 ``attn_mask`` may also be (B|1, H|1, L, L) here (zerospeed extension, used for Hugging Face masks).
 
+``chunk_blocks`` (zerospeed only) bounds memory further: whole rows at most that many blocks at a time,
+each chunk recomputed in backward (activation checkpointing), so memory is the inputs plus one chunk, for
+about one extra forward pass of work.
+
 When torch.distributed is initialised and the layout has random blocks, the first forward broadcasts the
 layout from global rank 0 (DeepSpeed does so for every layout), so all ranks compute the same pattern.
 """
@@ -37,8 +41,12 @@ class SparseSelfAttention(nn.Module):
     """Block-sparse self-attention of (batch, heads, seq, head_dim) query, key and value."""
 
     def __init__(self, sparsity_config: SparsityConfig | None = None, key_padding_mask_mode: str = "add",
-                 attn_mask_mode: str = "mul", max_seq_length: int = 2048) -> None:
+                 attn_mask_mode: str = "mul", max_seq_length: int = 2048, *,
+                 chunk_blocks: int | None = None) -> None:
         super().__init__()
+        if chunk_blocks is not None and chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be a positive number of blocks or None, got {chunk_blocks}")
+        self.chunk_blocks = chunk_blocks
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in _MODES:
                 raise ValueError(f"{name}={mode!r}: use 'add' or 'mul'")
@@ -102,7 +110,8 @@ class SparseSelfAttention(nn.Module):
             attn_mask = _additive(attn_mask, self.attn_mask_mode, dtype)
         table = self.block_table(seq, query.device)
         return block_sparse_attention(query, key, value, table, float(head_dim) ** -0.5, rpe=rpe,
-                                      key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+                                      key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                      chunk_blocks=self.chunk_blocks)
 
 
 class BertSparseSelfAttention(nn.Module):
