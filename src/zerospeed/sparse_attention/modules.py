@@ -13,8 +13,9 @@ boolean mask always means keep (True) / drop (False).
 each chunk recomputed in backward (activation checkpointing), so memory is the inputs plus one chunk, for
 about one extra forward pass of work.
 
-When torch.distributed is initialised and the layout has random blocks, the first forward broadcasts the
-layout from global rank 0 (DeepSpeed does so for every layout), so all ranks compute the same pattern.
+When torch.distributed is initialised and the layout has random blocks drawn from the global ``random``
+(no ``seed=``), the first forward broadcasts the layout from global rank 0 over the world (DeepSpeed does so
+for every layout), so all ranks compute the same pattern; every rank must then run that first forward.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class SparseSelfAttention(nn.Module):
         self.register_buffer("master_layout", self.sparsity_config.make_layout(max_seq_length))
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
-        self._need_layout_synchronization = bool(getattr(self.sparsity_config, "num_random_blocks", 0))
+        # random blocks drawn from the global ``random`` differ per rank; a ``seed=`` stream does not
+        self._need_layout_synchronization = bool(getattr(self.sparsity_config, "num_random_blocks", 0)) and \
+            getattr(self.sparsity_config, "seed", None) is None
         self._tables: dict[tuple[int, str], BlockTable] = {}
 
     def get_layout(self, L: int) -> torch.Tensor:  # noqa: N803 - DeepSpeed's name
