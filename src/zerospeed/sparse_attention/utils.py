@@ -37,7 +37,7 @@ def _encoder_model(model: Any, helper: str) -> tuple[str, Any]:
 def _resize_position_embedding(embeddings: nn.Module, weight: torch.Tensor) -> None:
     """Install ``weight`` as the position table and grow transformers' position/token-type id buffers."""
     table: nn.Embedding = embeddings.position_embeddings
-    table.weight = nn.Parameter(weight.detach().clone(), requires_grad=table.weight.requires_grad)
+    table.weight.data = weight.detach().clone()  # the same Parameter object (as DeepSpeed), new rows
     table.num_embeddings = weight.shape[0]
     n = weight.shape[0]
     if isinstance(getattr(embeddings, "position_ids", None), torch.Tensor):
