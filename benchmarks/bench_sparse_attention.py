@@ -11,11 +11,12 @@ Contenders, one forward + backward of attention on (batch, heads, seq, head_dim)
 * ``masked sdpa``  the same call with the layout as a boolean (seq x seq) mask: the dense way to get the same
                    result as ``sparse``. It stores seq² entries, so it is skipped past ``--masked-max``.
 
-Time is the median wall time (and CPU time of the process, steadier on a shared machine) of ``--repeat``
-forward + backward passes (after one warm-up at the smallest
-length). Memory is *measured*: on CPU the peak resident set of the process during one pass minus the resident
-set at its start (``/proc/self/clear_refs`` resets the kernel's peak; glibc is told to ``mmap`` every
-allocation over 64 KiB so freed tensors leave the resident set); on CUDA the allocator's peak above the start.
+Memory is *measured*, in a first pass of each: on CPU the peak resident set of the process during the pass
+minus the resident set at its start (``/proc/self/clear_refs`` resets the kernel's peak; glibc is told to
+``mmap`` every allocation over 64 KiB so freed tensors leave the resident set); on CUDA the allocator's peak
+above the start. Time is then the median wall time (and CPU time of the process, steadier on a shared
+machine) of ``--repeat`` forward + backward passes, with glibc back at its usual steady state (mmap threshold
+32 MiB) so that freed memory is reused rather than faulted in again.
 Inputs are allocated before the measurement starts, so it counts what attention itself adds.
 
     PYTHONPATH=src python benchmarks/bench_sparse_attention.py [--seqs 1024,2048,4096,8192,16384] [--json]
@@ -40,11 +41,11 @@ from zerospeed.profiling.memory import measure_memory
 MiB = 1024 * 1024
 
 
-def _mmap_large_allocations() -> None:
+def _mallopt(trim_threshold: int, mmap_threshold: int) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: give freed memory back at once
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: every allocation over 64 KiB is its own mapping
+        libc.mallopt(-1, trim_threshold)  # M_TRIM_THRESHOLD: free heap top above this goes back to the OS
+        libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD: allocations above this are their own mapping
     except OSError:
         pass
 
@@ -71,11 +72,10 @@ def run_once(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor],
     return seconds, cpu, mem.growth_bytes
 
 
-def measure(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], device: torch.device,
-            repeat: int) -> dict[str, float]:
+def timed(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], device: torch.device,
+          repeat: int) -> dict[str, float]:
     runs = [run_once(fn, inputs, device) for _ in range(repeat)]
-    return {"seconds": statistics.median(r[0] for r in runs), "cpu_seconds": statistics.median(r[1] for r in runs),
-            "peak_mib": max(r[2] for r in runs) / MiB}
+    return {"seconds": statistics.median(r[0] for r in runs), "cpu_seconds": statistics.median(r[1] for r in runs)}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -95,39 +95,53 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cpu":
-        _mmap_large_allocations()
     seqs = [int(s) for s in args.seqs.split(",")]
     cfg = FixedSparsityConfig(num_heads=args.heads, block=args.block, num_local_blocks=args.local_blocks,
                               attention=args.attention)
     sparse = SparseSelfAttention(cfg, max_seq_length=max(seqs)).to(device)
     chunked = SparseSelfAttention(cfg, max_seq_length=max(seqs), chunk_blocks=args.chunk_blocks).to(device)
-    rows: list[dict[str, Any]] = []
-    gen = torch.Generator().manual_seed(0)
-    for i, seq in enumerate(seqs):
-        shape = (args.batch, args.heads, seq, args.head_dim)
-        inputs = [torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3)]
-        layout = sparse.get_layout(seq)
-        density = float(layout.float().mean())
-        contenders: dict[str, Callable[..., torch.Tensor]] = {"sparse": sparse, "sparse chunked": chunked}
+
+    def contenders(seq: int) -> dict[str, Callable[..., torch.Tensor]]:
+        out: dict[str, Callable[..., torch.Tensor]] = {"sparse": sparse, "sparse chunked": chunked}
         if seq <= args.dense_max:
-            contenders["dense sdpa"] = F.scaled_dot_product_attention
+            out["dense sdpa"] = F.scaled_dot_product_attention
         if seq <= args.masked_max:
-            keep = layout.bool().repeat_interleave(args.block, 1).repeat_interleave(args.block, 2).to(device)
-            contenders["masked sdpa"] = lambda q, k, v, m=keep: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-        for name, fn in contenders.items():
+            keep = sparse.get_layout(seq).bool().repeat_interleave(args.block, 1).repeat_interleave(args.block, 2)
+            out["masked sdpa"] = lambda q, k, v, m=keep.to(device): F.scaled_dot_product_attention(q, k, v,
+                                                                                                  attn_mask=m)
+        return out
+
+    def inputs_for(seq: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seq)
+        shape = (args.batch, args.heads, seq, args.head_dim)
+        return [torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3)]
+
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
+    # Phase 1, memory: every allocation over 64 KiB its own mapping, so a freed tensor leaves the resident set.
+    if device.type == "cpu":
+        _mallopt(0, 64 * 1024)
+    for i, seq in enumerate(seqs):
+        inputs = inputs_for(seq)
+        for name, fn in contenders(seq).items():
             if i == 0:
                 run_once(fn, inputs, device)  # warm-up (kernels, allocator, the sparse block table)
-            res = measure(fn, inputs, device, args.repeat)
-            row = {"seq": seq, "contender": name, "density": density, **res, "device": str(device),
-                   "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch, "block": args.block}
-            rows.append(row)
+            rows[seq, name] = {"seq": seq, "contender": name, "density": float(sparse.get_layout(seq).float().mean()),
+                               "peak_mib": run_once(fn, inputs, device)[2] / MiB, "device": str(device),
+                               "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch, "block": args.block}
+        del inputs
+    # Phase 2, time: glibc's usual steady state (its dynamic mmap threshold ends at 32 MiB), freed memory reused.
+    if device.type == "cpu":
+        _mallopt(128 * MiB, 32 * MiB)
+    for seq in seqs:
+        inputs = inputs_for(seq)
+        for name, fn in contenders(seq).items():
+            rows[seq, name].update(timed(fn, inputs, device, args.repeat))
             if args.json:
-                print(json.dumps(row), flush=True)
+                print(json.dumps(rows[seq, name]), flush=True)
         del inputs
     if not args.json:
-        _table(rows, args, seqs)
-    return rows
+        _table(list(rows.values()), args, seqs)
+    return list(rows.values())
 
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace, seqs: list[int]) -> None:
