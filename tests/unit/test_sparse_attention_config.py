@@ -55,6 +55,12 @@ def test_sparsity_config_is_built_from_the_section() -> None:
     big = section(mode="bigbird", num_random_blocks=2, attention="unidirectional").sparsity_config(2)
     assert isinstance(big, BigBirdSparsityConfig) and big.num_random_blocks == 2 and big.attention == "unidirectional"
     assert isinstance(section(mode="bslongformer").sparsity_config(2), BSLongformerSparsityConfig)
+    from zerospeed.sparse_attention import sparsity_config_from_section
+
+    from_dict = sparsity_config_from_section({"mode": "bigbird", "block": 8, "num_random_blocks": 0}, num_heads=2)
+    assert isinstance(from_dict, BigBirdSparsityConfig) and from_dict.block == 8  # DeepSpeed's dict works too
+    with pytest.raises(NotImplementedError, match="sparsity mode, local"):
+        sparsity_config_from_section({"mode": "local"}, num_heads=2)
 
 
 def test_keys_a_mode_does_not_read_and_bad_values_are_refused() -> None:
