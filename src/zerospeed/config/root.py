@@ -33,6 +33,7 @@ from .monitoring import (
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .pipeline import PipelineConfig
 from .precision import Bf16Config, Fp16Config
+from .sparse_attention import SparseAttentionConfig
 from .tensor_parallel import TensorParallelConfig
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
 from .zero import ZeroConfig
@@ -121,6 +122,9 @@ class ZeroSpeedConfig(Section):
     """``progressive_layer_drop=True, pld_theta=...`` into the model's forward."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """``engine.compile()``: torch.compile of the model; DeepCompile's keys are refused (config/compile.py)."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """Block-sparse attention layout (DeepSpeed's section; None when absent): the model builds its
+    ``SparsityConfig`` from ``engine.config.sparse_attention.sparsity_config(num_heads)``."""
 
     @field_validator(*_BATCH_KEYS, mode="before")
     @classmethod
