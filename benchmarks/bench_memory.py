@@ -43,10 +43,11 @@ BASELINES = ("torch DDP", "torch FSDP2")
 
 
 def contenders(include_ds: bool) -> list[Contender]:
-    out = [ddp(), fsdp2(reshard_after_forward=True), zerospeed_stage(2), zerospeed_stage(3)]
-    if include_ds:
-        out += [deepspeed_stage(2), deepspeed_stage(3)]
-    return out
+    """In the order they run (most telling pairs first, so an interrupted run still answers the targets)."""
+    ds = (lambda s: [deepspeed_stage(s)]) if include_ds else (lambda s: [])  # noqa: E731
+    return [zerospeed_stage(2), *ds(2),
+            zerospeed_stage(3, {"stage3_max_reuse_distance": 0}, name="zerospeed stage 3, reuse 0"),
+            fsdp2(reshard_after_forward=True), ddp(), zerospeed_stage(3), *ds(3)]
 
 
 def run(spec: BenchSpec, cands: list[Contender], repeat: int) -> dict[str, list[Result]]:
