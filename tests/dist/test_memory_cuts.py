@@ -1,5 +1,6 @@
-"""Regression tests for the memory cuts of issue 21: bounded transient gradient buckets at stages 2-3, and
-freed host tensors leaving the RSS (the engine fixes glibc's mmap threshold)."""
+"""Regression tests for the memory cuts of issue 21: bounded transient gradient buckets at stages 2-3, the
+gradient partition released between steps, and freed host tensors leaving the RSS (the engine fixes glibc's
+mmap threshold)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ def _buckets(stage: int) -> dict[str, Any]:
         engine.backward(engine(torch.randn(8, 64)))
         engine.step()
     numel = sum(p.numel() for p in model.parameters())
-    return {"buckets": sum(len(g.plan.buckets) for g in red.groups), "peak_staging": seen, "numel": numel}
+    return {"buckets": sum(len(g.plan.buckets) for g in red.groups), "peak_staging": seen, "numel": numel,
+            "released": all(part is None for part in red.partition),
+            "grads_accounted": engine.memory_breakdown()["grads"],
+            "partition_bytes": sum(g.plan.partition_numel * 4 for g in red.groups)}
 
 
 def test_stage2_and_3_transient_buckets_are_a_fraction_of_the_gradient() -> None:
@@ -57,6 +61,10 @@ def test_stage2_and_3_transient_buckets_are_a_fraction_of_the_gradient() -> None
         # DeepSpeed's default reduce_bucket_size (5e8) would make this model one bucket: a second full gradient
         assert r["buckets"] >= 8, r
         assert r["peak_staging"] <= (MAX_IN_FLIGHT + 1) * r["numel"] // 8, r
+        # the gradient partition is released after the step (back at the next backward's first reduce), and
+        # still accounted at its size as model state
+        assert r["released"], r
+        assert r["grads_accounted"] == r["partition_bytes"], r
 
 
 def _rss_after_free() -> dict[str, int]:
