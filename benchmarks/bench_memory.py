@@ -29,15 +29,10 @@ from typing import Any
 from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
 from harness import Result, run_contender
 
-from zerospeed.models import GPT, PRESETS, GPTConfig
+from zerospeed.launcher.memory_report import gpt2s
+from zerospeed.models import GPT, PRESETS
 
-
-def gpt2s() -> GPTConfig:
-    """The GPT-2-small shape (124M parameters, tied head): 12 layers, 768 wide, 12 heads, vocab 50257, seq 512."""
-    return GPTConfig(vocab_size=50257, block_size=512, n_layer=12, n_head=12, n_embd=768)
-
-
-PRESETS.setdefault("gpt2s", gpt2s)  # forked ranks inherit the table
+PRESETS.setdefault("gpt2s", gpt2s)  # the GPT-2-small shape; forked ranks inherit the table
 
 BASELINES = ("torch DDP", "torch FSDP2")
 
@@ -116,7 +111,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1, help="interleaved rounds; medians are reported")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="", help="comma-separated contender names to run (default: all)")
+    p.add_argument("--only", default="", help="semicolon-separated contender names to run (default: all)")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
     p.add_argument("--json", action="store_true", help="one JSON object per contender after the table")
     args = p.parse_args()
@@ -124,7 +119,7 @@ def main() -> None:
                      warmup=args.warmup, steps=args.steps, seed=args.seed)
     cands = contenders(not args.no_deepspeed)
     if args.only:
-        wanted = {w.strip() for w in args.only.split(",")}
+        wanted = {w.strip() for w in args.only.split(";")}
         cands = [c for c in cands if c.name in wanted]
     rows = summarise(run(spec, cands, args.repeat))
     print()
