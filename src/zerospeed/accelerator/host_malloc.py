@@ -8,8 +8,8 @@ allocates activation-sized tensors all the time; with the dynamic threshold the 
 well above its peak of live tensor bytes (``zerospeed report memory`` shows it as ``other``).
 
 Setting the threshold explicitly turns the dynamic rule off: every tensor of at least ``threshold`` bytes is
-mapped and unmapped on its own. The cost is a page fault per first touch of a fresh page (a few % of a CPU
-step at most). ``ZEROSPEED_MMAP_THRESHOLD`` (bytes; ``0``: leave glibc's default) overrides the value; a
+mapped and unmapped on its own. The cost is a page fault per first touch of a fresh page (its effect on step
+time is not measured yet on a quiet machine). ``ZEROSPEED_MMAP_THRESHOLD`` (bytes; ``0``: leave glibc's default) overrides the value; a
 ``MALLOC_MMAP_THRESHOLD_`` set by the user is glibc's own setting and is left alone.
 """
 
