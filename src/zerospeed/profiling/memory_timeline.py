@@ -88,6 +88,12 @@ class Sample:
     owners: dict[str, int]
 
 
+def _dead(timeline: weakref.ref[MemoryTimeline], key: int) -> None:
+    tl = timeline()
+    if tl is not None:
+        tl._dead(key)
+
+
 class _Tracker(TorchDispatchMode):
     """Records the storages operators allocate while active; calls ``on_change`` after each op."""
 
@@ -203,7 +209,7 @@ class MemoryTimeline:
             entry = self._tracked[k[0]] = [k[1], owner, 0]
             self._by_owner[owner] += k[1]
         entry[2] += 1
-        weakref.finalize(t, self._dead, k[0])
+        weakref.finalize(t, _dead, weakref.ref(self), k[0])  # a weak reference: tensors may outlive the timeline
 
     def _dead(self, key: int) -> None:
         entry = self._tracked.get(key)
