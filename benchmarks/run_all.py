@@ -4,7 +4,8 @@
 
 Each script takes its own options; run one directly to change them. ``--json`` is passed on to every script
 (they all print one JSON object per line with it). The ZeRO-Infinity headline (``bench_infinity.py``: a
-2B-parameter model, ~30 GB of disk, several minutes per step) runs only when named with ``--only infinity``.
+2B-parameter model, ~30 GB of disk, several minutes per step) and ``bench_memory.py`` (GPT-2-small shape) run only
+when named with ``--only infinity`` / ``--only memory``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def main() -> int:
     only = {f"bench_{n.strip()}.py" for n in args.only.split(",") if n.strip()}
     here = Path(__file__).resolve().parent
     failed = []
-    heavy = {"bench_infinity.py"}
+    heavy = {"bench_infinity.py", "bench_memory.py"}  # bench_memory: GPT-2-small shape, minutes per step
     for script in sorted(here.glob("bench_*.py")):
         if (only and script.name not in only) or (not only and script.name in heavy):
             continue

@@ -1,6 +1,7 @@
 """``zerospeed report``: the environment offload depends on, and (with ``--nvme_path``) the disk's bandwidth
 through the swapper against its raw sequential rate, with the ``aio`` settings to use (like DeepSpeed's
-``ds_report`` and NVMe tuning tool together)."""
+``ds_report`` and NVMe tuning tool together). ``zerospeed report memory``: the memory timeline of one training step
+by phase and owner (``launcher/memory_report.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import argparse
 import json
 import os
 
+from zerospeed.launcher import memory_report
 from zerospeed.launcher.command import Command, UsageError
 
 MiB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", nargs="?", choices=["env", "memory"], default="env",
+                        help="env (default): the environment and the disk; memory: one training step's memory "
+                        "timeline by phase and owner")
     parser.add_argument("--nvme_path", "--nvme-path", default=None,
                         help="a directory on the disk to measure (files are removed afterwards)")
     parser.add_argument("--size_mb", "--size-mb", type=int, default=1024, help="MiB written and read per setting")
@@ -21,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated aio block sizes to try (bytes, multiples of 4096)")
     parser.add_argument("--threads", default="1,2,4", help="comma-separated aio intra_op_parallelism values to try")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    memory_report.add_arguments(parser)
 
 
 def _environment() -> dict[str, object]:
@@ -34,6 +40,8 @@ def _environment() -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.what == "memory":
+        return memory_report.run(args)
     env = _environment()
     if args.json:
         print(json.dumps({"environment": env}))
@@ -76,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Command(
     name="report",
-    help="show the environment and measure a disk for NVMe offload (suggests 'aio' settings)",
+    help="show the environment, measure a disk for NVMe offload, or ('report memory') a step's memory timeline",
     description=__doc__ or "",
     add_arguments=add_arguments,
     run=run,

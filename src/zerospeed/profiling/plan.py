@@ -3,8 +3,9 @@
 The prediction follows zerospeed's own buffer rules (read from the code, not from DeepSpeed's tables):
 
 * partition plan (``zero/partition.py``): parameter ``n`` is padded to ``N·ceil(n/N)``; a rank's flat
-  partition is the sum of its shards; buckets of at most ``reduce_bucket_size`` padded elements, in reverse
-  parameter order (a larger parameter gets a bucket of its own);
+  partition is the sum of its shards; buckets of at most ``reduce_bucket_size`` padded elements (stages 2-3:
+  also at most 1/8 of the gradient, ``reduce_bucket_numel``), in reverse parameter order (a larger parameter
+  gets a bucket of its own);
 * params: the model in the compute dtype (stage 3: only this rank's shards and the whole *persistent*
   parameters, ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``; an fp32
   shard *is* its master slot, so it costs nothing extra);
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..zero.grad_reducer import MAX_IN_FLIGHT
+from ..zero.partition import reduce_bucket_numel
 from .plan_models import ModelSpec
 
 MIB = 1024 * 1024
@@ -181,7 +183,7 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     parts = 1 if i.stage == 0 else i.world
     partition = sum(_shard(n, parts) for n in numels)  # this rank's flat partition (elements)
     padded = partition * parts
-    buckets = _buckets(numels, parts, i.reduce_bucket)
+    buckets = _buckets(numels, parts, reduce_bucket_numel(i.reduce_bucket, numels, i.stage, parts))
     alias = parts == 1 and i.compute_bytes == 4
     o: dict[str, int] = dict.fromkeys(OWNERS, 0)
     gathered_peak = 0

@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import comm
 from ..accelerator import get_accelerator
+from ..accelerator.host_malloc import limit_heap_retention
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.errors import NotSupportedYetError
 from ..config.hints import log_accepted_hints
@@ -213,6 +214,15 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
     return setup_stage3(model, cfg.zero_optimization, compute, device, dp_group, home, group_of)
 
 
+def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int) -> int:
+    """Stages 2-3: buckets at most 1/8 of the group's gradient (``zero.partition.reduce_bucket_numel``)."""
+    from ..zero.partition import reduce_bucket_numel
+    from ..zero.stage3.param_store import shard_of
+
+    numels = [s.numel if (s := shard_of(p)) is not None else p.numel() for p in params]
+    return reduce_bucket_numel(cfg.zero_optimization.reduce_bucket_size, numels, cfg.zero_stage, world)
+
+
 def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
                   dp_size: int, dp_rank: int, moe: Any = None) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
     """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
@@ -235,10 +245,11 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
             groups.append(moe.sharded_group(trainable, options[-1], cfg.zero_stage, bucket, compute, stage3,
                                             defer_master=on_disk, separate_master=separate))
         elif stage3 is not None:
-            groups.append(stage3.make_group(trainable, options[-1], dp_rank, bucket, defer_master=on_disk,
-                                            separate_master=separate))
+            groups.append(stage3.make_group(trainable, options[-1], dp_rank, _reduce_bucket(cfg, trainable, dp_size),
+                                            defer_master=on_disk, separate_master=separate))
         else:
-            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank, bucket, compute,
+            groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
+                                       _reduce_bucket(cfg, trainable, partitions), compute,
                                        defer_master=on_disk, separate_master=separate))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
@@ -493,6 +504,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     batch = cfg.batch(data_size)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
     device = get_accelerator().device()
+    limit_heap_retention()  # freed tensors leave the host RSS (accelerator/host_malloc.py)
     moe = _moe_training(cfg, model, dp_group, grid)
     if moe is not None and seq_grid is not None:
         raise NotSupportedYetError("sequence_parallel_size", "sequence parallelism with Mixture-of-Experts layers "

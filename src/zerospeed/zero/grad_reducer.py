@@ -438,13 +438,9 @@ class GradReducer:
         for full in self.full:
             if full is not None:
                 full.zero_()
-        for g, part in enumerate(self.partition):
-            if part is None:
-                continue
-            if self.s.stage == 1:
-                self.partition[g] = None  # stage 1 keeps full gradients; the partition is transient
-            else:
-                part.zero_()
+        # Released, not zeroed: the partition comes back (zeros) at the first reduce of the next backward, so it
+        # is not held through the forward and the start of backward, where a step's activations peak.
+        self.partition = [None] * len(self.partition)
         self.staging.clear()
         self.late.clear()
         self.window_got = set()
@@ -452,10 +448,15 @@ class GradReducer:
             self.sink.zero()
 
     def grad_bytes(self) -> int:
+        """Gradient bytes; a stage-2/3 partition counts at its size also while released between steps."""
         total = 0
         for t in [*self.full, *self.partition, *self.staging.values()]:
             if t is not None:
                 total += t.numel() * t.element_size()
+        if self.s.stage >= 2 and not self.s.partition_sink:
+            size = torch.empty((), dtype=self.s.accum_dtype).element_size()
+            total += sum(grp.plan.partition_numel * size for g, grp in enumerate(self.groups)
+                         if grp.num_partitions > 1 and self.partition[g] is None)
         return total + (self.sink.host_bytes() if self.sink is not None else 0)
 
     def remove_hooks(self) -> None:

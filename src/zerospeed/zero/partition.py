@@ -71,6 +71,22 @@ def shard_size(numel: int, world: int) -> int:
     return max(1, -(-numel // world))
 
 
+# Stages 2-3 hold each bucket's full-size gradient buffer only while it fills and reduces (at most ``MAX_IN_FLIGHT``
+# + 1 at once), so one bucket as large as the model is a second full copy of the gradients through backward.
+# ``reduce_bucket_size`` is DeepSpeed's *maximum*; below it buckets are cut at 1/TRANSIENT_BUCKET_PARTS of the
+# group's gradient (a larger parameter still gets one bucket of its own).
+TRANSIENT_BUCKET_PARTS = 8
+
+
+def reduce_bucket_numel(reduce_bucket_size: int, numels: Sequence[int], stage: int, world: int) -> int:
+    """The bucket size to plan with: ``reduce_bucket_size`` (stages 0-1, one rank), else also at most 1/8 of the
+    group's padded gradient, so the transient bucket buffers of stages 2-3 stay a fraction of the model."""
+    if stage < 2 or world < 2 or not numels:
+        return reduce_bucket_size
+    total = sum(shard_size(n, world) for n in numels) * world
+    return max(1, min(reduce_bucket_size, -(-total // TRANSIENT_BUCKET_PARTS)))
+
+
 def plan_partitions(numels: Sequence[int], world: int, bucket_numel: int) -> PartitionPlan:
     """Plan shards and buckets for parameters of the given sizes over ``world`` ranks."""
     if world < 1:
