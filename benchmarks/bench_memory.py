@@ -27,7 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
-from harness import Result, run_contender
+from harness import Result, run_contender, runnable_contenders
 
 from zerospeed.launcher.memory_report import gpt2s
 from zerospeed.models import GPT, PRESETS
@@ -46,13 +46,7 @@ def contenders(include_ds: bool) -> list[Contender]:
 
 
 def run(spec: BenchSpec, cands: list[Contender], repeat: int) -> dict[str, list[Result]]:
-    runnable = []
-    for c in cands:
-        reason = c.skip()
-        if reason:
-            print(f"skipping {c.name}: {reason}", flush=True)
-        else:
-            runnable.append(c)
+    runnable = runnable_contenders(cands)
     rounds: dict[str, list[Result]] = {c.name: [] for c in runnable}
     for r in range(repeat):
         for c in runnable:

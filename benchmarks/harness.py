@@ -130,9 +130,8 @@ def run_contender(spec: BenchSpec, contender: Contender, timeout: float = 1800.0
     )
 
 
-def run_all(spec: BenchSpec, contenders: list[Contender], baseline: str | None = None, repeat: int = 1,
-            log: bool = True) -> list[Result]:
-    """Run every runnable contender ``repeat`` times interleaved; keep each one's median-wall round."""
+def runnable_contenders(contenders: list[Contender]) -> list[Contender]:
+    """The contenders that can run here; each one that cannot prints why it is skipped."""
     runnable = []
     for c in contenders:
         reason = c.skip()
@@ -140,6 +139,13 @@ def run_all(spec: BenchSpec, contenders: list[Contender], baseline: str | None =
             print(f"skipping {c.name}: {reason}", flush=True)
         else:
             runnable.append(c)
+    return runnable
+
+
+def run_all(spec: BenchSpec, contenders: list[Contender], baseline: str | None = None, repeat: int = 1,
+            log: bool = True) -> list[Result]:
+    """Run every runnable contender ``repeat`` times interleaved; keep each one's median-wall round."""
+    runnable = runnable_contenders(contenders)
     rounds: dict[str, list[Result]] = {c.name: [] for c in runnable}
     for r in range(repeat):
         for c in runnable:
