@@ -54,6 +54,7 @@ def test_json_path(tmp_path):
     ({"checkpoint": "ckpt.json"}, "checkpoint"),
     ({"moe": True}, "moe"),
     ({"zero": {"stage": 3}}, "zero"),
+    ({"keep_module_on_host": True}, "keep_module_on_host"),
     ({"quant": {"activation": {"enabled": True}}}, "quant.activation.enabled"),
 ])
 def test_unbuilt_features_refused_by_name(data, key):

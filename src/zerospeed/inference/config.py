@@ -249,6 +249,7 @@ class DeepSpeedInferenceConfig(Section):
             ("save_mp_checkpoint_path", self.save_mp_checkpoint_path, self.save_mp_checkpoint_path is not None),
             ("checkpoint_config", self.checkpoint_config, "checkpoint_config" in self.model_fields_set),
             ("set_empty_params", True, self.set_empty_params),
+            ("keep_module_on_host", True, self.keep_module_on_host),
             ("injection_policy", self.injection_policy, self.injection_policy is not None),
             ("injection_policy_tuple", self.injection_policy_tuple, self.injection_policy_tuple is not None),
             ("transposed_mode", True, self.transposed_mode),

@@ -173,24 +173,14 @@ class InferenceEngine(nn.Module):
 
 def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
     """The tensor-parallel group: ``tensor_parallel.tp_group``, the ``mpu``'s, or the world when it has tp ranks."""
-    from zerospeed import comm
+    from .tensor_parallel import resolve_tp_group
 
-    tp = config.tp_size
-    if not comm.is_initialized():
-        raise ValueError(f"tensor_parallel.tp_size={tp} needs the process group first: run under `zerospeed` / "
-                         "torchrun and call zerospeed.init_distributed()")
     group = config.tensor_parallel.tp_group
     mpu = config.tensor_parallel.mpu or config.mpu
     if group is None and mpu is not None:
         group = mpu.get_tensor_model_parallel_group()
-    if group is None:
-        if comm.get_world_size() != tp:
-            raise ValueError(f"tensor_parallel.tp_size={tp} but the world has {comm.get_world_size()} ranks; pass "
-                             "tensor_parallel.tp_group (or an mpu) for a group of tp_size ranks")
-        group = comm.world_group()
-    if comm.get_world_size(group) != tp:
-        raise ValueError(f"tensor_parallel.tp_group has {comm.get_world_size(group)} ranks, tp_size is {tp}")
-    return group
+    return resolve_tp_group(config.tp_size, group, "run under `zerospeed` / torchrun and call "
+                            "zerospeed.init_distributed()")
 
 
 def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

@@ -27,6 +27,7 @@ from torch import nn
 from .adapters import DecoderAdapter, adapter_for
 from .config import RaggedInferenceEngineConfig
 from .engine import InferenceEngine
+from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler
@@ -240,14 +241,6 @@ def _setup_tp(model: nn.Module, cfg: RaggedInferenceEngineConfig, group: Any) ->
         if group is not None and comm.get_world_size(group) > 1:
             raise ValueError("tp_group given but tensor_parallel.tp_size is 1")
         return None, 1, 0
-    if not comm.is_initialized():
-        raise ValueError(f"tensor_parallel.tp_size={want} needs the process group first: call "
-                         "zerospeed.init_distributed() on every rank (or `zerospeed serve --tp-size`)")
-    if group is None:
-        if comm.get_world_size() != want:
-            raise ValueError(f"tensor_parallel.tp_size={want} but the world has {comm.get_world_size()} ranks; "
-                             "pass tp_group for a group of tp_size ranks")
-        group = comm.world_group()
-    if comm.get_world_size(group) != want:
-        raise ValueError(f"tp_group has {comm.get_world_size(group)} ranks, tensor_parallel.tp_size is {want}")
+    group = resolve_tp_group(want, group, "call zerospeed.init_distributed() on every rank (or `zerospeed serve "
+                             "--tp-size`)")
     return group, want, comm.get_rank(group)

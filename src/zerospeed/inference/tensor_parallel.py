@@ -53,3 +53,17 @@ def shard_for_inference(adapter: DecoderAdapter, group: Any, tp_grain_size: int 
             cut += 1
     adapter.num_heads, adapter.num_kv_heads = heads[rank]
     return cut
+
+
+def resolve_tp_group(tp: int, group: Any, how_to_start: str) -> Any:
+    """The group of ``tp`` ranks: ``group`` when given, else the world when it has exactly ``tp`` ranks."""
+    if not comm.is_initialized():
+        raise ValueError(f"tensor_parallel.tp_size={tp} needs the process group first: {how_to_start}")
+    if group is None:
+        if comm.get_world_size() != tp:
+            raise ValueError(f"tensor_parallel.tp_size={tp} but the world has {comm.get_world_size()} ranks; pass "
+                             "tensor_parallel.tp_group (or an mpu) for a group of tp_size ranks")
+        group = comm.world_group()
+    if comm.get_world_size(group) != tp:
+        raise ValueError(f"tensor_parallel.tp_group has {comm.get_world_size(group)} ranks, tp_size is {tp}")
+    return group
