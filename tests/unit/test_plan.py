@@ -74,7 +74,8 @@ BASE = PlanInputs(stage=0, world=2, micro_batch=1, seq=4, compute_bytes=4, accum
 @pytest.mark.parametrize("stage,expected", [
     # params, grads, master, optimizer_state, buckets, gathered_params (shards of 10 and 7 over 2 ranks: 5 + 4)
     (0, (68, 68, 0, 136, 0, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
-    (1, (68, 72, 36, 72, 36 + 72, 0)),  # full padded gradients; at the step a partition and the all-gather output
+    # stage 1: full padded gradients; at the end of backward and the step: partition, reduce-scatter output, all-gather
+    (1, (68, 72, 36, 72, 36 + 36 + 72, 0)),
     (2, (68, 36, 36, 72, 72 + 36 + 72, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
     (3, (0, 36, 36, 72, 72 + 36, 4 * (18 + 18 + 9))),  # fp32 shards are the master; gathered + one gather in flight
 ])
@@ -94,6 +95,35 @@ def test_stage3_persistent_parameters_stay_whole_and_bf16_shards_cost_their_byte
     assert half.owners["params"] == 9 * 2 and half.owners["master"] == 36
     small_live = predict(SPEC, replace(BASE, stage=3, max_live=1, prefetch=0))
     assert small_live.owners["gathered_params"] == 4 * (10 + 10 + 5)  # the largest unit, not the whole model
+
+
+M = 1_000_000
+BIG = ModelSpec("big", (16 * M, 4 * M, 4 * M, 4 * M), (True,) * 4, Shape(1, 4, 1, 8, 16),
+                lambda s, b, t, e: 400 * M, 1.0)  # fp32: units of 64 and 16 MB, 400 MB of saved activations
+
+
+@pytest.mark.parametrize("reuse,prefetch,expected", [
+    (10**9, 5 * 10**7, 28 * M),  # DeepSpeed's defaults: all kept from forward to backward; no gather in backward
+    (0, 6 * M, (16 + 6) * M + 16 * M + 8 * M),  # the largest unit + the prefetch window + one gather's out and send
+    (8 * M, 6 * M, (4 + 16 + 6) * M + 16 * M + 8 * M),  # the last reuse/2 elements kept, the rest gathered again
+    # a reuse distance covering forward's rest and backward down to the first unit: all kept; forward's largest
+    # gather (the 16M unit on its own) sent 8M elements (32 MB, heap-sized: it adds; its 64 MB output is mapped)
+    (56 * M, 6 * M, 28 * M + 8 * M),
+])
+def test_stage3_gathered_parameters_follow_the_reuse_distance(reuse: int, prefetch: int, expected: int) -> None:
+    plan = predict(BIG, replace(BASE, stage=3, max_reuse=reuse, prefetch=prefetch))
+    assert plan.owners["gathered_params"] == 4 * expected
+
+
+def test_mapped_bucket_buffers_take_the_place_of_freed_activations() -> None:
+    # stage 2, one bucket per parameter (each above the cap, 1/8 of the model): the three largest (64, 16, 16 MB)
+    # and two reduce-scatter outputs (32, 8 MB) in flight; only the 64 MB one is mmapped (32 MB < 32 MiB: heap)
+    sizes = [64 * M, 16 * M, 16 * M, 32 * M, 8 * M]
+    heap = sum(b for b in sizes if b < 32 * 1024 * 1024)
+    with_acts = predict(BIG, replace(BASE, stage=2, allgather_bucket=1))
+    assert with_acts.owners["buckets"] == heap + 64 * M  # + the write-back's all-gather (one bucket: 16M elements)
+    no_acts = predict(replace(BIG, activation_bytes=lambda s, b, t, e: 0), replace(BASE, stage=2, allgather_bucket=1))
+    assert no_acts.owners["buckets"] == sum(sizes) + 64 * M  # nothing freed to take the place of
 
 
 def test_inputs_from_config() -> None:

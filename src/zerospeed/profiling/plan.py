@@ -43,7 +43,10 @@ from .plan_models import ModelSpec
 
 MIB = 1024 * 1024
 FRAMEWORK_BYTES = 33 * MIB  # measured: peak over start of the tiny GPT (micro-batch 4, seq 32), world 2, forked ranks
-IMPORT_TORCH_BYTES = 220 * MIB  # measured default: RSS of `python -c "import torch, zerospeed"` here
+IMPORT_TORCH_BYTES = 220 * MIB
+# glibc (64-bit) serves requests of at least this many bytes with mmap whatever its dynamic threshold, and
+# unmaps them at free; smaller ones come from the heap, where freed memory stays resident and fragmented.
+MMAP_CEILING = 32 * MIB  # measured default: RSS of `python -c "import torch, zerospeed"` here
 
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "fusedadam": 2, "cpuadam": 2, "adagrad": 1}
 OWNERS = ("params", "grads", "master", "optimizer_state", "buckets", "gathered_params", "activations",
@@ -168,6 +171,32 @@ def _persistent(numels: list[int], i: PlanInputs) -> list[bool]:
     return out
 
 
+def _gathered(units: list[int], i: PlanInputs) -> tuple[int, int, int, bool]:
+    """Stage 3 at the backward peak (``zero/stage3/fetcher.py``'s rules): padded elements gathered, the flat
+    output and the send buffer of the coalesced all-gather in flight, and whether backward gathers at all.
+
+    ``units`` are the padded sizes of the non-persistent parameters (each stands for its module's unit). A
+    parameter released in forward stays gathered ("kept") when its module is used again within
+    ``stage3_max_reuse_distance`` elements of the recorded order; one ``x`` elements before the end of forward
+    is used again about ``2x`` elements later (the rest of forward, then backward down to it), so the last
+    ``max_reuse / 2`` elements of the model are kept, within ``stage3_max_live_parameters``. When that covers
+    the model (DeepSpeed's defaults, 1e9 each, up to ~500M parameters), the whole model is gathered when
+    backward starts and backward gathers nothing (forward's gathers still leave their heap behind). Otherwise
+    backward gathers again: the kept part, the largest unit being used and the prefetched units
+    (``stage3_prefetch_bucket_size``, within the live cap), with that prefetch's all-gather in flight.
+    """
+    total = sum(units)
+    largest = max(units, default=0)
+    kept = min(total, i.max_reuse // 2)
+    if kept >= total and total <= i.max_live:
+        window = min(total, max(i.prefetch, largest))  # forward's largest gather
+        return total, window, window // i.world, False
+    kept = max(0, min(kept, i.max_live - largest))  # nothing is kept beyond the live cap
+    window = max(0, min(i.prefetch, total - kept - largest, i.max_live - kept - largest))
+    out = min(total, max(window, largest))  # one coalesced gather: the prefetch, or a larger unit on its own
+    return min(total, kept + largest + window), out, out // i.world, True
+
+
 def _state_tensors(i: PlanInputs) -> int:
     if i.optimizer == "sgd":
         return int(i.momentum)
@@ -195,12 +224,9 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
         cut = [n for n, p in zip(model.numels, persist) if not p]
         shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
         o["params"] = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
-        live = sum(_shard(n, i.world) * i.world for n in cut)
-        if i.max_reuse < live or i.max_live < live:  # not everything stays gathered forward -> backward
-            live = min(live, max(i.max_live, max(cut, default=0) + i.prefetch))
-        # plus one coalesced all-gather in flight: its flat output and the concatenated shards sent
-        staging = min(live, max(i.prefetch, max(cut, default=0)))
-        gathered_peak = (live + staging + staging // i.world) * i.compute_bytes
+        live, out, send, in_backward = _gathered([_shard(n, i.world) * i.world for n in cut], i)
+        staging = [out * i.compute_bytes, send * i.compute_bytes]  # the coalesced all-gather's two buffers
+        gathered_peak = live * i.compute_bytes + sum(b for b in staging if in_backward or b < MMAP_CEILING)
     o["grads"] = (padded if i.stage < 2 else partition) * i.accum_bytes
     o["master"] = 0 if alias else partition * 4
     o["optimizer_state"] = _state_tensors(i) * partition * 4
@@ -208,10 +234,19 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     bucket_bytes = 0
     if i.stage >= 2 and parts > 1:
         held = sorted(buckets, reverse=True)[:MAX_IN_FLIGHT + 1]
-        bucket_bytes = sum(held) * i.accum_bytes + sum(b // parts for b in held[:MAX_IN_FLIGHT]) * i.accum_bytes
+        sizes = [b * i.accum_bytes for b in held] + [b // parts * i.accum_bytes for b in held[:MAX_IN_FLIGHT]]
+        # made while backward frees the saved activations: mmapped ones take the place of what was freed (only
+        # an excess over the activations adds); heap-sized ones add (freed heap is not reused in place)
+        mapped = sum(b for b in sizes if b >= MMAP_CEILING)
+        bucket_bytes = sum(b for b in sizes if b < MMAP_CEILING) + max(0, mapped - model.activations(
+            i.micro_batch, i.seq, i.compute_bytes))
     step = 0
     if i.stage == 1 and parts > 1:
         step += partition * i.accum_bytes
+        # the reduce-scatter outputs at the end of backward: heap-sized ones add; a mapped one is unmapped
+        # before the step's buffers (at least as large: the partition) are made
+        step += sum(b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]
+                    if b // parts * i.accum_bytes < MMAP_CEILING)
     if i.stage in (1, 2) and parts > 1:
         step += min(padded, max(i.allgather_bucket, max(buckets, default=0))) * i.compute_bytes
     transient = int(backward) + gathered_peak + bucket_bytes + step  # freed heap is not reused in place
