@@ -126,6 +126,12 @@ def test_mapped_bucket_buffers_take_the_place_of_freed_activations() -> None:
     assert no_acts.owners["buckets"] == sum(sizes) + 64 * M  # nothing freed to take the place of
 
 
+def test_stage3_peaks_before_a_mapped_gradient_partition_is_made_again() -> None:
+    assert predict(BIG, replace(BASE, stage=3)).owners["grads"] == 0  # 14M fp32 elements: mapped, made in backward
+    assert predict(BIG, replace(BASE, stage=2)).owners["grads"] == 4 * 14 * M  # held at stage 2's step peak
+    assert predict(SPEC, replace(BASE, stage=3)).owners["grads"] == 36  # heap-sized: it adds
+
+
 def test_inputs_from_config() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True},
                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

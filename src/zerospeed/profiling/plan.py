@@ -10,25 +10,33 @@ The prediction follows zerospeed's own buffer rules (read from the code, not fro
   parameters, ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``; an fp32
   shard *is* its master slot, so it costs nothing extra);
 * grads (``zero/grad_reducer.py``): stage 0 and 1 keep a full padded buffer in the accumulation dtype;
-  stages 2-3 keep only the partition, and during backward up to ``MAX_IN_FLIGHT`` + 1 transient bucket
-  buffers (the filling one and those in flight), with a reduce-scatter output per bucket in flight;
-  stage 1 makes its partition at the step;
+  stages 2-3 keep only the partition (released between steps, made again at the first reduce of backward:
+  at stage 3, whose peak is in backward, a mapped partition is not there yet),
+  and during backward up to ``MAX_IN_FLIGHT`` + 1 transient bucket buffers (the filling one and those in
+  flight), with a reduce-scatter output per bucket in flight; stage 1 makes its partition and the
+  reduce-scatter outputs at the end of backward;
 * master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
 * optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
 * stage-1/2 write-back: an all-gather output per run of buckets capped at ``allgather_bucket_size``;
-* stage 3 gathered parameters: every non-persistent parameter stays gathered from its forward to its
-  backward when ``stage3_max_reuse_distance`` and ``stage3_max_live_parameters`` cover the model (the
-  defaults do); otherwise the live cap (at least the largest module's unit);
+* stage 3 gathered parameters (``_gathered``): with DeepSpeed's default ``stage3_max_reuse_distance`` and
+  ``stage3_max_live_parameters`` every non-persistent parameter stays gathered from its forward to its
+  backward; a shorter reuse distance (0: release always) keeps only the last part of the model and gathers
+  the rest again in backward (the unit in use, the prefetch window, one coalesced all-gather in flight);
 * activations: the per-architecture formula of ``plan_models.py``.
 
 The peak is ``framework + persistent + backward phase + step phase``: in backward the activations, gathered
 parameters and bucket buffers coexist; the step's own buffers (stage-1 partition, write-back all-gather) come
-after the activations are freed, but are added rather than maxed (freed heap is not reliably reused in place:
-measured). Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks) say what
-the formulas cannot: ``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model state (code
-pages of the kernels touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT, whose states and
-activations are under 1 MiB), and each architecture's ``backward_factor`` (``plan_models.py``), how far the
-steady-state peak of backward rises above the saved activations.
+after the activations are freed, but are added rather than maxed. Which transients add is glibc's rule
+(``MMAP_CEILING``): a buffer below 32 MiB comes from the heap, where the memory that backward freed stays
+resident and fragmented, so it adds (measured); a larger one is mmapped and unmapped at free, so a transient
+made while backward frees the activations (stage 2-3 bucket buffers, stage 1's reduce-scatter output before the
+step's larger buffers, forward's gathers under the default reuse distance) takes the place of freed memory
+and adds only beyond it. Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo
+ranks, glibc's default heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot:
+``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model state (code pages of the kernels
+touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT, whose states and activations are under
+1 MiB), and each architecture's ``backward_factor`` (``plan_models.py``), how far the steady-state peak of
+backward rises above the saved activations (backward's temporaries, the logits' gradients, fragmentation).
 """
 
 from __future__ import annotations
@@ -228,6 +236,10 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
         staging = [out * i.compute_bytes, send * i.compute_bytes]  # the coalesced all-gather's two buffers
         gathered_peak = live * i.compute_bytes + sum(b for b in staging if in_backward or b < MMAP_CEILING)
     o["grads"] = (padded if i.stage < 2 else partition) * i.accum_bytes
+    if i.stage == 3 and parts > 1 and o["grads"] >= MMAP_CEILING:
+        # stage 3 peaks in backward, before its first reduce makes the (released) partition again; made then,
+        # a mapped partition takes the place of what backward has freed (stage 2 holds it at its step peak)
+        o["grads"] = 0
     o["master"] = 0 if alias else partition * 4
     o["optimizer_state"] = _state_tensors(i) * partition * 4
     backward = model.activations(i.micro_batch, i.seq, i.compute_bytes) * model.backward_factor
