@@ -73,11 +73,12 @@ BASE = PlanInputs(stage=0, world=2, micro_batch=1, seq=4, compute_bytes=4, accum
 
 @pytest.mark.parametrize("stage,expected", [
     # params, grads, master, optimizer_state, buckets, gathered_params (shards of 10 and 7 over 2 ranks: 5 + 4)
-    (0, (68, 68, 0, 136, 0, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
+    # AdamW's step makes two temporaries the size of the largest master tensor: 2 x 10 (stage 0), 2 x 5 (shards)
+    (0, (68, 68, 0, 136, 80, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
     # stage 1: full padded gradients; at the end of backward and the step: partition, reduce-scatter output, all-gather
-    (1, (68, 72, 36, 72, 36 + 36 + 72, 0)),
-    (2, (68, 36, 36, 72, 72 + 36 + 72, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
-    (3, (0, 36, 36, 72, 72 + 36, 4 * (18 + 18 + 9))),  # fp32 shards are the master; gathered + one gather in flight
+    (1, (68, 72, 36, 72, 36 + 36 + 72 + 40, 0)),
+    (2, (68, 36, 36, 72, 72 + 36 + 72 + 40, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
+    (3, (0, 36, 36, 72, 72 + 36 + 40, 4 * (18 + 18 + 9))),  # fp32 shards are the master; gathered + one gather in flight
 ])
 def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
     plan = predict(SPEC, replace(BASE, stage=stage))
@@ -121,15 +122,23 @@ def test_mapped_bucket_buffers_take_the_place_of_freed_activations() -> None:
     sizes = [64 * M, 16 * M, 16 * M, 32 * M, 8 * M]
     heap = sum(b for b in sizes if b < 32 * 1024 * 1024)
     with_acts = predict(BIG, replace(BASE, stage=2, allgather_bucket=1))
-    assert with_acts.owners["buckets"] == heap + 64 * M  # + the write-back's all-gather (one bucket: 16M elements)
+    step = 64 * M + 2 * 32 * M  # the write-back's all-gather (one bucket: 16M elements), AdamW's two temporaries
+    assert with_acts.owners["buckets"] == heap + step
     no_acts = predict(replace(BIG, activation_bytes=lambda s, b, t, e: 0), replace(BASE, stage=2, allgather_bucket=1))
-    assert no_acts.owners["buckets"] == sum(sizes) + 64 * M  # nothing freed to take the place of
+    assert no_acts.owners["buckets"] == sum(sizes) + step  # nothing freed to take the place of
 
 
 def test_stage3_peaks_before_a_mapped_gradient_partition_is_made_again() -> None:
     assert predict(BIG, replace(BASE, stage=3)).owners["grads"] == 0  # 14M fp32 elements: mapped, made in backward
     assert predict(BIG, replace(BASE, stage=2)).owners["grads"] == 4 * 14 * M  # held at stage 2's step peak
     assert predict(SPEC, replace(BASE, stage=3)).owners["grads"] == 36  # heap-sized: it adds
+
+
+def test_adam_step_temporaries_follow_the_largest_master_tensor() -> None:
+    adamw = predict(BIG, replace(BASE, stage=0)).owners["buckets"]
+    assert adamw == 2 * 16 * M * 4  # stage 0: the 16M parameter itself
+    assert predict(BIG, replace(BASE, stage=0, optimizer="sgd")).owners["buckets"] == 0
+    assert predict(BIG, replace(BASE, stage=0, offload_optimizer=True)).owners["buckets"] == 0  # not torch's step
 
 
 def test_inputs_from_config() -> None:

@@ -18,6 +18,9 @@ The prediction follows zerospeed's own buffer rules (read from the code, not fro
 * master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
 * optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
 * stage-1/2 write-back: an all-gather output per run of buckets capped at ``allgather_bucket_size``;
+* the optimizer step's temporaries: torch's Adam/AdamW steps one master tensor (a parameter, or its shard)
+  at a time on CPU, making two of its size (seen in the memory timeline: 2 x the tied embedding's 147 MiB on
+  GPT-2-small at stage 0, 2 x its 74 MiB shard at stage 3);
 * stage 3 gathered parameters (``_gathered``): with DeepSpeed's default ``stage3_max_reuse_distance`` and
   ``stage3_max_live_parameters`` every non-persistent parameter stays gathered from its forward to its
   backward; a shorter reuse distance (0: release always) keeps only the last part of the model and gathers
@@ -56,6 +59,7 @@ IMPORT_TORCH_BYTES = 220 * MIB
 # unmaps them at free; smaller ones come from the heap, where freed memory stays resident and fragmented.
 MMAP_CEILING = 32 * MIB  # measured default: RSS of `python -c "import torch, zerospeed"` here
 
+_STEP_TEMPORARIES = {"adam": 2, "adamw": 2}  # tensors the size of one master tensor that torch's step makes
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "fusedadam": 2, "cpuadam": 2, "adagrad": 1}
 OWNERS = ("params", "grads", "master", "optimizer_state", "buckets", "gathered_params", "activations",
           "framework")
@@ -261,6 +265,10 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
                     if b // parts * i.accum_bytes < MMAP_CEILING)
     if i.stage in (1, 2) and parts > 1:
         step += min(padded, max(i.allgather_bucket, max(buckets, default=0))) * i.compute_bytes
+    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
+        # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
+        # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
+        step += _STEP_TEMPORARIES[i.optimizer] * max(_shard(n, parts) for n in numels) * 4
     transient = int(backward) + gathered_peak + bucket_bytes + step  # freed heap is not reused in place
     o["activations"] = int(backward)
     o["gathered_params"] = gathered_peak
