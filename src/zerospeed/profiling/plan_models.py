@@ -40,8 +40,9 @@ HF_NAMED: dict[str, dict[str, int]] = {
 }
 
 # Measured constants: how far the steady-state peak of backward rises above the saved activations (backward's
-# own temporaries, e.g. gelu_new's Python backward, and allocator fragmentation from the second step on), fit
-# at ZeRO stage 0, world 2, on gpt:demo and hf:gpt2-tiny (micro-batch 8, seq 128; benchmarks/bench_plan.py).
+# own temporaries, e.g. gelu_new's Python backward, the logits' two fp32 gradients, and allocator fragmentation
+# from the second step on), fit at ZeRO stage 0, world 2, on gpt:demo and hf:gpt2-tiny (micro-batch 8, seq 128;
+# benchmarks/bench_plan.py); GPT-2-small (124M, micro-batch 4 x seq 256) needs about the same (2.0-2.2).
 GPT_BACKWARD_FACTOR = 1.5
 GPT2_BACKWARD_FACTOR = 2.0
 
