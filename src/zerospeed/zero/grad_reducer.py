@@ -266,7 +266,7 @@ class GradReducer:
         send.mul_(pre)
         if n > 1 and self.s.reduce_scatter:
             mine = torch.empty(width, dtype=send.dtype, device=send.device)
-            comm.reduce_scatter(mine, send, group=self.dp_group)
+            comm.reduce_scatter(mine, send, group=self.dp_group, scratch=True)
         else:
             comm.all_reduce(send, group=self.dp_group)
             mine = send.view(n, width)[grp.rank] if n > 1 else send
@@ -325,7 +325,8 @@ class GradReducer:
     def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
         """Launch bucket (g, b)'s reduce-scatter: this rank's chunk, and the handle to wait for."""
         out = torch.empty(self.groups[g].plan.buckets[b].shard_numel, dtype=send.dtype, device=send.device)
-        return out, comm.reduce_scatter(out, send, group=self.dp_group, async_op=True)
+        # ``send`` is a transient bucket, or a stage-1 full buffer that is zeroed after the step: Gloo may use it
+        return out, comm.reduce_scatter(out, send, group=self.dp_group, async_op=True, scratch=True)
 
     def _complete(self, item: _Pending) -> None:
         if item.handle is not None:
