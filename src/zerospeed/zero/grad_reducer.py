@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..accelerator.huge_pages import empty_buffer, zeros_buffer
 from .layout import padding_ranges, scatter_into
 from .sharded_group import ShardedGroup
 
@@ -98,7 +99,7 @@ class GradReducer:
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
         self.full: list[torch.Tensor | None] = [
-            torch.zeros(g.plan.padded_numel, dtype=settings.accum_dtype, device=dev)
+            zeros_buffer(g.plan.padded_numel, settings.accum_dtype, dev)
             if settings.stage < 2 or (g.num_partitions == 1 and not settings.partition_sink) else None
             for g in groups
         ]
@@ -134,7 +135,7 @@ class GradReducer:
             return full[n * bucket.partition_offset: n * (bucket.partition_offset + bucket.shard_numel)]
         buf = self.staging.get((g, b))
         if buf is None:  # uninitialised: each gradient is copied in (not added to zeros); the rest is zeroed
-            buf = torch.empty(n * bucket.shard_numel, dtype=self.s.accum_dtype, device=grp.device)
+            buf = empty_buffer(n * bucket.shard_numel, self.s.accum_dtype, grp.device)
             view = buf.view(n, bucket.shard_numel)
             for row, lo, hi in self._padding(g, b):
                 view[row:, lo:hi].zero_()
@@ -169,7 +170,7 @@ class GradReducer:
             return full
         part = self.partition[g]
         if part is None:
-            part = torch.zeros(grp.plan.partition_numel, dtype=self.s.accum_dtype, device=grp.device)
+            part = zeros_buffer(grp.plan.partition_numel, self.s.accum_dtype, grp.device)
             self.partition[g] = part
         return part
 
@@ -324,7 +325,7 @@ class GradReducer:
 
     def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
         """Launch bucket (g, b)'s reduce-scatter: this rank's chunk, and the handle to wait for."""
-        out = torch.empty(self.groups[g].plan.buckets[b].shard_numel, dtype=send.dtype, device=send.device)
+        out = empty_buffer(self.groups[g].plan.buckets[b].shard_numel, send.dtype, send.device)
         # ``send`` is a transient bucket, or a stage-1 full buffer that is zeroed after the step: Gloo may use it
         return out, comm.reduce_scatter(out, send, group=self.dp_group, async_op=True, scratch=True)
 

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..accelerator.huge_pages import empty_buffer
 from ..precision import LossScaler
 from .grad_reducer import GradReducer
+from .partition import reduce_bucket_numel
 from .sharded_group import ShardedGroup
 
 
@@ -181,24 +183,64 @@ class ZeroOptimizer:
         return self.dp_group
 
     def _write_back(self) -> None:
-        for grp in self.groups:
+        for gi, grp in enumerate(self.groups):
             if grp.alias:
                 continue
             if grp.num_partitions == 1 or grp.params_sharded:
                 grp.copy_master_to_params()
                 continue
-            assert grp.master is not None
-            for run in grp.gather_runs(self.allgather_bucket_numel):
-                first = grp.plan.buckets[run.start]
-                last = grp.plan.buckets[run.stop - 1]
-                send = grp.master_range(first.partition_offset, last.partition_offset + last.shard_numel)
-                send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
-                out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
-                if self.allgather_partitions:
-                    comm.all_gather(out, send, group=self.gather_group(grp))
-                else:
-                    comm.all_gather_by_broadcast(out, send, group=self.gather_group(grp))
-                grp.unpack_gathered(out, run)
+            self._gather_group(gi, grp)
+
+    def _gather_group(self, gi: int, grp: ShardedGroup) -> None:
+        """All-gather the updated partitions into the parameters, run by run: run k+1's all-gather is in flight
+        while run k is unpacked. Outputs: the full gradient buffer where one exists (stages 0-1: its reduced
+        contents are spent and it is zeroed next), else two buffers of the largest run, reused."""
+        assert grp.master is not None
+        cap = self.allgather_bucket_numel
+        full = self._spent_full_buffer(gi, grp)
+        if full is None:  # stage 2: runs no larger than its transient gradient buckets
+            cap = min(cap, reduce_bucket_numel(cap, [p.numel() for p in grp.params], 2, grp.num_partitions))
+        runs = grp.gather_runs(cap)
+        sizes = [sum(grp.plan.buckets[b].shard_numel for b in run) * grp.num_partitions for run in runs]
+        if full is not None and full.dtype == self.compute_dtype and full.device == grp.device:
+            bufs = [full]
+        else:
+            bufs = [empty_buffer(max(sizes), self.compute_dtype, grp.device) for _ in runs[:2]]
+        overlap = self.allgather_partitions
+        previous: tuple[comm.Handle | None, torch.Tensor, range] | None = None
+        offset = 0
+        for k, run in enumerate(runs):
+            first = grp.plan.buckets[run.start]
+            last = grp.plan.buckets[run.stop - 1]
+            send = grp.master_range(first.partition_offset, last.partition_offset + last.shard_numel)
+            send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
+            if len(bufs) == 1:
+                out, offset = bufs[0][offset:offset + sizes[k]], offset + sizes[k]
+            else:
+                out = bufs[k % 2][:sizes[k]]
+            handle = None
+            if not self.allgather_partitions:
+                comm.all_gather_by_broadcast(out, send, group=self.gather_group(grp))
+            else:
+                handle = comm.all_gather(out, send, group=self.gather_group(grp), async_op=overlap)
+            if previous is not None:
+                self._unpack(grp, *previous)
+            previous = (handle, out, run)
+        if previous is not None:
+            self._unpack(grp, *previous)
+
+    def _spent_full_buffer(self, gi: int, grp: ShardedGroup) -> torch.Tensor | None:
+        """Group gi's full-size gradient buffer (stages 0-1), whose contents are spent once reduced; None if none."""
+        groups, full = getattr(self.reducer, "groups", None), getattr(self.reducer, "full", None)
+        if groups is None or full is None or gi >= len(groups) or groups[gi] is not grp:
+            return None
+        return full[gi]
+
+    @staticmethod
+    def _unpack(grp: ShardedGroup, handle: comm.Handle | None, out: torch.Tensor, run: range) -> None:
+        if handle is not None:
+            handle.wait()
+        grp.unpack_gathered(out, run)
 
     # --- accounting -------------------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:

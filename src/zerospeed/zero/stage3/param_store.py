@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import comm
+from ...accelerator.huge_pages import empty_buffer
 from ..layout import gather_from
 from ..partition import shard_size
 
@@ -326,7 +327,7 @@ class GatherOp:
         self.width = col
         parts = [s.secondary if secondary else s.local for s in self.shards]
         send = torch.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
-        self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
+        self.out = empty_buffer(self.width * self.world, first.dtype, first.device)
         self.send: torch.Tensor | None = send  # kept alive while the collective runs
         group = first.hpz.group if secondary and first.hpz is not None else first.group
         if quantize:
