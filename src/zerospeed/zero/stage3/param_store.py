@@ -311,7 +311,7 @@ class GatherOp:
             assert s.local is not None
         if shards[0].lockstep is not None:
             shards[0].lockstep.before_gather(shards)  # raises on every rank if the ranks diverged
-        self.shards = list(shards)
+        self.shards = list(shards) if secondary else _storage_order(list(shards))
         for home, group in _by_home(self.shards).items():
             home.load(group)  # offloaded shards: read them in (prefetched reads are waited for)
         first = self.shards[0]
@@ -326,7 +326,7 @@ class GatherOp:
             col += w
         self.width = col
         parts = [s.secondary if secondary else s.local for s in self.shards]
-        send = torch.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+        send = _joined(parts)  # type: ignore[arg-type]
         self.out = empty_buffer(self.width * self.world, first.dtype, first.device)
         self.send: torch.Tensor | None = send  # kept alive while the collective runs
         group = first.hpz.group if secondary and first.hpz is not None else first.group
@@ -365,6 +365,31 @@ class GatherOp:
             s.set_full(full)
             s.full_exact = not self.quantize
         self.out = None
+
+
+def _storage_order(shards: list[ParamShard]) -> list[ParamShard]:
+    """Shards that are slices of one storage (fp32 shards aliased to the master) in storage order, the same on
+    every rank (offsets come from the partition plan), so that their concatenation is a view; else as given."""
+    locals_ = [s.local for s in shards]
+    if len(shards) < 2 or any(t is None for t in locals_):
+        return shards
+    base = locals_[0].untyped_storage().data_ptr()  # type: ignore[union-attr]
+    if any(t.untyped_storage().data_ptr() != base for t in locals_):  # type: ignore[union-attr]
+        return shards
+    return sorted(shards, key=lambda s: s.local.storage_offset())  # type: ignore[union-attr]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, as a view when the parts are adjacent 1-D slices of one storage (no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    first, end = parts[0], parts[0].storage_offset()
+    for t in parts:
+        if t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != end \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(parts)
+        end += t.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
