@@ -153,7 +153,7 @@ def reduce_scatter_work(output: torch.Tensor, input: torch.Tensor, group: Group 
     """The reduce-scatter itself (no accounting). On Gloo with a ``scratch`` input: one ``reduce`` per rank, each
     to its chunk's owner, in place (Gloo overwrites the chunks it sends); otherwise the backend's own."""
     pg = resolve(group)
-    if not (scratch and input.is_contiguous() and _by_root(input, group)):
+    if not (scratch and input.is_contiguous() and output.is_contiguous() and _by_root(input, group)):
         return dist.reduce_scatter_single(output, input, op=op, group=pg, async_op=async_op)
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     rows = input.view(world, -1)
@@ -167,7 +167,7 @@ def reduce_scatter_work(output: torch.Tensor, input: torch.Tensor, group: Group 
 def all_gather_work(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool) -> Any:
     """The all-gather itself (no accounting); on Gloo one ``broadcast`` per rank of its chunk."""
     pg = resolve(group)
-    if not _by_root(output, group):
+    if not (output.is_contiguous() and _by_root(output, group)):
         return dist.all_gather_single(output, input, group=pg, async_op=async_op)
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     rows = output.view(world, -1)
