@@ -126,6 +126,27 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
     return _run("all_gather", group, n, n, async_op, lambda: all_gather_work(output, input, group, async_op))
 
 
+def gathers_in_place(tensor: torch.Tensor, group: Group | None = None) -> bool:
+    """Whether ``all_gather_in_place`` serves this tensor's device and group (Gloo on host tensors)."""
+    return get_world_size(group) > 1 and _by_root(tensor, group)
+
+
+def all_gather_in_place(pieces: list[list[torch.Tensor]], group: Group | None = None) -> None:
+    """``pieces[r]`` are views that rank r has filled; afterwards every rank holds every rank's values in them:
+    an all-gather with no staging buffer, no packing and no unpacking (one ``broadcast`` per piece, async,
+    waited together). Gloo on host tensors only (``gathers_in_place``); pieces have the same sizes on all ranks.
+    Counted as one ``all_gather`` of all the pieces' bytes."""
+    pg = resolve(group)
+    n = sum(_nbytes(t) for row in pieces for t in row)
+
+    def launch() -> None:
+        works = [dist.broadcast(t, src=_global(group, r), group=pg, async_op=True)
+                 for r, row in enumerate(pieces) for t in row if t.numel()]
+        _Works(works).wait()
+
+    _run("all_gather", group, n, n, False, launch)
+
+
 class _Works:
     """Per-rank point-to-root collectives completed as one."""
 

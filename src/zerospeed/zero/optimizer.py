@@ -196,6 +196,10 @@ class ZeroOptimizer:
         while run k is unpacked. Outputs: the full gradient buffer where one exists (stages 0-1: its reduced
         contents are spent and it is zeroed next), else two buffers of the largest run, reused."""
         assert grp.master is not None
+        if self.allgather_partitions and grp.master_home is None \
+                and comm.gathers_in_place(grp.params[0], self.gather_group(grp)):
+            grp.gather_in_place(self.gather_group(grp))
+            return
         cap = self.allgather_bucket_numel
         full = self._spent_full_buffer(gi, grp)
         if full is None:  # stage 2: runs no larger than its transient gradient buckets
