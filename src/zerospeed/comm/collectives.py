@@ -131,7 +131,8 @@ def gathers_in_place(tensor: torch.Tensor, group: Group | None = None) -> bool:
     return get_world_size(group) > 1 and _by_root(tensor, group)
 
 
-def all_gather_in_place(pieces: list[list[torch.Tensor]], group: Group | None = None) -> None:
+def all_gather_in_place(pieces: list[list[torch.Tensor]], group: Group | None = None,
+                        async_op: bool = False) -> Handle | None:
     """``pieces[r]`` are views that rank r has filled; afterwards every rank holds every rank's values in them:
     an all-gather with no staging buffer, no packing and no unpacking (one ``broadcast`` per piece, async,
     waited together). Gloo on host tensors only (``gathers_in_place``); pieces have the same sizes on all ranks.
@@ -139,12 +140,12 @@ def all_gather_in_place(pieces: list[list[torch.Tensor]], group: Group | None = 
     pg = resolve(group)
     n = sum(_nbytes(t) for row in pieces for t in row)
 
-    def launch() -> None:
-        works = [dist.broadcast(t, src=_global(group, r), group=pg, async_op=True)
-                 for r, row in enumerate(pieces) for t in row if t.numel()]
-        _Works(works).wait()
+    def launch() -> _Works | None:
+        works = _Works([dist.broadcast(t, src=_global(group, r), group=pg, async_op=True)
+                        for r, row in enumerate(pieces) for t in row if t.numel()])
+        return works if async_op else works.wait() and None
 
-    _run("all_gather", group, n, n, False, launch)
+    return _run("all_gather", group, n, n, async_op, launch)
 
 
 class _Works:

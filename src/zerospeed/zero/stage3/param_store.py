@@ -33,7 +33,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -326,19 +326,48 @@ class GatherOp:
             col += w
         self.width = col
         parts = [s.secondary if secondary else s.local for s in self.shards]
+        group = first.hpz.group if secondary and first.hpz is not None else first.group
+        self.fulls: list[torch.Tensor] | None = None
+        self.out: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None
+        if not quantize and not secondary and all(s.home is None for s in self.shards) \
+                and comm.gathers_in_place(first.local, group):  # type: ignore[arg-type]
+            self._gather_in_place(group, async_op)
+        else:
+            self._gather_buffered(parts, group, async_op, quantize)
+        for s in self.shards:
+            s.state = ShardState.GATHERING
+            s.pending = self
+            s.gathers += 1
+
+    def _gather_in_place(self, group: comm.Group | None, async_op: bool) -> None:
+        """Gloo: each (parameter, rank) shard broadcast straight into the parameter's full buffer (no staging
+        buffer, no unpack); this rank's own shard is copied from its local shard."""
+        self.fulls = [s.full_buffer() for s in self.shards]
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        with ExitStack() as keep:  # the buffers may be saved for backward: writing them is not a modification
+            for s, full in zip(self.shards, self.fulls):
+                keep.enter_context(torch.autograd._unsafe_preserve_version_counter(full))
+                for r in range(self.world):
+                    lo, hi = min(r * s.shard, s.numel), min((r + 1) * s.shard, s.numel)
+                    if hi > lo:
+                        pieces[r].append(full[lo:hi])
+                lo, hi = min(s.rank * s.shard, s.numel), min((s.rank + 1) * s.shard, s.numel)
+                if hi > lo:
+                    full[lo:hi].copy_(s.local[:hi - lo])  # type: ignore[index]
+            self.handle = comm.all_gather_in_place(pieces, group, async_op=async_op)
+
+    def _gather_buffered(self, parts: list[torch.Tensor | None], group: comm.Group | None, async_op: bool,
+                         quantize: str | bool) -> None:
+        first = self.shards[0]
         send = _joined(parts)  # type: ignore[arg-type]
         self.out = empty_buffer(self.width * self.world, first.dtype, first.device)
-        self.send: torch.Tensor | None = send  # kept alive while the collective runs
-        group = first.hpz.group if secondary and first.hpz is not None else first.group
+        self.send = send  # kept alive while the collective runs
         if quantize:
             codec = quantize if isinstance(quantize, str) else "int8"
             self.handle = comm.quantized_all_gather(self.out, send, group=group, async_op=async_op, codec=codec)
         else:
             self.handle = comm.all_gather(self.out, send, group=group, async_op=async_op)
-        for s in self.shards:
-            s.state = ShardState.GATHERING
-            s.pending = self
-            s.gathers += 1
 
     def numel(self) -> int:
         return self.width * self.world
@@ -353,6 +382,12 @@ class GatherOp:
         for s in self.shards:
             if s.home is not None and s.resident:
                 s.home.evict(s)  # the shard was read for this gather only
+        if self.fulls is not None:
+            for s, full in zip(self.shards, self.fulls):
+                if s.pending is self:
+                    s.set_full(full)
+            self.fulls = None
+            return
         if self.out is None:
             return
         out2d = self.out.view(self.world, self.width)
