@@ -1,4 +1,4 @@
-"""ZeRO 1-2's write-back after the step has three paths that must give the same parameters: on Gloo, an
+"""ZeRO 1-2's write-back after the step (and ZeRO-3's parameter gathers) have paths that must give the same parameters: on Gloo, an
 in-place all-gather straight into the parameters (the default there); the buffered, pipelined all-gather
 (other backends: forced here by hiding the in-place path), and per-rank broadcasts (`allgather_partitions: false`).
 Each is compared with the single-process reference."""
@@ -30,14 +30,16 @@ def run(stage: int, path: str) -> tuple[list[float], dict[str, torch.Tensor], in
     return losses, state, 0 if gathers is None else int(gathers.count)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("path", ["in_place", "buffered", "broadcast"])
+@pytest.mark.parametrize("stage,path", [(1, "in_place"), (1, "buffered"), (1, "broadcast"), (2, "in_place"),
+                                        (2, "buffered"), (2, "broadcast"), (3, "in_place"), (3, "buffered")])
 def test_write_back_paths_match_reference(stage: int, path: str) -> None:
     ref_losses, ref_state = reference_losses(STEPS, MB, GAS, 2, CLIP)
     for losses, state, gathers in run_distributed(run, 2, stage, path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+        if stage == 3:
+            continue
         if path == "in_place":  # one in-place all-gather per parameter group and step (buffered: one per run)
             assert gathers == STEPS * 2
         elif path == "buffered":
