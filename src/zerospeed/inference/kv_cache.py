@@ -190,11 +190,11 @@ class PagedKVCache:
             heads, kv, dim = q.shape[1], kl.shape[0], q.shape[2]
             gqa = heads != kv
             kb, vb = kl.view(kv, self.num_blocks, -1), vl.view(kv, self.num_blocks, -1)  # [Hkv, blocks, size*D]
-            for gi, (rows, ids, mask, n, span) in enumerate(groups):
+            for rows, ids, mask, n, span in groups:  # one after the other: they share the buffers
                 qg = (q.index_select(0, rows) * scale).view(n, kv, heads // kv, dim).transpose(0, 1)  # [Hkv,N,g,D]
                 # whole blocks into persistent buffers: 16x fewer indices than per slot, no fresh megabytes
-                ks = torch.index_select(kb, 1, ids, out=self.workspace.view(f"k{gi}", (kv, ids.numel(), kb.shape[2])))
-                vs = torch.index_select(vb, 1, ids, out=self.workspace.view(f"v{gi}", (kv, ids.numel(), vb.shape[2])))
+                ks = torch.index_select(kb, 1, ids, out=self.workspace.view("k", (kv, ids.numel(), kb.shape[2])))
+                vs = torch.index_select(vb, 1, ids, out=self.workspace.view("v", (kv, ids.numel(), vb.shape[2])))
                 ks, vs = ks.view(kv, n, span, dim), vs.view(kv, n, span, dim)  # [Hkv, N, S, D]
                 p = torch.matmul(qg, ks.transpose(-1, -2).to(qg.dtype)).add_(mask).softmax(-1, dtype=torch.float32)
                 y = torch.matmul(p.to(vs.dtype), vs)  # [Hkv, N, g, D]
