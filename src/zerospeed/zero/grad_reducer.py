@@ -59,6 +59,7 @@ class ReduceSettings:
     gradient_predivide_factor: float = 1.0
     topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
     topk_error_feedback: bool = True
+    topk_warmup_steps: int = 0  # optimizer steps reduced densely before sparsification starts
     # No gradient partition buffer: each bucket's reduced slice goes to ``GradReducer.sink`` (offload/grad_sink.py:
     # NVMe offload at stages 2-3 streams it to the swap files; CPU offload on an accelerator to host memory).
     partition_sink: bool = False
@@ -94,6 +95,8 @@ class GradReducer:
         # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
         self.allreduce_gate: Callable[[], bool] | None = None
         self.residual: dict[tuple[int, int], torch.Tensor] = {}  # top-k error feedback, per bucket
+        self.topk_steps = 0  # optimizer steps taken (set by ZeroOptimizer): top-k starts at topk_warmup_steps
+        self.topk_scale: dict[tuple[int, int], torch.Tensor] = {}  # per bucket: rank entries by |g| * scale
         dev = groups[0].device if groups else torch.device("cpu")
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
@@ -308,11 +311,12 @@ class GradReducer:
         if pre != 1.0:
             send.mul_(pre)
         grp = self.groups[g]
-        if self.s.topk_ratio > 0:  # every rank gets the dense sum of the sparse parts, as from an all-reduce
+        if self.s.topk_ratio > 0 and self.topk_steps >= self.s.topk_warmup_steps:
+            # every rank gets the dense sum of the sparse parts, as from an all-reduce
             residual = None
             if self.s.topk_error_feedback:
                 residual = self.residual.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
-            comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group)
+            comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group, self.topk_scale.get((g, b)))
             self.pending.append(_Pending(g, b, None, send, None))
             return
         if grp.num_partitions == 1 or not self.s.reduce_scatter:

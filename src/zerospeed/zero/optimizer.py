@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..optim.frozen_variance import frozen_variance_step, preconditioner
 from ..precision import LossScaler
 from .grad_reducer import GradReducer
 from .sharded_group import ShardedGroup
@@ -30,6 +31,9 @@ class ZeroOptimizer:
 
     # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
     stepper: Any = None
+    # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k warm-up)
+    # and top-k ranks entries by the frozen preconditioner (optim/frozen_variance.py); None: off.
+    freeze_variance_at: int | None = None
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -152,15 +156,41 @@ class ZeroOptimizer:
                 g.mul_(mult)
             if self._sink is not None and not self._sink.resident:
                 self._sink.scale = mult  # applied by the stepper as it reads each sub-group
-        if self.stepper is None:
-            self.optimizer.step()
-        else:
+        if self.stepper is not None:
             self.stepper.step(grads)
+        elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
+            frozen_variance_step(self.optimizer, self.freeze_variance_at)
+        else:
+            self.optimizer.step()
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
+        self.set_compression_steps(self.reducer.topk_steps + 1)
         self.updating = False
         return True
+
+    def set_compression_steps(self, steps: int) -> None:
+        """Optimizer steps taken, for the top-k warm-up (also after a checkpoint load: collective when the
+        variance freezes, since stage 1 all-gathers the preconditioner once)."""
+        self.reducer.topk_steps = steps
+        at = self.freeze_variance_at
+        if at is None or steps < at or (self.reducer.topk_scale and steps > at):
+            return
+        scales: dict[tuple[int, int], torch.Tensor] = {}
+        for gi, grp in enumerate(self.groups):
+            part = torch.zeros(grp.plan.partition_numel, dtype=torch.float32, device=grp.device)
+            for i, mp in enumerate(grp.master_params):
+                view = grp.slot_view(part, i)
+                view.copy_(preconditioner(self.optimizer, mp, at).reshape(view.shape))
+            for bucket in grp.plan.buckets:
+                mine = part[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
+                if grp.num_partitions == 1:
+                    scales[(gi, bucket.index)] = mine
+                    continue
+                full = torch.empty(mine.numel() * grp.num_partitions, dtype=mine.dtype, device=mine.device)
+                comm.all_gather(full, mine, group=self.gather_group(grp))
+                scales[(gi, bucket.index)] = full
+        self.reducer.topk_scale = scales
 
     def abandon_step(self) -> None:
         """After an exception in forward, backward or step: drop the step's gradients and buffers."""
