@@ -68,6 +68,15 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
                                 "Adam")
     out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
     out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
+    # A dense warm-up as long as the 1-bit optimizers' (gradient_compression.warmup_steps), then top-k 1 %: with
+    # Adam's variance still live (-warm), or frozen with entries ranked by |g| / sqrt(v) (-fv; stage 1: -fv-z1).
+    warm = {"type": "topk", "ratio": 0.01, "warmup_steps": freeze}
+    out["TopK-1%-warm"] = ({"optimizer": adam, "gradient_compression": warm}, "Adam")
+    frozen = {**warm, "freeze_variance": True}
+    out["TopK-1%-fv"] = ({"optimizer": adam, "gradient_compression": frozen}, "Adam")
+    out["TopK-1%-fv-z1"] = ({"optimizer": adam, "gradient_compression": frozen, "zero_optimization": {"stage": 1}},
+                            "Adam")
+    out["TopK-0.1%-fv"] = ({"optimizer": adam, "gradient_compression": {**frozen, "ratio": 0.001}}, "Adam")
     return out
 
 
@@ -141,7 +150,7 @@ def main() -> None:
         base_r = results.get(base)
         vs = last20 / _tail(base_r["losses"]) if base_r else float("nan")
         warm, last = r["volumes"][1], r["volumes"][-1]
-        if name.startswith("TopK") and base_r:  # compressed from the first step: compare with the dense baseline
+        if name.startswith("TopK") and base_r:  # warm-up bytes: the dense baseline's
             warm = base_r["volumes"][1]
         row = {"optimizer": name, "world": args.world, "steps": args.steps, "first_loss": r["losses"][0],
                "last20_loss": last20, "vs_baseline": vs, "baseline": base, "warm_bytes_per_step": warm,

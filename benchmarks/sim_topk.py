@@ -10,6 +10,9 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   frozen-pre       the same, entries chosen by |acc| / sqrt(v) (Adam-preconditioned magnitude)
   mom-pre          after the warm-up: frozen variance, top-k of error-compensated local momentum (1-bit Adam's
                    shape), entries chosen by |x| / sqrt(v)
+  ds               DeepSpeed's 1-bit Adam update without compression (no bias correction), all along
+  ds-fbc           the same until --warmup, then the variance frozen and bias-corrected (1 - beta2^warmup)
+  adam-fz          Adam until --warmup, then its variance frozen (bias-corrected), no compression
 The learning rate warms up linearly over the first 60 steps for every scheme (bench_onebit's --warmup-frac 0.2).
 """
 
@@ -52,7 +55,7 @@ def main() -> None:
     m, v = torch.zeros(n), torch.zeros(n)
     res = [torch.zeros(n) for _ in range(WORLD)]
     prec: torch.Tensor | None = None
-    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom")) else 0
+    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam")) else 0
     losses = []
     for t in range(a.steps):
         lr = LR * min(1.0, t / a.lr_warmup) if a.lr_warmup else LR
@@ -67,6 +70,15 @@ def main() -> None:
             loss += float(l) / WORLD
         losses.append(loss)
         step = t + 1
+        if a.scheme.startswith("ds"):
+            g = sum(grads) / WORLD
+            m.mul_(B1).add_(g, alpha=1 - B1)
+            if a.scheme == "ds" or t < a.warmup:
+                v.mul_(B2).addcmul_(g, g, value=1 - B2)
+                flat.addcdiv_(m, v.sqrt() + EPS, value=-lr)
+            else:
+                flat.addcdiv_(m, (v / (1 - B2 ** a.warmup)).sqrt() + EPS, value=-lr)
+            continue
         dense = a.scheme == "dense" or t < warm
         if dense or a.scheme.startswith("grad"):
             if dense:
@@ -87,7 +99,11 @@ def main() -> None:
         if prec is None:  # freeze Adam's variance (bias-corrected) at the end of the warm-up
             prec = 1.0 / ((v / (1 - B2 ** (step - 1))).sqrt() + EPS)
         select = prec if a.scheme.endswith("-pre") else torch.ones(n)
-        if a.scheme.startswith("frozen"):
+        if a.scheme == "adam-fz":
+            g = sum(grads) / WORLD
+            m.mul_(B1).add_(g, alpha=1 - B1)
+            flat.add_(m * prec, alpha=-lr / (1 - B1 ** step))
+        elif a.scheme.startswith("frozen"):
             g = torch.zeros(n)
             for r in range(WORLD):
                 acc = res[r].add_(grads[r])

@@ -114,7 +114,7 @@ def test_freeze_variance_refused_where_it_does_not_apply() -> None:
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": COMPRESSION}
     assert _topk(load_config(on), torch.optim.Adam(p)) == {"topk_ratio": RATIO, "topk_error_feedback": True,
-                                                            "topk_warmup_steps": WARM}
+                                                            "topk_warmup_steps": WARM, "topk_freeze_variance": True}
     with pytest.raises(ConfigError, match="Adam or AdamW"):
         _topk(load_config(on), torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ConfigError, match="warmup_steps"):

@@ -16,6 +16,8 @@ The state keys are torch's (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoin
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from zerospeed.config.errors import ConfigError
@@ -23,15 +25,22 @@ from zerospeed.config.errors import ConfigError
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def check_frozen_variance_optimizer(optimizer: object) -> None:
-    """Refuse optimizers :func:`frozen_variance_step` cannot step (names the key to change)."""
+def check_freeze_variance(section: Any, optimizer: object, offload: bool) -> None:
+    """With ``section.freeze_variance`` (``gradient_compression``) on, refuse what :func:`frozen_variance_step`
+    cannot step (names the key to change)."""
+    if not section.freeze_variance:
+        return
+    key = "gradient_compression.freeze_variance"
+    if section.warmup_steps < 1:
+        raise ConfigError(key, "needs warmup_steps >= 1 (the variance freezes at the end of a dense warm-up)")
+    if offload:
+        raise ConfigError(key, "does not work with zero_optimization.offload_optimizer")
     if not isinstance(optimizer, SUPPORTED):
-        raise ConfigError("gradient_compression.freeze_variance",
-                          f"needs the Adam or AdamW optimizer, got {type(optimizer).__name__}")
+        raise ConfigError(key, f"needs the Adam or AdamW optimizer, got {type(optimizer).__name__}")
     for group in optimizer.param_groups:
-        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
-            if group.get(key):
-                raise ConfigError("gradient_compression.freeze_variance", f"does not support optimizer.params.{key}")
+        for option in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(option):
+                raise ConfigError(key, f"does not support optimizer.params.{option}")
 
 
 def _bias2(beta2: float, frozen_at: int) -> float:

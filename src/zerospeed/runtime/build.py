@@ -16,7 +16,7 @@ from ..accelerator.host_malloc import limit_heap_retention
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.errors import NotSupportedYetError
 from ..config.hints import log_accepted_hints
-from ..optim.frozen_variance import check_frozen_variance_optimizer
+from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler, make_policy
 from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from .dataloader import build_dataloader
@@ -301,10 +301,6 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size)
     zero_opt.allgather_partitions = zcfg.allgather_partitions
-    if cfg.gradient_compression.type == "topk" and cfg.gradient_compression.freeze_variance:
-        if zcfg.offload_optimizer.enabled:
-            raise ConfigError("gradient_compression.freeze_variance", "does not work with offload_optimizer")
-        zero_opt.freeze_variance_at = cfg.gradient_compression.warmup_steps
     zero_opt.check_grad_overflow = cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
     if zcfg.offload_optimizer.enabled:
         from ..offload import OffloadStepper
@@ -355,13 +351,8 @@ def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
     if getattr(base, "compresses_communication", False):
         raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication; "
                           "remove gradient_compression")
-    if gc.freeze_variance:
-        if gc.warmup_steps < 1:
-            raise ConfigError("gradient_compression.freeze_variance", "needs warmup_steps >= 1 (the variance "
-                              "freezes at the end of a dense warm-up)")
-        check_frozen_variance_optimizer(base)
-    out = {"topk_ratio": gc.ratio, "topk_error_feedback": gc.error_feedback}
-    return out if gc.warmup_steps == 0 else {**out, "topk_warmup_steps": gc.warmup_steps}
+    check_freeze_variance(gc, base, cfg.zero_optimization.offload_optimizer.enabled)
+    return {f"topk_{k}": getattr(gc, k) for k in ("ratio", "error_feedback", "warmup_steps", "freeze_variance")}
 
 
 def _check_compressing(cfg: ZeroSpeedConfig, base: Any) -> bool:

@@ -54,6 +54,9 @@ class ZeroOptimizer:
         self.global_grad_norm: float | None = None
         self.updating = False
         self.partitioned = any(g.num_partitions > 1 for g in groups)
+        settings = getattr(reducer, "s", None)
+        if settings is not None and settings.topk_ratio > 0 and settings.topk_freeze_variance:
+            self.freeze_variance_at = settings.topk_warmup_steps
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
             # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
