@@ -10,6 +10,12 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   frozen-pre       the same, entries chosen by |acc| / sqrt(v) (Adam-preconditioned magnitude)
   mom-pre          after the warm-up: frozen variance, top-k of error-compensated local momentum (1-bit Adam's
                    shape), entries chosen by |x| / sqrt(v)
+  mom              as mom-pre, entries chosen by |x|
+  dgc              DGC's momentum correction with Adam's frozen variance: each rank keeps its own momentum
+                   u = b1 u + (1-b1) g and accumulates it (acc += u); top-k of |acc| is averaged and applied as
+                   p -= lr * avg / sqrt(v); sent entries are zeroed in acc and u (momentum factor masking)
+  *-layer          (suffix) top-k per parameter tensor instead of over the whole model
+  ramp             grad with DGC's density ramp: 4^(-t/15) until it reaches --ratio, dense never after
   ds               DeepSpeed's 1-bit Adam update without compression (no bias correction), all along
   ds-fbc           the same until --warmup, then the variance frozen and bias-corrected (1 - beta2^warmup)
   adam-fz          Adam until --warmup, then its variance frozen (bias-corrected), no compression
@@ -36,6 +42,18 @@ def batch(data: ByteDataset, step: int, rank: int) -> tuple[torch.Tensor, torch.
     return torch.stack([data[i][0] for i in idx]), torch.stack([data[i][1] for i in idx])
 
 
+def select(score: torch.Tensor, k: int, sizes: list[int] | None, ratio: float) -> torch.Tensor:
+    """Indices of the top-k scores: over the whole vector, or per tensor (``sizes``) at ``ratio`` each."""
+    if sizes is None:
+        return torch.topk(score, k, sorted=False).indices
+    out, at = [], 0
+    for n in sizes:
+        kk = max(1, math.ceil(ratio * n))
+        out.append(torch.topk(score[at:at + n], kk, sorted=False).indices + at)
+        at += n
+    return torch.cat(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--scheme", required=True)
@@ -55,7 +73,10 @@ def main() -> None:
     m, v = torch.zeros(n), torch.zeros(n)
     res = [torch.zeros(n) for _ in range(WORLD)]
     prec: torch.Tensor | None = None
-    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam")) else 0
+    sizes = [q.numel() for q in params] if a.scheme.endswith("-layer") else None
+    scheme = a.scheme.removesuffix("-layer")
+    u = [torch.zeros(n) for _ in range(WORLD)]
+    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam", "dgc")) else 0
     losses = []
     for t in range(a.steps):
         lr = LR * min(1.0, t / a.lr_warmup) if a.lr_warmup else LR
@@ -70,7 +91,7 @@ def main() -> None:
             loss += float(l) / WORLD
         losses.append(loss)
         step = t + 1
-        if a.scheme.startswith("ds"):
+        if scheme.startswith("ds"):
             g = sum(grads) / WORLD
             m.mul_(B1).add_(g, alpha=1 - B1)
             if a.scheme == "ds" or t < a.warmup:
@@ -79,15 +100,19 @@ def main() -> None:
             else:
                 flat.addcdiv_(m, (v / (1 - B2 ** a.warmup)).sqrt() + EPS, value=-lr)
             continue
-        dense = a.scheme == "dense" or t < warm
-        if dense or a.scheme.startswith("grad"):
+        dense = scheme == "dense" or t < warm
+        ratio = a.ratio
+        if scheme == "ramp":
+            ratio = max(a.ratio, 4.0 ** (-t / 15))
+            dense = ratio >= 1.0
+        if dense or scheme.startswith("grad") or scheme == "ramp":
             if dense:
                 g = sum(grads) / WORLD
             else:
                 g = torch.zeros(n)
                 for r in range(WORLD):
                     acc = res[r].add_(grads[r])
-                    idx = torch.topk(acc.abs(), k, sorted=False).indices
+                    idx = select(acc.abs(), max(1, math.ceil(ratio * n)), sizes, ratio)
                     g.index_add_(0, idx, acc[idx])
                     res[r].index_fill_(0, idx, 0.0)
                 g /= WORLD
@@ -98,26 +123,36 @@ def main() -> None:
             continue
         if prec is None:  # freeze Adam's variance (bias-corrected) at the end of the warm-up
             prec = 1.0 / ((v / (1 - B2 ** (step - 1))).sqrt() + EPS)
-        select = prec if a.scheme.endswith("-pre") else torch.ones(n)
-        if a.scheme == "adam-fz":
+        weight = prec if scheme.endswith("-pre") else torch.ones(n)
+        if scheme == "dgc":
+            total = torch.zeros(n)
+            for r in range(WORLD):
+                u[r].mul_(B1).add_(grads[r], alpha=1 - B1)
+                acc = res[r].add_(u[r])
+                idx = select(acc.abs(), k, sizes, a.ratio)
+                total.index_add_(0, idx, acc[idx])
+                acc.index_fill_(0, idx, 0.0)
+                u[r].index_fill_(0, idx, 0.0)
+            flat.add_(total / WORLD * prec, alpha=-lr)
+        elif scheme == "adam-fz":
             g = sum(grads) / WORLD
             m.mul_(B1).add_(g, alpha=1 - B1)
             flat.add_(m * prec, alpha=-lr / (1 - B1 ** step))
-        elif a.scheme.startswith("frozen"):
+        elif scheme.startswith("frozen"):
             g = torch.zeros(n)
             for r in range(WORLD):
                 acc = res[r].add_(grads[r])
-                idx = torch.topk(acc.abs() * select, k, sorted=False).indices
+                idx = select(acc.abs() * weight, k, sizes, a.ratio)
                 g.index_add_(0, idx, acc[idx])
                 res[r].index_fill_(0, idx, 0.0)
             g /= WORLD
             m.mul_(B1).add_(g, alpha=1 - B1)
             flat.add_(m * prec, alpha=-lr / (1 - B1 ** step))
-        elif a.scheme.startswith("mom"):
+        elif scheme.startswith("mom"):
             new = torch.zeros(n)
             for r in range(WORLD):
                 x_r = res[r].add_(m * B1 + grads[r] * (1 - B1))
-                idx = torch.topk(x_r.abs() * select, k, sorted=False).indices
+                idx = select(x_r.abs() * weight, k, sizes, a.ratio)
                 new.index_add_(0, idx, x_r[idx])
                 res[r].index_fill_(0, idx, 0.0)
             m = new / WORLD

@@ -22,7 +22,7 @@ def data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def run(stage: int) -> dict[str, Any]:
+def run(stage: int, momentum: bool) -> dict[str, Any]:
     import zerospeed
     from zerospeed import comm
 
@@ -30,7 +30,7 @@ def run(stage: int) -> dict[str, Any]:
     model = Wide()
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6}, "gradient_compression": COMPRESSION}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6}, "gradient_compression": {**COMPRESSION, "momentum_correction": momentum}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     per_step = []
     for step in range(STEPS):
@@ -43,14 +43,16 @@ def run(stage: int) -> dict[str, Any]:
     return {"per_step": per_step, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def simulate() -> dict[str, torch.Tensor]:
-    """The same algorithm in one process: two ranks' gradients from the same replica."""
+def simulate(momentum: bool) -> dict[str, torch.Tensor]:
+    """The same algorithm in one process: two ranks' gradients from the same replica. ``momentum``: DGC's
+    momentum correction (each rank's own momentum u is accumulated and sent; sent entries leave u)."""
     model = Wide()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)
     n = sum(p.numel() for p in params)
     k = topk_count(n, RATIO)
     residual = [torch.zeros(n), torch.zeros(n)]
+    velocity = [torch.zeros(n), torch.zeros(n)]
     precond = None
     for step in range(STEPS):
         grads = []
@@ -66,10 +68,13 @@ def simulate() -> dict[str, torch.Tensor]:
                 precond = 1.0 / ((v / (1 - BETAS[1] ** WARM)).sqrt() + EPS)
             total = torch.zeros(n)
             for rank in range(2):
+                if momentum:
+                    grads[rank] = velocity[rank].mul_(BETAS[0]).add_(grads[rank], alpha=1 - BETAS[0]).clone()
                 acc = residual[rank].add_(grads[rank])
                 idx = torch.topk(acc.abs() * precond, k, sorted=False).indices
                 total.index_add_(0, idx, acc[idx])
                 acc[idx] = 0.0
+                velocity[rank][idx] = 0.0
             avg = total * 0.5
         at = 0
         for p in params:
@@ -83,16 +88,20 @@ def simulate() -> dict[str, torch.Tensor]:
                 st = opt.state[p]
                 st["step"] += 1
                 p.mul_(1 - LR * WD)
-                st["exp_avg"].lerp_(p.grad, 1 - BETAS[0])
+                if momentum:  # the exchanged momentum is the momentum (1-bit Adam's rule), no bias correction
+                    st["exp_avg"].copy_(p.grad)
+                else:
+                    st["exp_avg"].lerp_(p.grad, 1 - BETAS[0])
                 denom = (st["exp_avg_sq"].sqrt() / (1 - BETAS[1] ** WARM) ** 0.5).add_(EPS)
-                p.addcdiv_(st["exp_avg"], denom, value=-LR / (1 - BETAS[0] ** float(st["step"])))
+                step_size = LR if momentum else LR / (1 - BETAS[0] ** float(st["step"]))
+                p.addcdiv_(st["exp_avg"], denom, value=-step_size)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_frozen_variance_topk_equals_simulation(stage: int) -> None:
-    results = run_distributed(run, 2, stage, timeout=120)
-    want = simulate()
+@pytest.mark.parametrize("stage,momentum", [(0, False), (1, False), (0, True), (1, True)])
+def test_frozen_variance_topk_equals_simulation(stage: int, momentum: bool) -> None:
+    results = run_distributed(run, 2, stage, momentum, timeout=120)
+    want = simulate(momentum)
     for r in results:
         for key, v in want.items():
             torch.testing.assert_close(r["state"][key], v, rtol=1e-6, atol=1e-7)
@@ -114,8 +123,12 @@ def test_freeze_variance_refused_where_it_does_not_apply() -> None:
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": COMPRESSION}
     assert _topk(load_config(on), torch.optim.Adam(p)) == {"topk_ratio": RATIO, "topk_error_feedback": True,
-                                                            "topk_warmup_steps": WARM, "topk_freeze_variance": True}
+                                                            "topk_warmup_steps": WARM, "topk_freeze_variance": True,
+                                                            "topk_momentum_correction": False}
     with pytest.raises(ConfigError, match="Adam or AdamW"):
         _topk(load_config(on), torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(ConfigError, match="needs freeze_variance"):
+        _topk(load_config({**on, "gradient_compression": {**COMPRESSION, "freeze_variance": False,
+                                                          "momentum_correction": True}}), torch.optim.Adam(p))
     with pytest.raises(ConfigError, match="warmup_steps"):
         _topk(load_config({**on, "gradient_compression": {**COMPRESSION, "warmup_steps": 0}}), torch.optim.Adam(p))

@@ -29,13 +29,13 @@ def topk_count(numel: int, ratio: float) -> int:
 
 @torch.no_grad()
 def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor | None = None,
-                      group: Group | None = None, scale: torch.Tensor | None = None) -> None:
+                      group: Group | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Replace the flat ``buffer`` by the sum over ranks of each rank's top-k of ``buffer + residual``
-    (ranked by ``|buffer + residual| * scale`` when ``scale`` is given)."""
+    (ranked by ``|buffer + residual| * scale`` when ``scale`` is given). Returns this rank's sent indices."""
     n = buffer.numel()
     k = topk_count(n, ratio)
     if k == 0:
-        return
+        return torch.zeros(0, dtype=torch.long, device=buffer.device)
     acc = buffer.float() if residual is None else residual.add_(buffer.float())
     score = acc.abs() if scale is None else acc.abs().mul_(scale)
     idx = torch.topk(score, k, sorted=False).indices
@@ -50,3 +50,4 @@ def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor
     dense = torch.zeros(n, dtype=values.dtype, device=buffer.device)
     dense.index_add_(0, all_idx.long(), all_val)
     buffer.copy_(dense)
+    return idx

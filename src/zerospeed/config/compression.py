@@ -26,3 +26,4 @@ class GradientCompressionConfig(Section):
     error_feedback: bool = True
     warmup_steps: int = Field(0, ge=0)
     freeze_variance: bool = False
+    momentum_correction: bool = False

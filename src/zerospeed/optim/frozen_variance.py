@@ -28,6 +28,8 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 def check_freeze_variance(section: Any, optimizer: object, offload: bool) -> None:
     """With ``section.freeze_variance`` (``gradient_compression``) on, refuse what :func:`frozen_variance_step`
     cannot step (names the key to change)."""
+    if section.momentum_correction and not section.freeze_variance:
+        raise ConfigError("gradient_compression.momentum_correction", "needs freeze_variance: true")
     if not section.freeze_variance:
         return
     key = "gradient_compression.freeze_variance"
@@ -61,8 +63,10 @@ def preconditioner(optimizer: torch.optim.Optimizer, param: torch.Tensor, frozen
 
 
 @torch.no_grad()
-def frozen_variance_step(optimizer: torch.optim.Optimizer, frozen_at: int) -> None:
-    """One Adam(W) step of every parameter with a gradient, ``exp_avg_sq`` left as it is."""
+def frozen_variance_step(optimizer: torch.optim.Optimizer, frozen_at: int, grad_is_momentum: bool = False) -> None:
+    """One Adam(W) step of every parameter with a gradient, ``exp_avg_sq`` left as it is. With
+    ``grad_is_momentum`` (DGC's momentum correction: the ranks exchanged momentum) ``.grad`` becomes
+    ``exp_avg`` as it is (1-bit Adam's rule) and the step is ``lr * exp_avg / denom``."""
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
@@ -84,6 +88,9 @@ def frozen_variance_step(optimizer: torch.optim.Optimizer, frozen_at: int) -> No
                     p.mul_(1 - lr * wd)
                 else:
                     grad = grad.add(p, alpha=wd)
-            state["exp_avg"].lerp_(grad, 1 - beta1)
+            if grad_is_momentum:
+                state["exp_avg"].copy_(grad)
+            else:
+                state["exp_avg"].lerp_(grad, 1 - beta1)
             denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+            p.addcdiv_(state["exp_avg"], denom, value=-lr if grad_is_momentum else -lr / (1 - beta1 ** step))

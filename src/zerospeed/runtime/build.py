@@ -352,7 +352,7 @@ def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
         raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication; "
                           "remove gradient_compression")
     check_freeze_variance(gc, base, cfg.zero_optimization.offload_optimizer.enabled)
-    return {f"topk_{k}": getattr(gc, k) for k in ("ratio", "error_feedback", "warmup_steps", "freeze_variance")}
+    return {f"topk_{k}": v for k, v in gc.model_dump().items() if k != "type"}
 
 
 def _check_compressing(cfg: ZeroSpeedConfig, base: Any) -> bool:

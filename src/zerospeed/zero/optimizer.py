@@ -34,6 +34,7 @@ class ZeroOptimizer:
     # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k warm-up)
     # and top-k ranks entries by the frozen preconditioner (optim/frozen_variance.py); None: off.
     freeze_variance_at: int | None = None
+    momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -57,6 +58,7 @@ class ZeroOptimizer:
         settings = getattr(reducer, "s", None)
         if settings is not None and settings.topk_ratio > 0 and settings.topk_freeze_variance:
             self.freeze_variance_at = settings.topk_warmup_steps
+            self.momentum_correction = settings.topk_momentum_correction
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
             # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
@@ -162,7 +164,7 @@ class ZeroOptimizer:
         if self.stepper is not None:
             self.stepper.step(grads)
         elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
-            frozen_variance_step(self.optimizer, self.freeze_variance_at)
+            frozen_variance_step(self.optimizer, self.freeze_variance_at, bool(self.reducer.topk_momentum))
         else:
             self.optimizer.step()
         self.loss_scaler.update(False)
@@ -179,6 +181,8 @@ class ZeroOptimizer:
         at = self.freeze_variance_at
         if at is None or steps < at or (self.reducer.topk_scale and steps > at):
             return
+        if self.momentum_correction:
+            self.reducer.topk_momentum = {gi: self._beta1(grp) for gi, grp in enumerate(self.groups)}
         scales: dict[tuple[int, int], torch.Tensor] = {}
         for gi, grp in enumerate(self.groups):
             part = torch.zeros(grp.plan.partition_numel, dtype=torch.float32, device=grp.device)
@@ -208,6 +212,12 @@ class ZeroOptimizer:
             grp.attach_grads(None)
             self._fp32_grads[gi] = None
         self.reducer.zero()
+
+    def _beta1(self, grp: ShardedGroup) -> float:
+        for pg in self.optimizer.param_groups:
+            if any(p is grp.master_params[0] for p in pg["params"]):
+                return float(pg["betas"][0])
+        return float(self.optimizer.param_groups[0]["betas"][0])
 
     def gather_group(self, grp: ShardedGroup) -> comm.Group | None:
         """The group over which ``grp`` is partitioned (MoE: experts' over their expert-data-parallel group)."""
