@@ -22,7 +22,7 @@ def data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def run(stage: int, momentum: bool) -> dict[str, Any]:
+def run(stage: int, momentum: bool, pre: bool) -> dict[str, Any]:
     import zerospeed
     from zerospeed import comm
 
@@ -30,7 +30,8 @@ def run(stage: int, momentum: bool) -> dict[str, Any]:
     model = Wide()
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6}, "gradient_compression": {**COMPRESSION, "momentum_correction": momentum}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6}, "gradient_compression": {**COMPRESSION, "momentum_correction": momentum,
+                                                                          "preconditioned_selection": pre}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     per_step = []
     for step in range(STEPS):
@@ -43,7 +44,7 @@ def run(stage: int, momentum: bool) -> dict[str, Any]:
     return {"per_step": per_step, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def simulate(momentum: bool) -> dict[str, torch.Tensor]:
+def simulate(momentum: bool, pre: bool) -> dict[str, torch.Tensor]:
     """The same algorithm in one process: two ranks' gradients from the same replica. ``momentum``: DGC's
     momentum correction (each rank's own momentum u is accumulated and sent; sent entries leave u)."""
     model = Wide()
@@ -71,7 +72,7 @@ def simulate(momentum: bool) -> dict[str, torch.Tensor]:
                 if momentum:
                     grads[rank] = velocity[rank].mul_(BETAS[0]).add_(grads[rank], alpha=1 - BETAS[0]).clone()
                 acc = residual[rank].add_(grads[rank])
-                idx = torch.topk(acc.abs() * precond, k, sorted=False).indices
+                idx = torch.topk(acc.abs() * precond if pre else acc.abs(), k, sorted=False).indices
                 total.index_add_(0, idx, acc[idx])
                 acc[idx] = 0.0
                 velocity[rank][idx] = 0.0
@@ -98,10 +99,11 @@ def simulate(momentum: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage,momentum", [(0, False), (1, False), (0, True), (1, True)])
-def test_frozen_variance_topk_equals_simulation(stage: int, momentum: bool) -> None:
-    results = run_distributed(run, 2, stage, momentum, timeout=120)
-    want = simulate(momentum)
+@pytest.mark.parametrize("stage,momentum,pre", [(0, False, True), (1, False, False), (0, True, False),
+                                                (1, True, True)])
+def test_frozen_variance_topk_equals_simulation(stage: int, momentum: bool, pre: bool) -> None:
+    results = run_distributed(run, 2, stage, momentum, pre, timeout=120)
+    want = simulate(momentum, pre)
     for r in results:
         for key, v in want.items():
             torch.testing.assert_close(r["state"][key], v, rtol=1e-6, atol=1e-7)
@@ -124,7 +126,8 @@ def test_freeze_variance_refused_where_it_does_not_apply() -> None:
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": COMPRESSION}
     assert _topk(load_config(on), torch.optim.Adam(p)) == {"topk_ratio": RATIO, "topk_error_feedback": True,
                                                             "topk_warmup_steps": WARM, "topk_freeze_variance": True,
-                                                            "topk_momentum_correction": False}
+                                                            "topk_momentum_correction": False,
+                                                            "topk_preconditioned_selection": False}
     with pytest.raises(ConfigError, match="Adam or AdamW"):
         _topk(load_config(on), torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ConfigError, match="needs freeze_variance"):

@@ -17,9 +17,10 @@ class GradientCompressionConfig(Section):
 
     ``warmup_steps``: that many optimizer steps all-reduce densely before sparsification starts.
     ``freeze_variance`` (Adam / AdamW, needs ``warmup_steps`` > 0): from then on Adam's variance and its bias
-    correction stay as they were at the end of the warm-up (``optim/frozen_variance.py``) and entries are ranked
-    by ``|g| / (sqrt(v) + eps)``, the step Adam would take, instead of ``|g|``: rare large accumulated values no
-    longer inflate the variance, and parameters with small gradients are not starved."""
+    correction stay as they were at the end of the warm-up (``optim/frozen_variance.py``), so rare large
+    accumulated values no longer inflate it. ``momentum_correction`` (needs ``freeze_variance``): DGC's, each
+    rank exchanges top-k of its own accumulated momentum instead of its gradient. ``preconditioned_selection``
+    (needs ``freeze_variance``): entries ranked by ``|x| / (sqrt(v) + eps)`` instead of ``|x|``."""
 
     type: Literal["none", "topk"] = "none"
     ratio: float = Field(0.01, gt=0, le=1)
@@ -27,3 +28,4 @@ class GradientCompressionConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     freeze_variance: bool = False
     momentum_correction: bool = False
+    preconditioned_selection: bool = False

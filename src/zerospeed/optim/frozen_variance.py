@@ -28,8 +28,9 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 def check_freeze_variance(section: Any, optimizer: object, offload: bool) -> None:
     """With ``section.freeze_variance`` (``gradient_compression``) on, refuse what :func:`frozen_variance_step`
     cannot step (names the key to change)."""
-    if section.momentum_correction and not section.freeze_variance:
-        raise ConfigError("gradient_compression.momentum_correction", "needs freeze_variance: true")
+    for needs in ("momentum_correction", "preconditioned_selection"):
+        if getattr(section, needs) and not section.freeze_variance:
+            raise ConfigError(f"gradient_compression.{needs}", "needs freeze_variance: true")
     if not section.freeze_variance:
         return
     key = "gradient_compression.freeze_variance"

@@ -60,8 +60,9 @@ class ReduceSettings:
     topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
     topk_error_feedback: bool = True
     topk_warmup_steps: int = 0  # optimizer steps reduced densely before sparsification starts
-    topk_freeze_variance: bool = False  # then Adam's variance frozen, entries ranked by it (ZeroOptimizer)
+    topk_freeze_variance: bool = False  # then Adam's variance frozen (ZeroOptimizer)
     topk_momentum_correction: bool = False  # and each rank's momentum exchanged instead of its gradient (DGC)
+    topk_preconditioned_selection: bool = False  # and entries ranked by |x| / sqrt(v)
     # No gradient partition buffer: each bucket's reduced slice goes to ``GradReducer.sink`` (offload/grad_sink.py:
     # NVMe offload at stages 2-3 streams it to the swap files; CPU offload on an accelerator to host memory).
     partition_sink: bool = False

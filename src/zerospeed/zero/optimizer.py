@@ -35,6 +35,7 @@ class ZeroOptimizer:
     # and top-k ranks entries by the frozen preconditioner (optim/frozen_variance.py); None: off.
     freeze_variance_at: int | None = None
     momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
+    preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -59,6 +60,7 @@ class ZeroOptimizer:
         if settings is not None and settings.topk_ratio > 0 and settings.topk_freeze_variance:
             self.freeze_variance_at = settings.topk_warmup_steps
             self.momentum_correction = settings.topk_momentum_correction
+            self.preconditioned_selection = settings.topk_preconditioned_selection
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
             # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
@@ -183,6 +185,8 @@ class ZeroOptimizer:
             return
         if self.momentum_correction:
             self.reducer.topk_momentum = {gi: self._beta1(grp) for gi, grp in enumerate(self.groups)}
+        if not self.preconditioned_selection:
+            return
         scales: dict[tuple[int, int], torch.Tensor] = {}
         for gi, grp in enumerate(self.groups):
             part = torch.zeros(grp.plan.partition_numel, dtype=torch.float32, device=grp.device)
