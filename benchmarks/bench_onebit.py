@@ -66,6 +66,10 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     # compression from that of the missing bias correction.
     out["OneBitAdam-nocomp"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": 10**9}}},
                                 "Adam")
+    # zerospeed_bias_correction (zerospeed only): torch Adam's warm-up and a bias-corrected frozen variance
+    out["OneBitAdam-zbc"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze,
+                                                                             "zerospeed_bias_correction": True}}},
+                             "Adam")
     out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
     out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
     # A dense warm-up as long as the 1-bit optimizers' (gradient_compression.warmup_steps), then top-k 1 %: with
