@@ -172,13 +172,15 @@ class ZeroOptimizer:
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
-        self.set_compression_steps(self.reducer.topk_steps + 1)
+        self.set_compression_steps(getattr(self.reducer, "topk_steps", 0) + 1)
         self.updating = False
         return True
 
     def set_compression_steps(self, steps: int) -> None:
         """Optimizer steps taken, for the top-k warm-up (also after a checkpoint load: collective when the
         variance freezes, since stage 1 all-gathers the preconditioner once)."""
+        if not hasattr(self.reducer, "topk_steps"):  # MoE's reducer: no top-k
+            return
         self.reducer.topk_steps = steps
         at = self.freeze_variance_at
         if at is None or steps < at or (self.reducer.topk_scale and steps > at):
