@@ -30,8 +30,8 @@ def run(stage: int, momentum: bool, pre: bool) -> dict[str, Any]:
     model = Wide()
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6}, "gradient_compression": {**COMPRESSION, "momentum_correction": momentum,
-                                                                          "preconditioned_selection": pre}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6},
+              "gradient_compression": {**COMPRESSION, "momentum_correction": momentum, "preconditioned_selection": pre}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     per_step = []
     for step in range(STEPS):

@@ -32,7 +32,7 @@ class ZeroOptimizer:
     # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
     stepper: Any = None
     # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k warm-up)
-    # and top-k ranks entries by the frozen preconditioner (optim/frozen_variance.py); None: off.
+    # (optim/frozen_variance.py); None: off.
     freeze_variance_at: int | None = None
     momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
     preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)

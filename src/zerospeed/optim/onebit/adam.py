@@ -16,8 +16,10 @@ nothing. ``zerospeed_bias_correction`` (zerospeed only, off by default; DeepSpee
 DeepSpeed is weak on short runs: without bias correction the warm-up steps are 3-6x Adam's and the frozen
 variance is ``1 - b2^freeze_step`` of a settled one. With it the warm-up is torch Adam's update
 (``m / (1 - b1^s)`` over ``sqrt(v / (1 - b2^s))``, ``s`` the updates so far) and compression divides the
-frozen variance by ``1 - b2^(freeze_step - 1)``, its bias correction at the freeze. Differences from DeepSpeed: the phase follows the step count, so a loaded checkpoint resumes in
-its phase without another initialisation call, and the error buffers live outside ``state`` (never saved).
+frozen variance by ``1 - b2^(freeze_step - 1)``, its bias correction at the freeze.
+
+Differences from DeepSpeed: the phase follows the step count, so a loaded checkpoint resumes in its phase
+without another initialisation call, and the error buffers live outside ``state`` (never saved).
 """
 
 from __future__ import annotations
