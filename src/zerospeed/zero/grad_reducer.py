@@ -60,6 +60,10 @@ class ReduceSettings:
     gradient_predivide_factor: float = 1.0
     topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
     topk_error_feedback: bool = True
+    topk_warmup_steps: int = 0  # optimizer steps reduced densely before sparsification starts
+    topk_freeze_variance: bool = False  # then Adam's variance frozen (ZeroOptimizer)
+    topk_momentum_correction: bool = False  # and each rank's momentum exchanged instead of its gradient (DGC)
+    topk_preconditioned_selection: bool = False  # and entries ranked by |x| / sqrt(v)
     # No gradient partition buffer: each bucket's reduced slice goes to ``GradReducer.sink`` (offload/grad_sink.py:
     # NVMe offload at stages 2-3 streams it to the swap files; CPU offload on an accelerator to host memory).
     partition_sink: bool = False
@@ -95,6 +99,12 @@ class GradReducer:
         # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
         self.allreduce_gate: Callable[[], bool] | None = None
         self.residual: dict[tuple[int, int], torch.Tensor] = {}  # top-k error feedback, per bucket
+        self.topk_steps = 0  # optimizer steps taken (set by ZeroOptimizer): top-k starts at topk_warmup_steps
+        self.topk_scale: dict[tuple[int, int], torch.Tensor] = {}  # per bucket: rank entries by |g| * scale
+        # gradient_compression.momentum_correction (DGC): per group, beta1 of each rank's own momentum, kept
+        # per bucket in ``velocity``; what top-k then exchanges is momentum (set by ZeroOptimizer at the freeze).
+        self.topk_momentum: dict[int, float] = {}
+        self.velocity: dict[tuple[int, int], torch.Tensor] = {}
         dev = groups[0].device if groups else torch.device("cpu")
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
@@ -309,11 +319,18 @@ class GradReducer:
         if pre != 1.0:
             send.mul_(pre)
         grp = self.groups[g]
-        if self.s.topk_ratio > 0:  # every rank gets the dense sum of the sparse parts, as from an all-reduce
+        if self.s.topk_ratio > 0 and self.topk_steps >= self.s.topk_warmup_steps:
+            # every rank gets the dense sum of the sparse parts, as from an all-reduce
             residual = None
             if self.s.topk_error_feedback:
                 residual = self.residual.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
-            comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group)
+            beta1 = self.topk_momentum.get(g)
+            if beta1 is not None:  # DGC's momentum correction: u = b1 u + (1 - b1) g on each rank, u is sent
+                u = self.velocity.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
+                send.copy_(u.mul_(beta1).add_(send, alpha=1 - beta1))
+            sent = comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group, self.topk_scale.get((g, b)))
+            if beta1 is not None:
+                u.index_fill_(0, sent, 0.0)  # momentum factor masking: what was sent leaves the momentum too
             self.pending.append(_Pending(g, b, None, send, None))
             return
         if grp.num_partitions == 1 or not self.s.reduce_scatter:

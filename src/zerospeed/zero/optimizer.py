@@ -21,6 +21,7 @@ import torch
 
 from .. import comm
 from ..accelerator.huge_pages import empty_buffer
+from ..optim.frozen_variance import frozen_variance_step, preconditioner
 from ..precision import LossScaler
 from .grad_reducer import GradReducer
 from .partition import reduce_bucket_numel
@@ -32,6 +33,11 @@ class ZeroOptimizer:
 
     # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
     stepper: Any = None
+    # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k warm-up)
+    # (optim/frozen_variance.py); None: off.
+    freeze_variance_at: int | None = None
+    momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
+    preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -52,6 +58,11 @@ class ZeroOptimizer:
         self.global_grad_norm: float | None = None
         self.updating = False
         self.partitioned = any(g.num_partitions > 1 for g in groups)
+        settings = getattr(reducer, "s", None)
+        if settings is not None and settings.topk_ratio > 0 and settings.topk_freeze_variance:
+            self.freeze_variance_at = settings.topk_warmup_steps
+            self.momentum_correction = settings.topk_momentum_correction
+            self.preconditioned_selection = settings.topk_preconditioned_selection
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
             # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
@@ -154,15 +165,47 @@ class ZeroOptimizer:
                 g.mul_(mult)
             if self._sink is not None and not self._sink.resident:
                 self._sink.scale = mult  # applied by the stepper as it reads each sub-group
-        if self.stepper is None:
-            self.optimizer.step()
-        else:
+        if self.stepper is not None:
             self.stepper.step(grads)
+        elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
+            frozen_variance_step(self.optimizer, self.freeze_variance_at, bool(self.reducer.topk_momentum))
+        else:
+            self.optimizer.step()
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
+        self.set_compression_steps(getattr(self.reducer, "topk_steps", 0) + 1)
         self.updating = False
         return True
+
+    def set_compression_steps(self, steps: int) -> None:
+        """Optimizer steps taken, for the top-k warm-up (also after a checkpoint load: collective when the
+        variance freezes, since stage 1 all-gathers the preconditioner once)."""
+        if not hasattr(self.reducer, "topk_steps"):  # MoE's reducer: no top-k
+            return
+        self.reducer.topk_steps = steps
+        at = self.freeze_variance_at
+        if at is None or steps < at or (self.reducer.topk_scale and steps > at):
+            return
+        if self.momentum_correction:
+            self.reducer.topk_momentum = {gi: self._beta1(grp) for gi, grp in enumerate(self.groups)}
+        if not self.preconditioned_selection:
+            return
+        scales: dict[tuple[int, int], torch.Tensor] = {}
+        for gi, grp in enumerate(self.groups):
+            part = torch.zeros(grp.plan.partition_numel, dtype=torch.float32, device=grp.device)
+            for i, mp in enumerate(grp.master_params):
+                view = grp.slot_view(part, i)
+                view.copy_(preconditioner(self.optimizer, mp, at).reshape(view.shape))
+            for bucket in grp.plan.buckets:
+                mine = part[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
+                if grp.num_partitions == 1:
+                    scales[(gi, bucket.index)] = mine
+                    continue
+                full = torch.empty(mine.numel() * grp.num_partitions, dtype=mine.dtype, device=mine.device)
+                comm.all_gather(full, mine, group=self.gather_group(grp))
+                scales[(gi, bucket.index)] = full
+        self.reducer.topk_scale = scales
 
     def abandon_step(self) -> None:
         """After an exception in forward, backward or step: drop the step's gradients and buffers."""
@@ -177,6 +220,12 @@ class ZeroOptimizer:
             grp.attach_grads(None)
             self._fp32_grads[gi] = None
         self.reducer.zero()
+
+    def _beta1(self, grp: ShardedGroup) -> float:
+        for pg in self.optimizer.param_groups:
+            if any(p is grp.master_params[0] for p in pg["params"]):
+                return float(pg["betas"][0])
+        return float(self.optimizer.param_groups[0]["betas"][0])
 
     def gather_group(self, grp: ShardedGroup) -> comm.Group | None:
         """The group over which ``grp`` is partitioned (MoE: experts' over their expert-data-parallel group)."""
