@@ -66,8 +66,24 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     # compression from that of the missing bias correction.
     out["OneBitAdam-nocomp"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": 10**9}}},
                                 "Adam")
+    # zerospeed_bias_correction (zerospeed only): torch Adam's warm-up and a bias-corrected frozen variance
+    out["OneBitAdam-zbc"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze,
+                                                                             "zerospeed_bias_correction": True}}},
+                             "Adam")
     out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
     out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
+    # A dense warm-up as long as the 1-bit optimizers' (gradient_compression.warmup_steps), then top-k 1 %: with
+    # Adam's variance live (-warm); frozen (-fv); frozen, each rank's momentum exchanged (DGC's momentum
+    # correction, -dgc; stage 1: -dgc-z1); the same at 2 %, which still moves 1/25 of the fp32 all-reduce at world 2.
+    warm = {"type": "topk", "ratio": 0.01, "warmup_steps": freeze}
+    frozen = {**warm, "freeze_variance": True}
+    dgc = {**frozen, "momentum_correction": True}
+    out["TopK-1%-warm"] = ({"optimizer": adam, "gradient_compression": warm}, "Adam")
+    out["TopK-1%-fv"] = ({"optimizer": adam, "gradient_compression": frozen}, "Adam")
+    out["TopK-1%-dgc"] = ({"optimizer": adam, "gradient_compression": dgc}, "Adam")
+    out["TopK-1%-dgc-z1"] = ({"optimizer": adam, "gradient_compression": dgc, "zero_optimization": {"stage": 1}},
+                             "Adam")
+    out["TopK-2%-dgc"] = ({"optimizer": adam, "gradient_compression": {**dgc, "ratio": 0.02}}, "Adam")
     return out
 
 
@@ -141,7 +157,7 @@ def main() -> None:
         base_r = results.get(base)
         vs = last20 / _tail(base_r["losses"]) if base_r else float("nan")
         warm, last = r["volumes"][1], r["volumes"][-1]
-        if name.startswith("TopK") and base_r:  # compressed from the first step: compare with the dense baseline
+        if name.startswith("TopK") and base_r:  # warm-up bytes: the dense baseline's
             warm = base_r["volumes"][1]
         row = {"optimizer": name, "world": args.world, "steps": args.steps, "first_loss": r["losses"][0],
                "last20_loss": last20, "vs_baseline": vs, "baseline": base, "warm_bytes_per_step": warm,

@@ -75,9 +75,20 @@ def _seed(seed: Any) -> None:
     torch.manual_seed(int(seed))  # DeepSpeed hands numpy integers here (its random.seed path rejects them)
 
 
+def _pin_to_core(rank: int) -> None:
+    """Every thread of this rank (Gloo's included) on core ``rank``: stops the OS from moving the two stages
+    between cores, one source of micro-batch-to-micro-batch jitter that the 1F1B steady state pays twice."""
+    cpus = sorted(os.sched_getaffinity(0))
+    core = {cpus[rank % len(cpus)]}
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), core)
+
+
 def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int,
-          virtual: int = 1) -> dict:
+          virtual: int = 1, pin: bool = False) -> dict:
     world = int(os.environ["WORLD_SIZE"])
+    if pin:
+        _pin_to_core(int(os.environ["RANK"]))
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
@@ -142,8 +153,9 @@ def _bubbles(ranks: list[dict], pp: int, steps: int) -> tuple[list[float], list[
 
 
 def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, warmup: int, steps: int,
-        virtual: int = 1) -> dict:
-    ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, virtual, timeout=3600)
+        virtual: int = 1, pin: bool = False) -> dict:
+    ranks = run_distributed(_rank, pp * dp, framework, pp, cfg, micro, gas, warmup, steps, virtual, pin,
+                            timeout=3600)
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
     row = {"contender": f"{framework} pp={pp} x dp={dp}" + (f" v={virtual}" if virtual > 1 else ""), "pp": pp,
            "dp": dp, "virtual": virtual, "micro_batches": gas, "s_per_step": statistics.median(per_step),
@@ -187,6 +199,7 @@ def main() -> int:
                                                               "virtual stages per rank (Megatron's schedule)")
     p.add_argument("--repeat", type=int, default=1, help="run the contenders this many times, alternating order")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--pin", action="store_true", help="pin rank r (all its threads) to core r")
     args = p.parse_args()
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
@@ -205,12 +218,12 @@ def main() -> int:
         for i in range(args.repeat):  # alternate who goes first: load on a shared machine drifts
             for fw in (frameworks if i % 2 == 0 else frameworks[::-1]):
                 rounds.setdefault(fw, []).append(run(fw, pp, dp, cfg, args.micro_batch, args.micro_batches,
-                                                     args.warmup, args.steps))
+                                                     args.warmup, args.steps, pin=args.pin))
         for fw in frameworks:  # the round with the median step time
             rows.append(sorted(rounds[fw], key=lambda r: r["s_per_step"])[len(rounds[fw]) // 2])
         if args.virtual > 1 and dp == 1:
             rows.append(run("zerospeed", pp, dp, cfg, args.micro_batch, args.micro_batches, args.warmup, args.steps,
-                            args.virtual))
+                            args.virtual, pin=args.pin))
     if args.json:
         for r in rows:
             print(json.dumps(r))

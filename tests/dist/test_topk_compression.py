@@ -72,7 +72,10 @@ def test_topk_refused_where_it_does_not_apply() -> None:
 
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": {"type": "topk", "ratio": 0.1}}
-    assert _topk(load_config(on), torch.optim.SGD(p, lr=0.1)) == {"topk_ratio": 0.1, "topk_error_feedback": True}
+    assert _topk(load_config(on), torch.optim.SGD(p, lr=0.1)) == {"topk_ratio": 0.1, "topk_error_feedback": True,
+                                                                   "topk_warmup_steps": 0, "topk_freeze_variance": False,
+                                                                   "topk_momentum_correction": False,
+                                                                   "topk_preconditioned_selection": False}
     with pytest.raises(ConfigError, match="stages 0 and 1"):
         _topk(load_config({**on, "zero_optimization": {"stage": 2}}), torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ConfigError, match="OnebitAdam"):

@@ -54,3 +54,50 @@ def test_serving_llama_fused_and_length_groups_match_hf():
     got = [r.output for r in eng.generate(prompts, SamplingParams(max_tokens=6))]
     assert got == want
     assert max(len(x) for x in groups) == 2
+
+
+def test_decode_gathers_reuse_workspace_buffers_and_match_hf():
+    """Decode attention gathers whole KV blocks into the cache's persistent workspace: a second run of the
+    same requests allocates nothing new and gives the same (Hugging Face) tokens."""
+    pytest.importorskip("transformers")
+    from zerospeed.inference import SamplingParams, ServingEngine
+
+    model = llama()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 9, 2, 13)]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    cfg = {"state_manager": {"max_ragged_batch_size": 16, "max_ragged_sequence_count": 4, "max_context": 64,
+                             "kv_block_size": 4, "memory_config": {"mode": "allocate", "size": 32}}}
+    eng = ServingEngine(model, cfg)
+    ws = eng.cache.workspace
+    assert [r.output for r in eng.generate(prompts, SamplingParams(max_tokens=7))] == want
+    allocated, nbytes = ws.allocations, ws.nbytes
+    assert allocated >= 2 and nbytes > 0  # keys and values
+    assert [r.output for r in eng.generate(prompts, SamplingParams(max_tokens=7))] == want
+    assert ws.allocations == allocated and ws.nbytes == nbytes  # reused, not re-allocated
+
+
+def test_workspace_views_grow_geometrically_and_keep_their_buffer():
+    from zerospeed.inference.workspace import Workspace
+
+    ws = Workspace(torch.float32)
+    a = ws.view("k", (2, 3))
+    assert a.shape == (2, 3) and a.is_contiguous() and ws.allocations == 1
+    b = ws.view("k", (5,))  # smaller: same buffer
+    assert b.data_ptr() == a.data_ptr() and ws.allocations == 1
+    c = ws.view("k", (7,))  # larger: one new buffer, at least twice the old
+    assert ws.allocations == 2 and ws.nbytes == 12 * 4
+    ws.view("v", (1,))
+    assert ws.allocations == 3 and c.numel() == 7
+
+
+def test_rotary_in_three_ops_equals_rotate_half_form():
+    from zerospeed.inference.adapters import _rotate
+
+    torch.manual_seed(0)
+    x, cos, sin = torch.randn(5, 6, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)  # Hugging Face's rotate_half
+    signed = torch.cat((-sin[..., :4], sin[..., 4:]), dim=-1)
+    assert torch.allclose(_rotate(x, cos, signed), x * cos + half * sin, atol=1e-6)
+    assert not torch.allclose(_rotate(x, cos, sin), x * cos + half * sin, atol=1e-3)  # the sign matters

@@ -88,6 +88,31 @@ def test_warmup_is_adam_without_bias_correction_after_an_initialising_step() -> 
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=0)
 
 
+def test_zerospeed_bias_correction_warms_up_as_torch_adam_and_corrects_the_frozen_variance() -> None:
+    """Opt-in (zerospeed only): after the initialising call the warm-up is torch Adam's update; the frozen
+    variance is divided by its bias correction at the freeze, 1 - b2^(freeze_step - 1)."""
+    ps, ref = params(), params()
+    opt = OnebitAdam(ps, lr=0.01, freeze_step=4, zerospeed_bias_correction=True)
+    adam = torch.optim.Adam(ref, lr=0.01)
+    grads(0, ps)
+    opt.step()
+    for step in range(1, 4):
+        grads(step, ps)
+        grads(step, ref)
+        opt.step()
+        adam.step()
+    for p, q in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.adam_freeze_key
+    before = [p.detach().clone() for p in ps]
+    grads(4, ps)
+    opt.step()  # world 1: the compressed average of one rank's momentum
+    for p, b in zip(ps, before):
+        st = opt.state[p]
+        denom = (st["exp_avg_sq"] / (1 - 0.999 ** 3)).sqrt() + 1e-8
+        torch.testing.assert_close(p.detach(), b - 0.01 * st["exp_avg"] / denom, rtol=1e-6, atol=1e-7)
+
+
 def test_freeze_step_switches_the_engine_allreduce_off_and_freezes_the_variance() -> None:
     ps = params()
     opt = OnebitAdam(ps, lr=0.01, freeze_step=3)

@@ -103,3 +103,26 @@ def test_reuse_distance_keeps_a_layer_used_twice_gathered() -> None:
     assert _gathers_in_second_step(21)[0] == 1
     # Nothing is kept while more than stage3_max_live_parameters elements are gathered.
     assert _gathers_in_second_step(1_000_000, max_live=10)[0] == 2
+
+
+def test_gather_send_is_a_view_of_adjacent_master_slices() -> None:
+    """fp32 shards aliased to the master are sent without a copy; anything else is concatenated."""
+    from zerospeed.zero.stage3.param_store import _joined
+
+    master = torch.arange(10.0)
+    parts = [master[0:3], master[3:7], master[7:10]]
+    send = _joined(parts)
+    assert send.data_ptr() == master.data_ptr() and torch.equal(send, master)
+    gap = _joined([master[0:3], master[4:7]])
+    assert gap.data_ptr() != master.data_ptr() and gap.tolist() == [0.0, 1.0, 2.0, 4.0, 5.0, 6.0]
+    other = _joined([master[0:3], torch.arange(3.0)])
+    assert other.tolist() == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_huge_page_buffers_are_plain_tensors() -> None:
+    from zerospeed.accelerator.huge_pages import MIN_BYTES, advise_huge_pages, empty_buffer, zeros_buffer
+
+    z = zeros_buffer(MIN_BYTES // 4 + 3, torch.float32, "cpu")
+    assert z.shape == (MIN_BYTES // 4 + 3,) and not z.any()
+    assert empty_buffer(5, torch.float32, "cpu").shape == (5,)
+    assert not advise_huge_pages(torch.empty(8))  # small: left alone

@@ -104,16 +104,17 @@ def all_reduce(tensor: torch.Tensor, group: Group | None = None, op: Any = Reduc
     return _run("all_reduce", group, n, 2 * n, async_op, lambda: dist.all_reduce(tensor, op=op, group=resolve(group), async_op=async_op))
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, op: Any = ReduceOp.SUM, async_op: bool = False) -> Handle | None:
-    """``input`` holds world_size equal chunks, rank r receives the reduction of chunk r in ``output``."""
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, op: Any = ReduceOp.SUM,
+                   async_op: bool = False, scratch: bool = False) -> Handle | None:
+    """``input`` holds world_size equal chunks, rank r receives the reduction of chunk r in ``output``.
+
+    ``scratch``: the caller no longer needs ``input``, so Gloo may use it as working memory (no copy)."""
     if get_world_size(group) == 1:
         output.copy_(input)
         return Handle(None, "reduce_scatter", group, 0.0) if async_op else None
     n = _nbytes(input)
-    return _run(
-        "reduce_scatter", group, n, n, async_op,
-        lambda: dist.reduce_scatter_single(output, input, op=op, group=resolve(group), async_op=async_op),
-    )
+    return _run("reduce_scatter", group, n, n, async_op,
+                lambda: reduce_scatter_work(output, input, group, op, async_op, scratch))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, async_op: bool = False) -> Handle | None:
@@ -122,10 +123,79 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
         output.copy_(input)
         return Handle(None, "all_gather", group, 0.0) if async_op else None
     n = _nbytes(output)
-    return _run(
-        "all_gather", group, n, n, async_op,
-        lambda: dist.all_gather_single(output, input, group=resolve(group), async_op=async_op),
-    )
+    return _run("all_gather", group, n, n, async_op, lambda: all_gather_work(output, input, group, async_op))
+
+
+def gathers_in_place(tensor: torch.Tensor, group: Group | None = None) -> bool:
+    """Whether ``all_gather_in_place`` serves this tensor's device and group (Gloo on host tensors)."""
+    return get_world_size(group) > 1 and _by_root(tensor, group)
+
+
+def all_gather_in_place(pieces: list[list[torch.Tensor]], group: Group | None = None,
+                        async_op: bool = False) -> Handle | None:
+    """``pieces[r]`` are views that rank r has filled; afterwards every rank holds every rank's values in them:
+    an all-gather with no staging buffer, no packing and no unpacking (one ``broadcast`` per piece, async,
+    waited together). Gloo on host tensors only (``gathers_in_place``); pieces have the same sizes on all ranks.
+    Counted as one ``all_gather`` of all the pieces' bytes."""
+    pg = resolve(group)
+    n = sum(_nbytes(t) for row in pieces for t in row)
+
+    def launch() -> _Works | None:
+        works = _Works([dist.broadcast(t, src=_global(group, r), group=pg, async_op=True)
+                        for r, row in enumerate(pieces) for t in row if t.numel()])
+        return works if async_op else works.wait() and None
+
+    return _run("all_gather", group, n, n, async_op, launch)
+
+
+class _Works:
+    """Per-rank point-to-root collectives completed as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        while self.works:
+            self.works.pop(0).wait()
+        return True
+
+
+def _by_root(tensor: torch.Tensor, group: Group | None) -> bool:
+    """Gloo on host tensors: its ``reduce_scatter`` and ``all_gather`` are 2-4x slower than one ``reduce`` or
+    ``broadcast`` per rank moving the same bytes (measured: docs/benchmarks.md, "Gloo collectives")."""
+    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(resolve(group)))
+
+
+def _global(group: Group | None, r: int) -> int:
+    return r if group is None else dist.get_global_rank(resolve(group), r)
+
+
+def reduce_scatter_work(output: torch.Tensor, input: torch.Tensor, group: Group | None, op: Any, async_op: bool,
+                        scratch: bool = False) -> Any:
+    """The reduce-scatter itself (no accounting). On Gloo with a ``scratch`` input: one ``reduce`` per rank, each
+    to its chunk's owner, in place (Gloo overwrites the chunks it sends); otherwise the backend's own."""
+    pg = resolve(group)
+    if not (scratch and input.is_contiguous() and output.is_contiguous() and _by_root(input, group)):
+        return dist.reduce_scatter_single(output, input, op=op, group=pg, async_op=async_op)
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    rows = input.view(world, -1)
+    output.view(-1).copy_(rows[me])  # my chunk is reduced in place in ``output``
+    works = [dist.reduce(output.view(-1) if r == me else rows[r], dst=_global(group, r), op=op, group=pg,
+                         async_op=True) for r in range(world)]
+    done = _Works(works)
+    return done if async_op else done.wait() and None
+
+
+def all_gather_work(output: torch.Tensor, input: torch.Tensor, group: Group | None, async_op: bool) -> Any:
+    """The all-gather itself (no accounting); on Gloo one ``broadcast`` per rank of its chunk."""
+    pg = resolve(group)
+    if not (output.is_contiguous() and _by_root(output, group)):
+        return dist.all_gather_single(output, input, group=pg, async_op=async_op)
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    rows = output.view(world, -1)
+    rows[me].copy_(input.reshape(-1))
+    done = _Works([dist.broadcast(rows[r], src=_global(group, r), group=pg, async_op=True) for r in range(world)])
+    return done if async_op else done.wait() and None
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,

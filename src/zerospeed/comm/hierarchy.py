@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Group, get_rank, get_world_size, new_group
-from .collectives import ReduceOp, _nbytes, _run
+from .collectives import ReduceOp, _nbytes, _run, all_gather_work, reduce_scatter_work
 from .recoverable import resolve
 
 
@@ -95,7 +95,7 @@ def _reduce_scatter(level: str, out: torch.Tensor, inp: torch.Tensor, group: Gro
         return
     n = _nbytes(inp)
     _run(f"{level}:reduce_scatter", group, n, n, False,
-         lambda: dist.reduce_scatter_single(out, inp, op=ReduceOp.SUM, group=resolve(group)))
+         lambda: reduce_scatter_work(out, inp, group, ReduceOp.SUM, False))
 
 
 def _all_gather(level: str, out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
@@ -103,7 +103,7 @@ def _all_gather(level: str, out: torch.Tensor, inp: torch.Tensor, group: Group) 
         out.copy_(inp)
         return
     n = _nbytes(out)
-    _run(f"{level}:all_gather", group, n, n, False, lambda: dist.all_gather_single(out, inp, group=resolve(group)))
+    _run(f"{level}:all_gather", group, n, n, False, lambda: all_gather_work(out, inp, group, False))
 
 
 def _all_reduce(level: str, t: torch.Tensor, group: Group) -> None:

@@ -7,7 +7,9 @@
 Every rank ends with the same dense sum of the sparse contributions. On the wire a rank's message is
 ``8k`` bytes (4 for an index, 4 for an fp32 value) against ``4n`` for a dense fp32 all-reduce, gathered
 from every rank: the all-gather output is ``world * 8k`` bytes, a ring all-reduce moves ``2 * 4n``.
-Without error feedback (``residual`` None) unsent entries are dropped.
+Without error feedback (``residual`` None) unsent entries are dropped. With ``scale`` (same shape, e.g. Adam's
+frozen ``1 / (sqrt(v) + eps)``) the entries are chosen by ``|r| * scale`` instead of ``|r|``; the values sent
+are still ``r[S]``.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ def topk_count(numel: int, ratio: float) -> int:
 
 @torch.no_grad()
 def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor | None = None,
-                      group: Group | None = None) -> None:
-    """Replace the flat ``buffer`` by the sum over ranks of each rank's top-k of ``buffer + residual``."""
+                      group: Group | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Replace the flat ``buffer`` by the sum over ranks of each rank's top-k of ``buffer + residual``
+    (ranked by ``|buffer + residual| * scale`` when ``scale`` is given). Returns this rank's sent indices."""
     n = buffer.numel()
     k = topk_count(n, ratio)
     if k == 0:
-        return
+        return torch.zeros(0, dtype=torch.long, device=buffer.device)
     acc = buffer.float() if residual is None else residual.add_(buffer.float())
-    idx = torch.topk(acc.abs(), k, sorted=False).indices
+    score = acc.abs() if scale is None else acc.abs().mul_(scale)
+    idx = torch.topk(score, k, sorted=False).indices
     values = acc[idx]
     if residual is not None:
         residual.index_fill_(0, idx, 0.0)
@@ -46,3 +50,4 @@ def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor
     dense = torch.zeros(n, dtype=values.dtype, device=buffer.device)
     dense.index_add_(0, all_idx.long(), all_val)
     buffer.copy_(dense)
+    return idx

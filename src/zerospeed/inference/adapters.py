@@ -208,9 +208,10 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``x * cos + rotate_half(x) * sin`` in three ops: ``rotate_half(x) * sin`` is
+    ``roll(x, half) * signed_sin`` with the first half of ``sin`` negated (sign flips are exact)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 class LlamaAdapter(DecoderAdapter):
@@ -234,7 +235,9 @@ class LlamaAdapter(DecoderAdapter):
         body = self.model.model
         x = body.embed_tokens(ids)
         cos, sin = body.rotary_emb(x[None], pos[None])
-        return x, (cos[0][:, None, :], sin[0][:, None, :])  # [T, 1, D]: broadcast over heads
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # once per forward, not per layer
+        return x, (cos[0][:, None, :], signed_sin[:, None, :])  # [T, 1, D]: broadcast over heads
 
     def fuse(self) -> int:
         """q/k/v and gate/up of every block as one matmul each (weights re-pointed into one buffer, no copy)."""
@@ -247,22 +250,32 @@ class LlamaAdapter(DecoderAdapter):
                     self._fused[(id(block), name)] = fused
         return len(self._fused)
 
+    def _fused_for(self, block: nn.Module, name: str, mods: tuple[nn.Module, ...]) -> FusedLinears | None:
+        fused = getattr(self, "_fused", {}).get((id(block), name))
+        return fused if fused is not None and fused.valid(mods) else None
+
     def _run_fused(self, block: nn.Module, name: str, mods: tuple[nn.Module, ...], h: torch.Tensor
                    ) -> list[torch.Tensor]:
-        fused = getattr(self, "_fused", {}).get((id(block), name))
-        if fused is not None and fused.valid(mods):
-            return fused(h)
-        return [p(h) for p in mods]
+        fused = self._fused_for(block, name, mods)
+        return fused(h) if fused is not None else [p(h) for p in mods]
 
     def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cos, sin = extra
+        cos, signed_sin = extra
         a = block.self_attn
         h = _rms_norm(block.input_layernorm, x)
-        q, k, v = (_heads(y, self.head_dim) for y in self._run_fused(block, "qkv", (a.q_proj, a.k_proj, a.v_proj), h))
-        qk = torch.cat((q, k), dim=1)  # one rotation for queries and keys
-        qk = qk * cos + _rotate_half(qk) * sin
-        return qk[:, : q.shape[1]], qk[:, q.shape[1]:], v
+        mods = (a.q_proj, a.k_proj, a.v_proj)
+        fused = self._fused_for(block, "qkv", mods)
+        if fused is not None:  # q and k are neighbours in the fused output: rotate them as one view, no cat
+            out = fused.linear(h)
+            nq, nk = mods[0].out_features, mods[1].out_features
+            qk, v = _heads(out[:, : nq + nk], self.head_dim), _heads(out[:, nq + nk:], self.head_dim)
+        else:
+            q, k, v = (_heads(y, self.head_dim) for y in (p(h) for p in mods))
+            nq, qk = q.shape[1] * self.head_dim, torch.cat((q, k), dim=1)  # one rotation for queries and keys
+        qk = _rotate(qk, cos, signed_sin)
+        heads = nq // self.head_dim
+        return qk[:, :heads], qk[:, heads:], v
 
     def attention_scale(self, block: nn.Module) -> float:
         return block.self_attn.scaling

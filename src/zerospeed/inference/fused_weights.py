@@ -55,5 +55,9 @@ class FusedLinears:
         """``mods`` are still the fused layers and still read the shared buffer."""
         return all(a is b and a.weight.data_ptr() == p for a, b, p in zip(mods, self.mods, self._ptrs))
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """All the layers' outputs side by side, ``[..., sum of out_features]``, in the layers' order."""
+        return F.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return list(self.linear(x).split(self.sizes, dim=-1))

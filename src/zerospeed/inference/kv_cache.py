@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .workspace import Workspace
+
 __all__ = ["BlockAllocator", "KVCacheOutOfBlocks", "PagedKVCache", "RaggedBatch", "SeqChunk", "blocks_needed"]
 
 
@@ -103,6 +105,7 @@ class PagedKVCache:
         shape = (num_layers, kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.workspace = Workspace(dtype, device)  # the decode gathers' buffers, reused every forward
 
     @property
     def nbytes(self) -> int:
@@ -139,29 +142,29 @@ class PagedKVCache:
         return [(order[:cut], lens[cut - 1]), (order[cut:], lens[-1])]
 
     def _decode_reads(self, chunks: list[SeqChunk], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat read slots of one-token chunks, each padded to ``longest``, and their additive mask ``[1, N, 1, S]``
-        (0 for cached positions ``<=`` the chunk's own, ``-inf`` for padding)."""
+        """Block ids of one-token chunks, each table padded to the blocks of ``longest`` (``[N * width]``), and
+        the additive mask ``[1, N, 1, width * block_size]`` (0 for cached positions ``<=`` the chunk's own,
+        ``-inf`` for the rest of the last block and the padding blocks)."""
         size = self.block_size
         width = blocks_needed(longest, size)
         for c in chunks:
             if blocks_needed(c.start + 1, size) > len(c.block_table):
                 raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {c.start + 1} positions")
-        tables = torch.tensor([list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table)))
-                               for c in chunks], dtype=torch.long)
-        pos = torch.arange(longest)
-        slots = tables[:, pos // size] * size + pos % size
-        keep = pos[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
+        tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
+        keep = torch.arange(width * size)[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
         mask = torch.zeros(keep.shape, dtype=self.k.dtype).masked_fill_(~keep, float("-inf"))
-        return slots.flatten().to(self.k.device), mask[None, :, None, :].to(self.k.device)
+        ids = torch.tensor(tables, dtype=torch.long).flatten()
+        return ids.to(self.k.device), mask[None, :, None, :].to(self.k.device)
 
     def attention(self, batch: RaggedBatch):  # -> Attend
         """The ``attend`` callable for ``batch`` (see ``adapters.Attend``).
 
-        One-token chunks (decodes) attend together: their cached keys/values are gathered padded to the
-        longest (in up to two length groups, to cut the padding) and each query-head group multiplies its own
-        key/value head (grouped-query heads are never copied), with an additive mask for the padding. Longer
-        chunks (prompt pieces) attend one by one with PyTorch's fused causal attention; a chunk that starts a
-        sequence uses its own new keys/values directly, without reading the cache back.
+        One-token chunks (decodes) attend together: their cached keys/values are gathered whole blocks at a
+        time, padded to the longest (in up to two length groups, to cut the padding), into the cache's reused
+        ``workspace`` buffers, and each query-head group multiplies its own key/value head (grouped-query heads
+        are never copied), with an additive mask for the padding. Longer chunks (prompt pieces) attend one by
+        one with PyTorch's fused causal attention (4-d inputs, float mask: the CPU flash kernel); a chunk that
+        starts a sequence uses its own new keys/values directly, without reading the cache back.
         """
         bs = batch.chunks
         device = self.k.device
@@ -172,13 +175,13 @@ class PagedKVCache:
         single = [i for i, c in enumerate(bs) if c.length == 1]
         multi = [i for i, c in enumerate(bs) if c.length > 1]
         reads = {i: self.slots(bs[i].block_table, 0, bs[i].start + bs[i].length) for i in multi if bs[i].start > 0}
-        masks = {i: _chunk_mask(bs[i], device) for i in reads}
+        masks = {i: _chunk_mask(bs[i], self.k.dtype, device) for i in reads}
         groups = []
         if single:
             for members, longest in self._decode_groups(bs, single):
-                flat, mask = self._decode_reads([bs[i] for i in members], longest)
+                ids, mask = self._decode_reads([bs[i] for i in members], longest)
                 rows = torch.tensor([offsets[i] for i in members], device=device)
-                groups.append((rows, flat, mask, len(members), longest))
+                groups.append((rows, ids, mask, len(members), mask.shape[-1]))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             kl, vl = self.k[layer], self.v[layer]
@@ -187,34 +190,39 @@ class PagedKVCache:
             out = torch.empty_like(q)
             heads, kv, dim = q.shape[1], kl.shape[0], q.shape[2]
             gqa = heads != kv
-            for rows, flat, mask, n, longest in groups:
+            kb, vb = kl.view(kv, self.num_blocks, -1), vl.view(kv, self.num_blocks, -1)  # [Hkv, blocks, size*D]
+            for rows, ids, mask, n, span in groups:  # one after the other: they share the buffers
                 qg = (q.index_select(0, rows) * scale).view(n, kv, heads // kv, dim).transpose(0, 1)  # [Hkv,N,g,D]
-                ks = kl.index_select(1, flat).view(kv, n, longest, dim)  # [Hkv, N, S, D]
-                vs = vl.index_select(1, flat).view(kv, n, longest, dim)
+                # whole blocks into persistent buffers: 16x fewer indices than per slot, no fresh megabytes
+                ks = torch.index_select(kb, 1, ids, out=self.workspace.view("k", (kv, ids.numel(), kb.shape[2])))
+                vs = torch.index_select(vb, 1, ids, out=self.workspace.view("v", (kv, ids.numel(), vb.shape[2])))
+                ks, vs = ks.view(kv, n, span, dim), vs.view(kv, n, span, dim)  # [Hkv, N, S, D]
                 p = torch.matmul(qg, ks.transpose(-1, -2).to(qg.dtype)).add_(mask).softmax(-1, dtype=torch.float32)
                 y = torch.matmul(p.to(vs.dtype), vs)  # [Hkv, N, g, D]
                 out.index_copy_(0, rows, y.transpose(0, 1).reshape(n, heads, dim).to(q.dtype))
             for i in multi:
                 a, b = offsets[i], offsets[i + 1]
-                qs = q[a:b].transpose(0, 1)  # [H, n, D]
+                qs = q[a:b].transpose(0, 1)[None]  # [1, H, n, D]: 4-d, so CPU takes the flash kernel, not math
                 if i in reads:
-                    ks, vs = kl.index_select(1, reads[i]), vl.index_select(1, reads[i])  # [Hkv, S, D]
+                    ks, vs = kl.index_select(1, reads[i])[None], vl.index_select(1, reads[i])[None]  # [1, Hkv, S, D]
                     mask = masks[i]
                 else:  # the chunk starts its sequence: its keys are exactly this forward's
-                    ks, vs, mask = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), True
+                    ks, vs, mask = k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None], True
                 y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=None if isinstance(mask, bool) else mask,
                                                    is_causal=mask is True, scale=scale, enable_gqa=gqa)
-                out[a:b] = y.transpose(0, 1)
+                out[a:b] = y[0].transpose(0, 1)
             return out
 
         return attend
 
 
-def _chunk_mask(c: SeqChunk, device: torch.device) -> torch.Tensor | bool:
-    """True: plain causal (chunk starts at 0); False: no mask (one query sees all); else a bool mask."""
+def _chunk_mask(c: SeqChunk, dtype: torch.dtype, device: torch.device) -> torch.Tensor | bool:
+    """True: plain causal (chunk starts at 0); False: no mask (one query sees all); else an additive mask
+    (a float mask keeps CPU attention on its flash kernel; a bool one is converted on every call)."""
     if c.start == 0:
         return True
     if c.length == 1:
         return False
     q_pos = torch.arange(c.start, c.start + c.length)[:, None]
-    return (torch.arange(c.start + c.length)[None, :] <= q_pos).to(device)
+    keep = torch.arange(c.start + c.length)[None, :] <= q_pos
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).to(device)

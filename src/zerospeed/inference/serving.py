@@ -139,11 +139,16 @@ class ServingEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
-        ids = []
+        ids: list[int] = []
         for w in work:
             req = self.requests[w.uid]
-            known = req.prompt + req.output
-            ids.extend(known[w.start:w.start + w.length])
+            n = len(req.prompt)
+            if w.start + w.length <= n:  # a prompt chunk
+                ids += req.prompt[w.start:w.start + w.length]
+            elif w.start >= n:  # decode: generated tokens only (no prompt + output copy per step)
+                ids += req.output[w.start - n:w.start - n + w.length]
+            else:
+                ids += req.prompt[w.start:] + req.output[:w.start + w.length - n]
         chunks = [SeqChunk(w.block_table, w.start, w.length) for w in work]
         if self.channel is not None:
             self.channel.send_batch(ids, chunks)

@@ -16,6 +16,7 @@ from ..accelerator.host_malloc import limit_heap_retention
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.errors import NotSupportedYetError
 from ..config.hints import log_accepted_hints
+from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler, make_policy
 from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from .dataloader import build_dataloader
@@ -345,12 +346,13 @@ def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
     if gc.type == "none":
         return {}
     if cfg.zero_stage > 1:
-        raise ConfigError("gradient_compression", f"top-k gradient compression works with ZeRO stages 0 and 1, "
-                          f"got stage {cfg.zero_stage}")
+        raise ConfigError("gradient_compression", f"top-k works with ZeRO stages 0 and 1, got stage {cfg.zero_stage}")
     if getattr(base, "compresses_communication", False):
-        raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication; "
-                          "remove gradient_compression")
-    return {"topk_ratio": gc.ratio, "topk_error_feedback": gc.error_feedback}
+        raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication: remove it")
+    check_freeze_variance(gc, base, cfg.zero_optimization.offload_optimizer.enabled)
+    return {"topk_ratio": gc.ratio, "topk_error_feedback": gc.error_feedback, "topk_warmup_steps": gc.warmup_steps,
+            "topk_freeze_variance": gc.freeze_variance, "topk_momentum_correction": gc.momentum_correction,
+            "topk_preconditioned_selection": gc.preconditioned_selection}
 
 
 def _check_compressing(cfg: ZeroSpeedConfig, base: Any) -> bool:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..accelerator.huge_pages import empty_buffer, zeros_buffer
 from .layout import padding_ranges, scatter_into
 from .sharded_group import ShardedGroup
 
@@ -59,6 +60,10 @@ class ReduceSettings:
     gradient_predivide_factor: float = 1.0
     topk_ratio: float = 0.0  # > 0: top-k sparsified averaging (comm/sparse.py) instead of the dense collective
     topk_error_feedback: bool = True
+    topk_warmup_steps: int = 0  # optimizer steps reduced densely before sparsification starts
+    topk_freeze_variance: bool = False  # then Adam's variance frozen (ZeroOptimizer)
+    topk_momentum_correction: bool = False  # and each rank's momentum exchanged instead of its gradient (DGC)
+    topk_preconditioned_selection: bool = False  # and entries ranked by |x| / sqrt(v)
     # No gradient partition buffer: each bucket's reduced slice goes to ``GradReducer.sink`` (offload/grad_sink.py:
     # NVMe offload at stages 2-3 streams it to the swap files; CPU offload on an accelerator to host memory).
     partition_sink: bool = False
@@ -94,11 +99,17 @@ class GradReducer:
         # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
         self.allreduce_gate: Callable[[], bool] | None = None
         self.residual: dict[tuple[int, int], torch.Tensor] = {}  # top-k error feedback, per bucket
+        self.topk_steps = 0  # optimizer steps taken (set by ZeroOptimizer): top-k starts at topk_warmup_steps
+        self.topk_scale: dict[tuple[int, int], torch.Tensor] = {}  # per bucket: rank entries by |g| * scale
+        # gradient_compression.momentum_correction (DGC): per group, beta1 of each rank's own momentum, kept
+        # per bucket in ``velocity``; what top-k then exchanges is momentum (set by ZeroOptimizer at the freeze).
+        self.topk_momentum: dict[int, float] = {}
+        self.velocity: dict[tuple[int, int], torch.Tensor] = {}
         dev = groups[0].device if groups else torch.device("cpu")
         # Full-size accumulation buffers (stages 0 and 1, or a single partition) or transient per-bucket
         # ones (stage 2).
         self.full: list[torch.Tensor | None] = [
-            torch.zeros(g.plan.padded_numel, dtype=settings.accum_dtype, device=dev)
+            zeros_buffer(g.plan.padded_numel, settings.accum_dtype, dev)
             if settings.stage < 2 or (g.num_partitions == 1 and not settings.partition_sink) else None
             for g in groups
         ]
@@ -134,7 +145,7 @@ class GradReducer:
             return full[n * bucket.partition_offset: n * (bucket.partition_offset + bucket.shard_numel)]
         buf = self.staging.get((g, b))
         if buf is None:  # uninitialised: each gradient is copied in (not added to zeros); the rest is zeroed
-            buf = torch.empty(n * bucket.shard_numel, dtype=self.s.accum_dtype, device=grp.device)
+            buf = empty_buffer(n * bucket.shard_numel, self.s.accum_dtype, grp.device)
             view = buf.view(n, bucket.shard_numel)
             for row, lo, hi in self._padding(g, b):
                 view[row:, lo:hi].zero_()
@@ -169,7 +180,7 @@ class GradReducer:
             return full
         part = self.partition[g]
         if part is None:
-            part = torch.zeros(grp.plan.partition_numel, dtype=self.s.accum_dtype, device=grp.device)
+            part = zeros_buffer(grp.plan.partition_numel, self.s.accum_dtype, grp.device)
             self.partition[g] = part
         return part
 
@@ -266,7 +277,7 @@ class GradReducer:
         send.mul_(pre)
         if n > 1 and self.s.reduce_scatter:
             mine = torch.empty(width, dtype=send.dtype, device=send.device)
-            comm.reduce_scatter(mine, send, group=self.dp_group)
+            comm.reduce_scatter(mine, send, group=self.dp_group, scratch=True)
         else:
             comm.all_reduce(send, group=self.dp_group)
             mine = send.view(n, width)[grp.rank] if n > 1 else send
@@ -308,11 +319,18 @@ class GradReducer:
         if pre != 1.0:
             send.mul_(pre)
         grp = self.groups[g]
-        if self.s.topk_ratio > 0:  # every rank gets the dense sum of the sparse parts, as from an all-reduce
+        if self.s.topk_ratio > 0 and self.topk_steps >= self.s.topk_warmup_steps:
+            # every rank gets the dense sum of the sparse parts, as from an all-reduce
             residual = None
             if self.s.topk_error_feedback:
                 residual = self.residual.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
-            comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group)
+            beta1 = self.topk_momentum.get(g)
+            if beta1 is not None:  # DGC's momentum correction: u = b1 u + (1 - b1) g on each rank, u is sent
+                u = self.velocity.setdefault((g, b), torch.zeros(send.numel(), device=send.device))
+                send.copy_(u.mul_(beta1).add_(send, alpha=1 - beta1))
+            sent = comm.sparse_all_reduce(send, self.s.topk_ratio, residual, self.dp_group, self.topk_scale.get((g, b)))
+            if beta1 is not None:
+                u.index_fill_(0, sent, 0.0)  # momentum factor masking: what was sent leaves the momentum too
             self.pending.append(_Pending(g, b, None, send, None))
             return
         if grp.num_partitions == 1 or not self.s.reduce_scatter:
@@ -324,8 +342,9 @@ class GradReducer:
 
     def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
         """Launch bucket (g, b)'s reduce-scatter: this rank's chunk, and the handle to wait for."""
-        out = torch.empty(self.groups[g].plan.buckets[b].shard_numel, dtype=send.dtype, device=send.device)
-        return out, comm.reduce_scatter(out, send, group=self.dp_group, async_op=True)
+        out = empty_buffer(self.groups[g].plan.buckets[b].shard_numel, send.dtype, send.device)
+        # ``send`` is a transient bucket, or a stage-1 full buffer that is zeroed after the step: Gloo may use it
+        return out, comm.reduce_scatter(out, send, group=self.dp_group, async_op=True, scratch=True)
 
     def _complete(self, item: _Pending) -> None:
         if item.handle is not None:

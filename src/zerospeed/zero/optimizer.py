@@ -20,8 +20,11 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..accelerator.huge_pages import empty_buffer
+from ..optim.frozen_variance import frozen_variance_step, preconditioner
 from ..precision import LossScaler
 from .grad_reducer import GradReducer
+from .partition import reduce_bucket_numel
 from .sharded_group import ShardedGroup
 
 
@@ -30,6 +33,11 @@ class ZeroOptimizer:
 
     # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
     stepper: Any = None
+    # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k warm-up)
+    # (optim/frozen_variance.py); None: off.
+    freeze_variance_at: int | None = None
+    momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
+    preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -50,6 +58,11 @@ class ZeroOptimizer:
         self.global_grad_norm: float | None = None
         self.updating = False
         self.partitioned = any(g.num_partitions > 1 for g in groups)
+        settings = getattr(reducer, "s", None)
+        if settings is not None and settings.topk_ratio > 0 and settings.topk_freeze_variance:
+            self.freeze_variance_at = settings.topk_warmup_steps
+            self.momentum_correction = settings.topk_momentum_correction
+            self.preconditioned_selection = settings.topk_preconditioned_selection
         self._fp32_grads: list[torch.Tensor | None] = [None] * len(groups)
         if self.partitioned and hasattr(optimizer, "shard_norm_reducer"):
             # Lamb: its per-tensor norms must be the whole parameter's, not this rank's shard's.
@@ -152,15 +165,47 @@ class ZeroOptimizer:
                 g.mul_(mult)
             if self._sink is not None and not self._sink.resident:
                 self._sink.scale = mult  # applied by the stepper as it reads each sub-group
-        if self.stepper is None:
-            self.optimizer.step()
-        else:
+        if self.stepper is not None:
             self.stepper.step(grads)
+        elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
+            frozen_variance_step(self.optimizer, self.freeze_variance_at, bool(self.reducer.topk_momentum))
+        else:
+            self.optimizer.step()
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
+        self.set_compression_steps(getattr(self.reducer, "topk_steps", 0) + 1)
         self.updating = False
         return True
+
+    def set_compression_steps(self, steps: int) -> None:
+        """Optimizer steps taken, for the top-k warm-up (also after a checkpoint load: collective when the
+        variance freezes, since stage 1 all-gathers the preconditioner once)."""
+        if not hasattr(self.reducer, "topk_steps"):  # MoE's reducer: no top-k
+            return
+        self.reducer.topk_steps = steps
+        at = self.freeze_variance_at
+        if at is None or steps < at or (self.reducer.topk_scale and steps > at):
+            return
+        if self.momentum_correction:
+            self.reducer.topk_momentum = {gi: self._beta1(grp) for gi, grp in enumerate(self.groups)}
+        if not self.preconditioned_selection:
+            return
+        scales: dict[tuple[int, int], torch.Tensor] = {}
+        for gi, grp in enumerate(self.groups):
+            part = torch.zeros(grp.plan.partition_numel, dtype=torch.float32, device=grp.device)
+            for i, mp in enumerate(grp.master_params):
+                view = grp.slot_view(part, i)
+                view.copy_(preconditioner(self.optimizer, mp, at).reshape(view.shape))
+            for bucket in grp.plan.buckets:
+                mine = part[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
+                if grp.num_partitions == 1:
+                    scales[(gi, bucket.index)] = mine
+                    continue
+                full = torch.empty(mine.numel() * grp.num_partitions, dtype=mine.dtype, device=mine.device)
+                comm.all_gather(full, mine, group=self.gather_group(grp))
+                scales[(gi, bucket.index)] = full
+        self.reducer.topk_scale = scales
 
     def abandon_step(self) -> None:
         """After an exception in forward, backward or step: drop the step's gradients and buffers."""
@@ -176,29 +221,79 @@ class ZeroOptimizer:
             self._fp32_grads[gi] = None
         self.reducer.zero()
 
+    def _beta1(self, grp: ShardedGroup) -> float:
+        for pg in self.optimizer.param_groups:
+            if any(p is grp.master_params[0] for p in pg["params"]):
+                return float(pg["betas"][0])
+        return float(self.optimizer.param_groups[0]["betas"][0])
+
     def gather_group(self, grp: ShardedGroup) -> comm.Group | None:
         """The group over which ``grp`` is partitioned (MoE: experts' over their expert-data-parallel group)."""
         return self.dp_group
 
     def _write_back(self) -> None:
-        for grp in self.groups:
+        for gi, grp in enumerate(self.groups):
             if grp.alias:
                 continue
             if grp.num_partitions == 1 or grp.params_sharded:
                 grp.copy_master_to_params()
                 continue
-            assert grp.master is not None
-            for run in grp.gather_runs(self.allgather_bucket_numel):
-                first = grp.plan.buckets[run.start]
-                last = grp.plan.buckets[run.stop - 1]
-                send = grp.master_range(first.partition_offset, last.partition_offset + last.shard_numel)
-                send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
-                out = torch.empty(send.numel() * grp.num_partitions, dtype=send.dtype, device=send.device)
-                if self.allgather_partitions:
-                    comm.all_gather(out, send, group=self.gather_group(grp))
-                else:
-                    comm.all_gather_by_broadcast(out, send, group=self.gather_group(grp))
-                grp.unpack_gathered(out, run)
+            self._gather_group(gi, grp)
+
+    def _gather_group(self, gi: int, grp: ShardedGroup) -> None:
+        """All-gather the updated partitions into the parameters, run by run: run k+1's all-gather is in flight
+        while run k is unpacked. Outputs: the full gradient buffer where one exists (stages 0-1: its reduced
+        contents are spent and it is zeroed next), else two buffers of the largest run, reused."""
+        assert grp.master is not None
+        if self.allgather_partitions and grp.master_home is None \
+                and comm.gathers_in_place(grp.params[0], self.gather_group(grp)):
+            grp.gather_in_place(self.gather_group(grp))
+            return
+        cap = self.allgather_bucket_numel
+        full = self._spent_full_buffer(gi, grp)
+        if full is None:  # stage 2: runs no larger than its transient gradient buckets
+            cap = min(cap, reduce_bucket_numel(cap, [p.numel() for p in grp.params], 2, grp.num_partitions))
+        runs = grp.gather_runs(cap)
+        sizes = [sum(grp.plan.buckets[b].shard_numel for b in run) * grp.num_partitions for run in runs]
+        if full is not None and full.dtype == self.compute_dtype and full.device == grp.device:
+            bufs = [full]
+        else:
+            bufs = [empty_buffer(max(sizes), self.compute_dtype, grp.device) for _ in runs[:2]]
+        overlap = self.allgather_partitions
+        previous: tuple[comm.Handle | None, torch.Tensor, range] | None = None
+        offset = 0
+        for k, run in enumerate(runs):
+            first = grp.plan.buckets[run.start]
+            last = grp.plan.buckets[run.stop - 1]
+            send = grp.master_range(first.partition_offset, last.partition_offset + last.shard_numel)
+            send = send.to(device=grp.device, dtype=self.compute_dtype)  # offloaded masters live on host
+            if len(bufs) == 1:
+                out, offset = bufs[0][offset:offset + sizes[k]], offset + sizes[k]
+            else:
+                out = bufs[k % 2][:sizes[k]]
+            handle = None
+            if not self.allgather_partitions:
+                comm.all_gather_by_broadcast(out, send, group=self.gather_group(grp))
+            else:
+                handle = comm.all_gather(out, send, group=self.gather_group(grp), async_op=overlap)
+            if previous is not None:
+                self._unpack(grp, *previous)
+            previous = (handle, out, run)
+        if previous is not None:
+            self._unpack(grp, *previous)
+
+    def _spent_full_buffer(self, gi: int, grp: ShardedGroup) -> torch.Tensor | None:
+        """Group gi's full-size gradient buffer (stages 0-1), whose contents are spent once reduced; None if none."""
+        groups, full = getattr(self.reducer, "groups", None), getattr(self.reducer, "full", None)
+        if groups is None or full is None or gi >= len(groups) or groups[gi] is not grp:
+            return None
+        return full[gi]
+
+    @staticmethod
+    def _unpack(grp: ShardedGroup, handle: comm.Handle | None, out: torch.Tensor, run: range) -> None:
+        if handle is not None:
+            handle.wait()
+        grp.unpack_gathered(out, run)
 
     # --- accounting -------------------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .. import comm
 from .layout import gather_from
 from .partition import PartitionPlan, plan_partitions
 
@@ -163,6 +164,23 @@ class ShardedGroup:
         for i, p in enumerate(self.params):
             start, _ = self.slot_range(i)
             p.copy_(self.master_range(start, start + p.numel()).view(p.shape))
+
+    @torch.no_grad()
+    def gather_in_place(self, group: comm.Group | None) -> None:
+        """Write-back without a buffer: this rank's master slices into its own shard of every parameter, then one
+        in-place all-gather of every (parameter, rank) shard, straight into the parameters."""
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.num_partitions)]
+        for i, p in enumerate(self.params):
+            slot, flat = self.plan.slots[i], p.data.view(-1)
+            for r in range(self.num_partitions):
+                lo, hi = slot.owned_range(r)
+                if hi > lo:
+                    pieces[r].append(flat[lo:hi])
+            lo, hi = slot.owned_range(self.rank)
+            if hi > lo:
+                start, _ = self.slot_range(i)
+                flat[lo:hi].copy_(self.master_range(start, start + hi - lo))
+        comm.all_gather_in_place(pieces, group)
 
     @torch.no_grad()
     def unpack_gathered(self, out: torch.Tensor, buckets: range) -> None:

@@ -12,8 +12,14 @@ Three phases, counted by ``state['step']``:
   gradient averaging and updates ``v``.
 
 ``bias_correction``, ``eps_inside_sqrt`` and ``cuda_aware`` are accepted and, as in DeepSpeed, change
-nothing. Differences from DeepSpeed: the phase follows the step count, so a loaded checkpoint resumes in
-its phase without another initialisation call, and the error buffers live outside ``state`` (never saved).
+nothing. ``zerospeed_bias_correction`` (zerospeed only, off by default; DeepSpeed refuses the key) is where
+DeepSpeed is weak on short runs: without bias correction the warm-up steps are 3-6x Adam's and the frozen
+variance is ``1 - b2^freeze_step`` of a settled one. With it the warm-up is torch Adam's update
+(``m / (1 - b1^s)`` over ``sqrt(v / (1 - b2^s))``, ``s`` the updates so far) and compression divides the
+frozen variance by ``1 - b2^(freeze_step - 1)``, its bias correction at the freeze.
+
+Differences from DeepSpeed: the phase follows the step count, so a loaded checkpoint resumes in its phase
+without another initialisation call, and the error buffers live outside ``state`` (never saved).
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ class OnebitAdam(CompressedOptimizer):
     def __init__(self, params: Any, deepspeed: Any = None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
-                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl") -> None:
+                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl",
+                 zerospeed_bias_correction: bool = False) -> None:
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad)
         self.freeze_step = freeze_step
         self.eps_mode = 0 if eps_inside_sqrt else 1
         self.cuda_aware = cuda_aware
+        self.zerospeed_bias_correction = zerospeed_bias_correction
 
     # --- phase ------------------------------------------------------------------------------------
     @property
@@ -88,7 +96,12 @@ class OnebitAdam(CompressedOptimizer):
         else:
             exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
             exp_avg.copy_(self.compressed_average(group, p, exp_avg))
-        update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+        if self.zerospeed_bias_correction and not group.get("non_freeze", False):
+            s = state["step"] - 1 if not compressing else self.freeze_step - 1  # variance updates so far
+            m = exp_avg if compressing else exp_avg / (1 - beta1 ** s)
+            update = m / ((exp_avg_sq / (1 - beta2 ** max(1, s))).sqrt() + group["eps"])
+        else:
+            update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
         if group["weight_decay"] > 0.0:
             update += group["weight_decay"] * p
         p.add_(-group["lr"] * update)

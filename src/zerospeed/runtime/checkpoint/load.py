@@ -150,6 +150,8 @@ def _load_training_state(engine: Any, meta: dict[str, Any], reader: Any, names: 
                           "gradients are not stored, the next step starts a fresh accumulation", stacklevel=4)
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     engine.skipped_steps = int(counters["skipped_steps"])
+    if hasattr(engine.optimizer, "set_compression_steps"):  # the top-k warm-up counts optimizer steps taken
+        engine.optimizer.set_compression_steps(engine.global_steps - engine.skipped_steps)
     loader = engine.training_dataloader
     if meta.get("data") is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(meta["data"])

@@ -33,7 +33,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import comm
+from ...accelerator.huge_pages import empty_buffer
 from ..layout import gather_from
 from ..partition import shard_size
 
@@ -310,7 +311,7 @@ class GatherOp:
             assert s.local is not None
         if shards[0].lockstep is not None:
             shards[0].lockstep.before_gather(shards)  # raises on every rank if the ranks diverged
-        self.shards = list(shards)
+        self.shards = list(shards) if secondary else _storage_order(list(shards))
         for home, group in _by_home(self.shards).items():
             home.load(group)  # offloaded shards: read them in (prefetched reads are waited for)
         first = self.shards[0]
@@ -325,19 +326,48 @@ class GatherOp:
             col += w
         self.width = col
         parts = [s.secondary if secondary else s.local for s in self.shards]
-        send = torch.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
-        self.out = torch.empty(self.width * self.world, dtype=first.dtype, device=first.device)
-        self.send: torch.Tensor | None = send  # kept alive while the collective runs
         group = first.hpz.group if secondary and first.hpz is not None else first.group
+        self.fulls: list[torch.Tensor] | None = None
+        self.out: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None
+        if not quantize and not secondary and all(s.home is None for s in self.shards) \
+                and comm.gathers_in_place(first.local, group):  # type: ignore[arg-type]
+            self._gather_in_place(group, async_op)
+        else:
+            self._gather_buffered(parts, group, async_op, quantize)
+        for s in self.shards:
+            s.state = ShardState.GATHERING
+            s.pending = self
+            s.gathers += 1
+
+    def _gather_in_place(self, group: comm.Group | None, async_op: bool) -> None:
+        """Gloo: each (parameter, rank) shard broadcast straight into the parameter's full buffer (no staging
+        buffer, no unpack); this rank's own shard is copied from its local shard."""
+        self.fulls = [s.full_buffer() for s in self.shards]
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        with ExitStack() as keep:  # the buffers may be saved for backward: writing them is not a modification
+            for s, full in zip(self.shards, self.fulls):
+                keep.enter_context(torch.autograd._unsafe_preserve_version_counter(full))
+                for r in range(self.world):
+                    lo, hi = min(r * s.shard, s.numel), min((r + 1) * s.shard, s.numel)
+                    if hi > lo:
+                        pieces[r].append(full[lo:hi])
+                lo, hi = min(s.rank * s.shard, s.numel), min((s.rank + 1) * s.shard, s.numel)
+                if hi > lo:
+                    full[lo:hi].copy_(s.local[:hi - lo])  # type: ignore[index]
+            self.handle = comm.all_gather_in_place(pieces, group, async_op=async_op)
+
+    def _gather_buffered(self, parts: list[torch.Tensor | None], group: comm.Group | None, async_op: bool,
+                         quantize: str | bool) -> None:
+        first = self.shards[0]
+        send = _joined(parts)  # type: ignore[arg-type]
+        self.out = empty_buffer(self.width * self.world, first.dtype, first.device)
+        self.send = send  # kept alive while the collective runs
         if quantize:
             codec = quantize if isinstance(quantize, str) else "int8"
             self.handle = comm.quantized_all_gather(self.out, send, group=group, async_op=async_op, codec=codec)
         else:
             self.handle = comm.all_gather(self.out, send, group=group, async_op=async_op)
-        for s in self.shards:
-            s.state = ShardState.GATHERING
-            s.pending = self
-            s.gathers += 1
 
     def numel(self) -> int:
         return self.width * self.world
@@ -352,6 +382,12 @@ class GatherOp:
         for s in self.shards:
             if s.home is not None and s.resident:
                 s.home.evict(s)  # the shard was read for this gather only
+        if self.fulls is not None:
+            for s, full in zip(self.shards, self.fulls):
+                if s.pending is self:
+                    s.set_full(full)
+            self.fulls = None
+            return
         if self.out is None:
             return
         out2d = self.out.view(self.world, self.width)
@@ -364,6 +400,31 @@ class GatherOp:
             s.set_full(full)
             s.full_exact = not self.quantize
         self.out = None
+
+
+def _storage_order(shards: list[ParamShard]) -> list[ParamShard]:
+    """Shards that are slices of one storage (fp32 shards aliased to the master) in storage order, the same on
+    every rank (offsets come from the partition plan), so that their concatenation is a view; else as given."""
+    locals_ = [s.local for s in shards]
+    if len(shards) < 2 or any(t is None for t in locals_):
+        return shards
+    base = locals_[0].untyped_storage().data_ptr()  # type: ignore[union-attr]
+    if any(t.untyped_storage().data_ptr() != base for t in locals_):  # type: ignore[union-attr]
+        return shards
+    return sorted(shards, key=lambda s: s.local.storage_offset())  # type: ignore[union-attr]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, as a view when the parts are adjacent 1-D slices of one storage (no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    first, end = parts[0], parts[0].storage_offset()
+    for t in parts:
+        if t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != end \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(parts)
+        end += t.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _by_home(shards: Iterable[ParamShard]) -> dict[ShardHome, list[ParamShard]]:
