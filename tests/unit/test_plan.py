@@ -75,11 +75,12 @@ BASE = PlanInputs(stage=0, world=2, micro_batch=1, seq=4, compute_bytes=4, accum
     # params, grads, master, optimizer_state, buckets, gathered_params (shards of 10 and 7 over 2 ranks: 5 + 4)
     # AdamW's step makes two temporaries the size of the largest master tensor: 2 x 10 (stage 0), 2 x 5 (shards)
     (0, (68, 68, 0, 136, 80, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
-    # stage 1: full padded gradients; at the end of backward and the step: partition, reduce-scatter output, all-gather
-    (1, (68, 72, 36, 72, 36 + 36 + 72 + 40, 0)),
-    (2, (68, 36, 36, 72, 72 + 36 + 72 + 40, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
+    # stage 1: full padded gradients; at the end of backward and the step: partition, reduce-scatter output (the
+    # write-back gathers in place on Gloo host tensors: no buffer)
+    (1, (68, 72, 36, 72, 36 + 36 + 40, 0)),
+    (2, (68, 36, 36, 72, 72 + 36 + 40, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
     # stage 3: fp32 shards are the master; gathered + one gather in flight + the heap holes of the gathered
-    (3, (0, 36, 36, 72, 72 + 36 + 40, 4 * (18 + 18 + 9 + 18))),
+    (3, (0, 36, 36, 72, 72 + 36 + 40, 4 * (18 + 18 + 18))),  # the gather sends views of the shards
 ])
 def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
     plan = predict(SPEC, replace(BASE, stage=stage))
@@ -92,11 +93,11 @@ def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
 
 def test_stage3_persistent_parameters_stay_whole_and_bf16_shards_cost_their_bytes() -> None:
     plan = predict(SPEC, replace(BASE, stage=3, param_persistence=8))  # 7 stays whole, 10 is cut
-    assert plan.owners["params"] == 7 * 4 and plan.owners["gathered_params"] == 4 * (10 + 10 + 5 + 10)
+    assert plan.owners["params"] == 7 * 4 and plan.owners["gathered_params"] == 4 * (10 + 10 + 10)
     half = predict(SPEC, replace(BASE, stage=3, compute_bytes=2))
     assert half.owners["params"] == 9 * 2 and half.owners["master"] == 36
     small_live = predict(SPEC, replace(BASE, stage=3, max_live=1, prefetch=0))
-    assert small_live.owners["gathered_params"] == 4 * (10 + 10 + 5 + 18)  # the largest unit, not the whole model
+    assert small_live.owners["gathered_params"] == 4 * (10 + 10 + 18)  # the largest unit, not the whole model
 
 
 M = 1_000_000
@@ -107,11 +108,10 @@ BIG = ModelSpec("big", (16 * M, 4 * M, 4 * M, 4 * M), (True,) * 4, Shape(1, 4, 1
 @pytest.mark.parametrize("reuse,prefetch,expected", [
     # + 12M everywhere: the heap holes the three 16 MB units leave (gathered and freed every step)
     (10**9, 5 * 10**7, 28 * M + 12 * M),  # DeepSpeed's defaults: all kept from forward to backward (mapped gather)
-    (0, 6 * M, (16 + 6) * M + 8 * M + 12 * M),  # the largest unit, the prefetch window, a gather's send (heap-sized)
-    (8 * M, 6 * M, (4 + 16 + 6) * M + 8 * M + 12 * M),  # the last reuse/2 elements kept, the rest gathered again
-    # a reuse distance covering forward's rest and backward down to the first unit: all kept; forward's largest
-    # gather (the 16M unit on its own) sent 8M elements (32 MB, heap-sized: it adds; its 64 MB output is mapped)
-    (56 * M, 6 * M, 28 * M + 8 * M + 12 * M),
+    (0, 6 * M, (16 + 6) * M + 12 * M),  # the largest unit and the prefetch window (the gather's output is mapped)
+    (8 * M, 6 * M, (4 + 16 + 6) * M + 12 * M),  # the last reuse/2 elements kept, the rest gathered again
+    # a reuse distance covering forward's rest and backward down to the first unit: all kept
+    (56 * M, 6 * M, 28 * M + 12 * M),
 ])
 def test_stage3_gathered_parameters_follow_the_reuse_distance(reuse: int, prefetch: int, expected: int) -> None:
     plan = predict(BIG, replace(BASE, stage=3, max_reuse=reuse, prefetch=prefetch))
@@ -124,7 +124,7 @@ def test_mapped_bucket_buffers_take_the_place_of_freed_activations() -> None:
     sizes = [64 * M, 16 * M, 16 * M, 32 * M, 8 * M]
     heap = sum(b for b in sizes if b < 32 * 1024 * 1024)
     with_acts = predict(BIG, replace(BASE, stage=2, allgather_bucket=1))
-    step = 64 * M + 2 * 32 * M  # the write-back's all-gather (one bucket: 16M elements), AdamW's two temporaries
+    step = 2 * 32 * M  # AdamW's two temporaries (the write-back gathers in place)
     assert with_acts.owners["buckets"] == heap + step
     no_acts = predict(replace(BIG, activation_bytes=lambda s, b, t, e: 0), replace(BASE, stage=2, allgather_bucket=1))
     assert no_acts.owners["buckets"] == sum(sizes) + step  # nothing freed to take the place of

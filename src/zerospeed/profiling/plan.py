@@ -17,7 +17,7 @@ The prediction follows zerospeed's own buffer rules (read from the code, not fro
   reduce-scatter outputs at the end of backward;
 * master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
 * optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
-* stage-1/2 write-back: an all-gather output per run of buckets capped at ``allgather_bucket_size``;
+* stage-1/2 write-back: in place on Gloo host tensors (no buffer);
 * the optimizer step's temporaries: torch's Adam/AdamW steps one master tensor (a parameter, or its shard)
   at a time on CPU, making two of its size (seen in the memory timeline: 2 x the tied embedding's 147 MiB on
   GPT-2-small at stage 0, 2 x its 74 MiB shard at stage 3);
@@ -239,8 +239,8 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
         shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
         o["params"] = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
         units = [_shard(n, i.world) * i.world for n in cut]
-        live, out, send = _gathered(units, i)
-        staging = [out * i.compute_bytes, send * i.compute_bytes]  # the coalesced all-gather's two buffers
+        live, out, _ = _gathered(units, i)
+        staging = [out * i.compute_bytes]  # the coalesced all-gather's output (the shards are sent as views)
         # heap-sized gathered parameters are made between forward's activations and freed in backward, every
         # step: the holes they leave stay resident as well (measured: GPT-2-small's stage-3 peak rises for
         # four steps, and its slack is twice stage 0's in the memory timeline)
@@ -270,8 +270,9 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
         # before the step's buffers (at least as large: the partition) are made
         step += sum(b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]
                     if b // parts * i.accum_bytes < MMAP_CEILING)
-    if i.stage in (1, 2) and parts > 1:
-        step += min(padded, max(i.allgather_bucket, max(buckets, default=0))) * i.compute_bytes
+    # stage-1/2 write-back (zero/optimizer.py ``_gather_group``): on Gloo host tensors the partitions are
+    # gathered in place into the parameters (no buffer); elsewhere stage 1 gathers into its spent gradient buffer
+    # and stage 2 into two run-sized buffers (not modelled: the plan is measured on CPU)
     if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
         # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
         # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
