@@ -118,6 +118,7 @@ class GradReducer:
         self.accumulates_locally = False  # stage 2 with local_accumulation, once its full buffers exist
         # This rank's reduced gradient partition, in the accumulation dtype.
         self.partition: list[torch.Tensor | None] = [None] * len(groups)
+        self.unwritten: list[set[int]] = [set() for _ in groups]  # buckets of a partition no reduce has written yet
         self.where: dict[nn.Parameter, tuple[int, int]] = {}
         self.active = False  # inside this engine's backward (begin_micro_step .. end_micro_step)
         self.got: set[tuple[int, int]] = set()  # (group, index) that got a gradient in this backward
@@ -182,7 +183,23 @@ class GradReducer:
         if part is None:
             part = zeros_buffer(grp.plan.partition_numel, self.s.accum_dtype, grp.device)
             self.partition[g] = part
+        for b in self.unwritten[g]:  # a reader sees zeros where no reduce has written yet
+            bucket = grp.plan.buckets[b]
+            part[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel].zero_()
+        self.unwritten[g] = set()
         return part
+
+    def _reduce_target(self, g: int, b: int) -> tuple[torch.Tensor, bool]:
+        """Bucket b's slice of group g's partition, and whether no reduce has written it since it was made (the
+        result is then copied in, not added to zeros: the partition is made uninitialised for the reduces)."""
+        grp = self.groups[g]
+        if self.partition[g] is None:
+            self.partition[g] = empty_buffer(grp.plan.partition_numel, self.s.accum_dtype, grp.device)
+            self.unwritten[g] = set(range(len(grp.plan.buckets)))
+        fresh = b in self.unwritten[g]
+        self.unwritten[g].discard(b)
+        bucket = grp.plan.buckets[b]
+        return self.partition[g][bucket.partition_offset: bucket.partition_offset + bucket.shard_numel], fresh  # type: ignore[index]
 
     # --- hooks -----------------------------------------------------------------------------------
     def _name(self, g: int, i: int) -> str:
@@ -363,15 +380,16 @@ class GradReducer:
             mine = item.send.view(grp.num_partitions, bucket.shard_numel)[grp.rank]
         else:
             mine = item.out
-        if post != 1.0 and self.s.dp_size > 1:
-            mine = mine * post
+        scale = post if post != 1.0 and self.s.dp_size > 1 else 1.0
         if self.sink is not None:
-            self.sink.add(item.g, bucket.partition_offset, mine)
+            self.sink.add(item.g, bucket.partition_offset, mine * scale if scale != 1.0 else mine)
             self.staging.pop((item.g, item.b), None)
             return
-        target = self.partition_buffer(item.g)[bucket.partition_offset: bucket.partition_offset + bucket.shard_numel]
-        if self.s.stage >= 2:
-            target.add_(mine)
+        target, fresh = self._reduce_target(item.g, item.b)
+        if self.s.stage >= 2 and not fresh:
+            target.add_(mine, alpha=scale)  # one pass: no scaled temporary
+        elif scale != 1.0:
+            torch.mul(mine, scale, out=target)
         else:
             target.copy_(mine)
         if self.full[item.g] is None:
@@ -460,6 +478,7 @@ class GradReducer:
         # Released, not zeroed: the partition comes back (zeros) at the first reduce of the next backward, so it
         # is not held through the forward and the start of backward, where a step's activations peak.
         self.partition = [None] * len(self.partition)
+        self.unwritten = [set() for _ in self.partition]
         self.staging.clear()
         self.late.clear()
         self.window_got = set()
