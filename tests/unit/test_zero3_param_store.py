@@ -126,3 +126,4 @@ def test_huge_page_buffers_are_plain_tensors() -> None:
     assert z.shape == (MIN_BYTES // 4 + 3,) and not z.any()
     assert empty_buffer(5, torch.float32, "cpu").shape == (5,)
     assert not advise_huge_pages(torch.empty(8))  # small: left alone
+    assert not advise_huge_pages(torch.empty(MIN_BYTES))  # off unless ZEROSPEED_HUGE_PAGES=1
