@@ -79,8 +79,9 @@ BASE = PlanInputs(stage=0, world=2, micro_batch=1, seq=4, compute_bytes=4, accum
     # write-back gathers in place on Gloo host tensors: no buffer)
     (1, (68, 72, 36, 72, 36 + 36 + 40, 0)),
     (2, (68, 36, 36, 72, 72 + 36 + 40, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
-    # stage 3: fp32 shards are the master; gathered + one gather in flight + the heap holes of the gathered
-    (3, (0, 36, 36, 72, 72 + 36 + 40, 4 * (18 + 18 + 18))),  # the gather sends views of the shards
+    # stage 3: fp32 shards are the master; gathered + the heap holes of the gathered (Gloo host tensors: the
+    # gathers are in place into the parameters' own buffers, no staging output)
+    (3, (0, 36, 36, 72, 72 + 36 + 40, 4 * (18 + 18))),
 ])
 def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
     plan = predict(SPEC, replace(BASE, stage=stage))
@@ -93,11 +94,13 @@ def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
 
 def test_stage3_persistent_parameters_stay_whole_and_bf16_shards_cost_their_bytes() -> None:
     plan = predict(SPEC, replace(BASE, stage=3, param_persistence=8))  # 7 stays whole, 10 is cut
-    assert plan.owners["params"] == 7 * 4 and plan.owners["gathered_params"] == 4 * (10 + 10 + 10)
+    assert plan.owners["params"] == 7 * 4 and plan.owners["gathered_params"] == 4 * (10 + 10)
+    staged = predict(SPEC, replace(BASE, stage=3, param_persistence=8, staged_gathers=True))  # qwZ / hpZ
+    assert staged.owners["gathered_params"] == 4 * (10 + 10 + 10)  # + the gather's staging output
     half = predict(SPEC, replace(BASE, stage=3, compute_bytes=2))
     assert half.owners["params"] == 9 * 2 and half.owners["master"] == 36
     small_live = predict(SPEC, replace(BASE, stage=3, max_live=1, prefetch=0))
-    assert small_live.owners["gathered_params"] == 4 * (10 + 10 + 18)  # the largest unit, not the whole model
+    assert small_live.owners["gathered_params"] == 4 * (10 + 18)  # the largest unit (+ holes), not the whole model
 
 
 M = 1_000_000

@@ -86,6 +86,7 @@ class PlanInputs:
     momentum: bool = True  # SGD only
     offload_optimizer: bool = False
     offload_param: bool = False
+    staged_gathers: bool = False  # zero_quantized_weights or zero_hpz_partition_size > 1: buffered stage-3 gathers
 
 
 @dataclass
@@ -151,7 +152,8 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
                       max_reuse=z.stage3_max_reuse_distance, param_persistence=z.stage3_param_persistence_threshold,
                       model_persistence=z.stage3_model_persistence_threshold, optimizer=name,
                       momentum=float(params.get("momentum", 0.0)) > 0, offload_optimizer=z.offload_optimizer.enabled,
-                      offload_param=z.offload_param.enabled)
+                      offload_param=z.offload_param.enabled,
+                      staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1)
 
 
 def _shard(n: int, world: int) -> int:
@@ -240,7 +242,9 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
         o["params"] = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
         units = [_shard(n, i.world) * i.world for n in cut]
         live, out, _ = _gathered(units, i)
-        staging = [out * i.compute_bytes]  # the coalesced all-gather's output (the shards are sent as views)
+        # the coalesced all-gather's output; on Gloo host tensors a plain gather is in place into the parameters'
+        # own buffers (``GatherOp._gather_in_place``), so only qwZ / hpZ / offloaded gathers stage one
+        staging = [out * i.compute_bytes] if i.offload_param or i.staged_gathers else []
         # heap-sized gathered parameters are made between forward's activations and freed in backward, every
         # step: the holes they leave stay resident as well (measured: GPT-2-small's stage-3 peak rises for
         # four steps, and its slack is twice stage 0's in the memory timeline)
