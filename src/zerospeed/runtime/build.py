@@ -216,12 +216,12 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
 
 
 def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int) -> int:
-    """Stages 2-3: buckets at most 1/8 of the group's gradient (``zero.partition.reduce_bucket_numel``)."""
+    """Stages 1-3: at most 1/8 of the gradient (``reduce_bucket_numel``); top-k (per bucket): stage 0's buckets."""
     from ..zero.partition import reduce_bucket_numel
     from ..zero.stage3.param_store import shard_of
-
     numels = [s.numel if (s := shard_of(p)) is not None else p.numel() for p in params]
-    return reduce_bucket_numel(cfg.zero_optimization.reduce_bucket_size, numels, cfg.zero_stage, world)
+    stage = 0 if cfg.gradient_compression.type == "topk" else cfg.zero_stage
+    return reduce_bucket_numel(cfg.zero_optimization.reduce_bucket_size, numels, stage, world)
 
 
 def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
