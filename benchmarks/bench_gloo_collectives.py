@@ -28,7 +28,7 @@ def _rank(numels: list[int], repeat: int) -> dict[str, Any]:
             "all_reduce (torch)": lambda: dist.all_reduce(x),
             "reduce_scatter (torch)": lambda: dist.reduce_scatter_single(part, x),
             "reduce_scatter (zerospeed)": lambda: comm.reduce_scatter(part, x),
-            "reduce_scatter (zerospeed, scratch)": lambda: comm.reduce_scatter(part, x, scratch=True),
+            "reduce_scatter (zerospeed, scratch)": lambda: comm.reduce_scatter(part, x, scratch=True),  # a pair exchange at world 2
             "all_gather (torch)": lambda: dist.all_gather_single(full, part),
             "all_gather (zerospeed)": lambda: comm.all_gather(full, part),
         }

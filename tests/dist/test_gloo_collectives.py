@@ -1,5 +1,5 @@
-"""Gloo's reduce-scatter (of a scratch input) and all-gather, built from one reduce / broadcast per rank: the same results as
-the definitions (integers, so sums are exact), on the world and on a subgroup whose group ranks differ
+"""Gloo's reduce-scatter (of a scratch input: a pair exchange at two ranks, one reduce per rank above) and all-gather
+(one broadcast per rank): the same results as the definitions (integers, so sums are exact), on the world and on a subgroup whose group ranks differ
 from global ranks, synchronous and async; ``input`` is left alone unless the caller gave it as scratch."""
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ def run() -> dict[str, Any]:
     h = comm.reduce_scatter(mine2, x.clone(), async_op=True, scratch=True)
     h.wait()
     out["rs_async"] = torch.equal(mine2, mine)
+    # several in flight at once, completed out of launch order, with a collective between
+    ins = [torch.arange(world * width, dtype=torch.float32) * (rank + 1) + k for k in range(3)]
+    outs = [torch.empty(width) for _ in ins]
+    hs = [comm.reduce_scatter(o, i, async_op=True, scratch=True) for o, i in zip(outs, ins)]
+    comm.barrier()
+    for h in reversed(hs):
+        h.wait()
+    out["rs_many"] = all(torch.equal(o, expect.view(world, width)[rank] - 7 * sum(range(world)) + world * k)
+                         for k, o in enumerate(outs))
     full = torch.empty(world * 3)
     comm.all_gather(full, torch.full((3,), float(rank)))
     out["ag"] = torch.equal(full, torch.arange(world).float().repeat_interleave(3))
