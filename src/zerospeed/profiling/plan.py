@@ -53,7 +53,7 @@ from ..zero.partition import reduce_bucket_numel
 from .plan_models import ModelSpec
 
 MIB = 1024 * 1024
-FRAMEWORK_BYTES = 33 * MIB  # measured: peak over start of the tiny GPT (micro-batch 4, seq 32), world 2, forked ranks
+FRAMEWORK_BYTES = int(30.5 * MIB)  # measured: the tiny GPT's peak over start (micro-batch 4, seq 32) less its states
 IMPORT_TORCH_BYTES = 220 * MIB  # measured default: RSS of `python -c "import torch, zerospeed"` here
 # glibc (64-bit) serves requests of at least this many bytes with mmap whatever its dynamic threshold, and
 # unmaps them at free; smaller ones come from the heap, where freed memory stays resident and fragmented.
@@ -219,6 +219,56 @@ def _state_tensors(i: PlanInputs) -> int:
     return _STATE_TENSORS.get(i.optimizer, 0)
 
 
+def _freed_mapped(model: ModelSpec, i: PlanInputs, backward: int) -> int:
+    """The mapped share of the backward peak, unmapped (RSS given back) once backward has passed the loss: the
+    vocabulary-wide fp32 tensors, the saved log-softmax and the logits' two gradients (``b·t·V·4`` each), when
+    they are mmap-sized; every other activation of these models is heap-sized (its freed memory stays resident)."""
+    one = i.micro_batch * i.seq * model.shape.vocab_size * 4
+    return min(backward, 3 * one) if one >= MMAP_CEILING else 0
+
+
+def _after_peak(sizes: list[int], freed_heap: int, freed_mapped: int) -> int:
+    """Bytes that buffers made after the backward peak (alive together) add to it: a heap-sized one takes freed
+    heap first, a mapped one the mapped memory backward gave back; only what exceeds those adds."""
+    heap = sum(b for b in sizes if b < MMAP_CEILING)
+    mapped = sum(b for b in sizes if b >= MMAP_CEILING)
+    return max(0, heap - freed_heap) + max(0, mapped - freed_mapped)
+
+
+def _after_phases(numels: list[int], buckets: list[int], partition: int, i: PlanInputs) -> list[list[int]]:
+    """The buffers alive together after the backward peak, per phase (bytes): the reduce at the end of backward
+    (``zero/grad_reducer.py``) and the optimizer step."""
+    parts = 1 if i.stage == 0 else i.world
+    largest = sorted(buckets, reverse=True)
+    outs = [b // parts * i.accum_bytes for b in largest[:MAX_IN_FLIGHT]]  # reduce-scatter outputs in flight
+    grad_partition = [partition * i.accum_bytes] if i.stage >= 1 and parts > 1 else []
+    reduce = grad_partition + outs if parts > 1 else []
+    if i.stage >= 2 and parts > 1:  # the filling bucket buffer and those in flight (stage 1: views of its buffer)
+        reduce += [b * i.accum_bytes for b in largest[:MAX_IN_FLIGHT + 1]]
+    step = list(grad_partition)
+    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
+        # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
+        # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
+        step += [max(_shard(n, parts) for n in numels) * 4] * _STEP_TEMPORARIES[i.optimizer]
+    return [reduce, step]
+
+
+def _stage3_params(model: ModelSpec, i: PlanInputs) -> tuple[int, int]:
+    """Stage 3: bytes of the parameters a rank keeps (its shards, the whole persistent ones) and of those gathered
+    at the backward peak (``_gathered``), with a heap-sized staging output where gathers are buffered."""
+    persist = _persistent(list(model.numels), i)
+    whole = sum(n for n, p in zip(model.numels, persist) if p)
+    cut = [n for n, p in zip(model.numels, persist) if not p]
+    shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
+    kept = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
+    live, out, _ = _gathered([_shard(n, i.world) * i.world for n in cut], i)
+    # the coalesced all-gather's output; on Gloo host tensors a plain gather is in place into the parameters'
+    # own buffers (``GatherOp._gather_in_place``, each storage grown back where the last gather freed it), so only
+    # qwZ / hpZ / offloaded gathers stage one
+    staging = out * i.compute_bytes if i.offload_param or i.staged_gathers else 0
+    return kept, live * i.compute_bytes + (staging if staging < MMAP_CEILING else 0)
+
+
 def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     """Predicted per-rank peak memory of training ``model`` as ``i`` says (see the module docstring)."""
     if i.stage not in (0, 1, 2, 3) or i.world < 1 or i.micro_batch < 1 or i.seq < 1:
@@ -227,64 +277,21 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     frozen = sum(n for n, t in zip(model.numels, model.trainable) if not t)
     parts = 1 if i.stage == 0 else i.world
     partition = sum(_shard(n, parts) for n in numels)  # this rank's flat partition (elements)
-    padded = partition * parts
     buckets = _buckets(numels, parts, reduce_bucket_numel(i.reduce_bucket, numels, i.stage, parts))
-    alias = parts == 1 and i.compute_bytes == 4
     o: dict[str, int] = dict.fromkeys(OWNERS, 0)
-    gathered_peak = 0
     if i.stage < 3:
         o["params"] = (sum(numels) + frozen) * i.compute_bytes
     else:
-        persist = _persistent(list(model.numels), i)
-        whole = sum(n for n, p in zip(model.numels, persist) if p)
-        cut = [n for n, p in zip(model.numels, persist) if not p]
-        shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
-        o["params"] = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
-        units = [_shard(n, i.world) * i.world for n in cut]
-        live, out, _ = _gathered(units, i)
-        # the coalesced all-gather's output; on Gloo host tensors a plain gather is in place into the parameters'
-        # own buffers (``GatherOp._gather_in_place``), so only qwZ / hpZ / offloaded gathers stage one
-        staging = [out * i.compute_bytes] if i.offload_param or i.staged_gathers else []
-        # heap-sized gathered parameters are made between forward's activations and freed in backward, every
-        # step: the holes they leave stay resident as well (measured: GPT-2-small's stage-3 peak rises for
-        # four steps, and its slack is twice stage 0's in the memory timeline)
-        holes = sum(u * i.compute_bytes for u in units if u * i.compute_bytes < MMAP_CEILING)
-        gathered_peak = live * i.compute_bytes + sum(b for b in staging if b < MMAP_CEILING) + holes
-    o["grads"] = (padded if i.stage < 2 else partition) * i.accum_bytes
-    if i.stage == 3 and parts > 1 and o["grads"] >= MMAP_CEILING:
-        # stage 3 peaks in backward, before its first reduce makes the (released) partition again; made then,
-        # a mapped partition takes the place of what backward has freed (stage 2 holds it at its step peak)
-        o["grads"] = 0
-    o["master"] = 0 if alias else partition * 4
+        o["params"], o["gathered_params"] = _stage3_params(model, i)
+    # at the backward peak: stages 0-1 hold the full gradient buffer; stages 2-3 released their partition after
+    # the last step and make it again at the first reduce, after the peak (``GradReducer.zero``)
+    o["grads"] = partition * parts * i.accum_bytes if i.stage < 2 or parts == 1 else 0
+    o["master"] = 0 if parts == 1 and i.compute_bytes == 4 else partition * 4  # an fp32 model is its own master
     o["optimizer_state"] = _state_tensors(i) * partition * 4
-    backward = model.activations(i.micro_batch, i.seq, i.compute_bytes) * model.backward_factor
-    bucket_bytes = 0
-    if i.stage >= 2 and parts > 1:
-        held = sorted(buckets, reverse=True)[:MAX_IN_FLIGHT + 1]
-        sizes = [b * i.accum_bytes for b in held] + [b // parts * i.accum_bytes for b in held[:MAX_IN_FLIGHT]]
-        # made while backward frees the saved activations: mmapped ones take the place of what was freed (only
-        # an excess over the activations adds); heap-sized ones add (freed heap is not reused in place)
-        mapped = sum(b for b in sizes if b >= MMAP_CEILING)
-        bucket_bytes = sum(b for b in sizes if b < MMAP_CEILING) + max(0, mapped - model.activations(
-            i.micro_batch, i.seq, i.compute_bytes))
-    step = 0
-    if i.stage == 1 and parts > 1:
-        step += partition * i.accum_bytes
-        # the reduce-scatter outputs at the end of backward: heap-sized ones add; a mapped one is unmapped
-        # before the step's buffers (at least as large: the partition) are made
-        step += sum(b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]
-                    if b // parts * i.accum_bytes < MMAP_CEILING)
-    # stage-1/2 write-back (zero/optimizer.py ``_gather_group``): on Gloo host tensors the partitions are
-    # gathered in place into the parameters (no buffer); elsewhere stage 1 gathers into its spent gradient buffer
-    # and stage 2 into two run-sized buffers (not modelled: the plan is measured on CPU)
-    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
-        # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
-        # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
-        step += _STEP_TEMPORARIES[i.optimizer] * max(_shard(n, parts) for n in numels) * 4
-    transient = int(backward) + gathered_peak + bucket_bytes + step  # freed heap is not reused in place
-    o["activations"] = int(backward)
-    o["gathered_params"] = gathered_peak
-    o["buckets"] = transient - int(backward) - gathered_peak
+    o["activations"] = int(model.activations(i.micro_batch, i.seq, i.compute_bytes) * model.backward_factor)
+    freed_mapped = _freed_mapped(model, i, o["activations"])
+    o["buckets"] = max(_after_peak(sizes, o["activations"] - freed_mapped, freed_mapped)
+                       for sizes in _after_phases(numels, buckets, partition, i))
     o["framework"] = FRAMEWORK_BYTES
     host = ("master", "optimizer_state") if i.offload_optimizer else ()
     return MemoryPlan(i, model.name, model.num_params, o, host_owners=host + (("params",) if i.offload_param else ()))

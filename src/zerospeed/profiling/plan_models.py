@@ -44,7 +44,7 @@ HF_NAMED: dict[str, dict[str, int]] = {
 # from the second step on), fit at ZeRO stage 0, world 2, on gpt:demo and hf:gpt2-tiny (micro-batch 8, seq 128;
 # benchmarks/bench_plan.py); GPT-2-small (124M, micro-batch 4 x seq 256) needs about the same (2.0-2.2).
 GPT_BACKWARD_FACTOR = 1.5
-GPT2_BACKWARD_FACTOR = 2.0
+GPT2_BACKWARD_FACTOR = 1.9
 
 
 @dataclass(frozen=True)
