@@ -219,12 +219,19 @@ def _state_tensors(i: PlanInputs) -> int:
     return _STATE_TENSORS.get(i.optimizer, 0)
 
 
-def _freed_mapped(model: ModelSpec, i: PlanInputs, backward: int) -> int:
-    """The mapped share of the backward peak, unmapped (RSS given back) once backward has passed the loss: the
-    vocabulary-wide fp32 tensors, the saved log-softmax and the logits' two gradients (``b·t·V·4`` each), when
-    they are mmap-sized; every other activation of these models is heap-sized (its freed memory stays resident)."""
+def _backward_peak(model: ModelSpec, i: PlanInputs) -> tuple[int, int]:
+    """Bytes of the activations at the start of backward, and their mapped share.
+
+    The saved activations times the architecture's ``backward_factor`` (backward's temporaries and the heap they
+    leave fragmented), except the vocabulary-wide fp32 tensors when they are mmap-sized (``b·t·V·4`` each: the
+    saved log-softmax, the gradient ``nll_loss`` writes and the logits' gradient): counted once each, not scaled
+    (a mapped chunk is unmapped at free and leaves no fragment), and given back once backward has passed the loss.
+    """
+    saved = model.activations(i.micro_batch, i.seq, i.compute_bytes)
     one = i.micro_batch * i.seq * model.shape.vocab_size * 4
-    return min(backward, 3 * one) if one >= MMAP_CEILING else 0
+    if one < MMAP_CEILING:
+        return int(saved * model.backward_factor), 0
+    return int((saved - one) * model.backward_factor) + 3 * one, 3 * one
 
 
 def _after_peak(sizes: list[int], freed_heap: int, freed_mapped: int) -> int:
@@ -288,8 +295,7 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     o["grads"] = partition * parts * i.accum_bytes if i.stage < 2 or parts == 1 else 0
     o["master"] = 0 if parts == 1 and i.compute_bytes == 4 else partition * 4  # an fp32 model is its own master
     o["optimizer_state"] = _state_tensors(i) * partition * 4
-    o["activations"] = int(model.activations(i.micro_batch, i.seq, i.compute_bytes) * model.backward_factor)
-    freed_mapped = _freed_mapped(model, i, o["activations"])
+    o["activations"], freed_mapped = _backward_peak(model, i)
     o["buckets"] = max(_after_peak(sizes, o["activations"] - freed_mapped, freed_mapped)
                        for sizes in _after_phases(numels, buckets, partition, i))
     o["framework"] = FRAMEWORK_BYTES
