@@ -1,45 +1,42 @@
 """Per-rank peak memory predicted before any rank starts (``zerospeed plan``): pure, sizes in, bytes out.
 
-The prediction follows zerospeed's own buffer rules (read from the code, not from DeepSpeed's tables):
+The prediction follows zerospeed's own buffer rules (read from the code, not from DeepSpeed's tables). The peak
+is at the start of backward, where the saved activations and the loss's gradients are all live; what exists
+then adds whole:
 
-* partition plan (``zero/partition.py``): parameter ``n`` is padded to ``N·ceil(n/N)``; a rank's flat
-  partition is the sum of its shards; buckets of at most ``reduce_bucket_size`` padded elements (stages 2-3:
-  also at most 1/8 of the gradient, ``reduce_bucket_numel``), in reverse parameter order (a larger parameter
-  gets a bucket of its own);
 * params: the model in the compute dtype (stage 3: only this rank's shards and the whole *persistent*
   parameters, ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``; an fp32
   shard *is* its master slot, so it costs nothing extra);
-* grads (``zero/grad_reducer.py``): stage 0 and 1 keep a full padded buffer in the accumulation dtype;
-  stages 2-3 keep only the partition (released between steps, made again at the first reduce of backward:
-  at stage 3, whose peak is in backward, a mapped partition is not there yet),
-  and during backward up to ``MAX_IN_FLIGHT`` + 1 transient bucket buffers (the filling one and those in
-  flight), with a reduce-scatter output per bucket in flight; stage 1 makes its partition and the
-  reduce-scatter outputs at the end of backward;
+* grads (``zero/grad_reducer.py``): stages 0 and 1 keep a full padded buffer in the accumulation dtype; stages
+  2-3 released their partition after the last step (``GradReducer.zero``) and make it again at the first reduce
+  of backward, after the peak;
 * master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
 * optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
-* stage-1/2 write-back: in place on Gloo host tensors (no buffer);
-* the optimizer step's temporaries: torch's Adam/AdamW steps one master tensor (a parameter, or its shard)
-  at a time on CPU, making two of its size (seen in the memory timeline: 2 x the tied embedding's 147 MiB on
-  GPT-2-small at stage 0, 2 x its 74 MiB shard at stage 3);
 * stage 3 gathered parameters (``_gathered``): with DeepSpeed's default ``stage3_max_reuse_distance`` and
   ``stage3_max_live_parameters`` every non-persistent parameter stays gathered from its forward to its
   backward; a shorter reuse distance (0: release always) keeps only the last part of the model and gathers
-  the rest again in backward (the unit in use, the prefetch window, one coalesced all-gather in flight);
-* activations: the per-architecture formula of ``plan_models.py``.
+  the rest again in backward (the unit in use, the prefetch window). On Gloo host tensors a gather is in place
+  into each parameter's own storage, grown back where its last gather freed it (no staging output, no hole);
+  qwZ / hpZ / offloaded gathers stage one;
+* activations (``_backward_peak``): the per-architecture formula of ``plan_models.py`` times its measured
+  ``backward_factor``; the vocabulary-wide fp32 tensors, when mmap-sized, count once each instead.
 
-The peak is ``framework + persistent + backward phase + step phase``: in backward the activations, gathered
-parameters and bucket buffers coexist; the step's own buffers (stage-1 partition, write-back all-gather) come
-after the activations are freed, but are added rather than maxed. Which transients add is glibc's rule
-(``MMAP_CEILING``): a buffer below 32 MiB comes from the heap, where the memory that backward freed stays
-resident and fragmented, so it adds (measured); a larger one is mmapped and unmapped at free, so a transient
-made while backward frees the activations (stage 2-3 bucket buffers, stage 1's reduce-scatter output before the
-step's larger buffers, forward's gathers under the default reuse distance) takes the place of freed memory
-and adds only beyond it. Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo
-ranks, glibc's default heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot:
-``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model state (code pages of the kernels
-touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT, whose states and activations are under
-1 MiB), and each architecture's ``backward_factor`` (``plan_models.py``), how far the steady-state peak of
-backward rises above the saved activations (backward's temporaries, the logits' gradients, fragmentation).
+Buffers made after that point (``_after_phases``; ``buckets`` in the table) add only beyond what backward freed:
+the reduce at the end of backward (the gradient partition at stages 1-3, the reduce-scatter outputs in flight,
+stages 2-3's transient bucket buffers: the filling one and ``MAX_IN_FLIGHT``; stage 1's buckets are views of its
+full buffer) and the optimizer step (the partition, and the two temporaries the size of the largest master
+tensor that torch's per-tensor Adam/AdamW makes on CPU). Which memory a buffer can take is glibc's rule
+(``MMAP_CEILING``): one below 32 MiB comes from the heap, where what backward freed stays resident, so it
+adds only beyond the freed heap; a larger one is mmapped, so it adds only beyond the mapped memory backward
+unmapped (the vocabulary-wide tensors). The stage-1/2 write-back gathers in place on Gloo host tensors (no buffer).
+
+Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks, glibc's default
+heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot: ``FRAMEWORK_BYTES``, what the first
+steps of training cost beyond any model state (code pages of the kernels touched, autograd and Gloo buffers: the
+tiny GPT's peak over start less its states and activations, under 1 MiB), and each architecture's
+``backward_factor`` (``plan_models.py``), how far the steady-state peak rises above the saved activations
+(backward's temporaries and the heap that training leaves fragmented from step to step). Both were fit on the
+small shapes (``docs/benchmarks.md``, "Memory plan vs measurement", 2026-12-01); GPT-2-small is the check.
 """
 
 from __future__ import annotations
@@ -195,10 +192,10 @@ def _gathered(units: list[int], i: PlanInputs) -> tuple[int, int, int]:
     is used again about ``2x`` elements later (the rest of forward, then backward down to it), so the last
     ``max_reuse / 2`` elements of the model are kept, within ``stage3_max_live_parameters``. When that covers
     the model (DeepSpeed's defaults, 1e9 each, up to ~500M parameters), the whole model is gathered when
-    backward starts and backward gathers nothing (forward's gathers still leave their heap behind). Otherwise
+    backward starts and backward gathers nothing. Otherwise
     backward gathers again: the kept part, the largest unit being used and the prefetched units
-    (``stage3_prefetch_bucket_size``, within the live cap), with that prefetch's all-gather in flight. Either
-    way a gather's buffers count only when heap-sized (a mapped one is made while backward frees memory, or
+    (``stage3_prefetch_bucket_size``, within the live cap), with that prefetch's all-gather in flight. A
+    staged gather's output counts only when heap-sized (a mapped one is made while backward frees memory, or
     in forward before the activations peak).
     """
     total = sum(units)
