@@ -73,9 +73,13 @@ class ReduceSettings:
 
 
 class _Pending:
+    """A bucket's collective in flight. ``direct``: its reduce-scatter writes straight into the gradient partition
+    (which then only needs scaling in place)."""
+
     def __init__(self, g: int, b: int, handle: comm.Handle | None, send: torch.Tensor, out: torch.Tensor | None,
-                 local: bool = False) -> None:
+                 local: bool = False, direct: bool = False) -> None:
         self.g, self.b, self.handle, self.send, self.out, self.local = g, b, handle, send, out, local
+        self.direct = direct
 
 
 class GradReducer:
@@ -114,6 +118,10 @@ class GradReducer:
             for g in groups
         ]
         self.staging: dict[tuple[int, int], torch.Tensor] = {}
+        # Transient bucket buffers whose collective has completed, for the next buckets of the same micro-step
+        # (a fresh host buffer costs a page fault per 4 KiB on first touch: ~10x the copy that fills it);
+        # let go at the end of the micro-step, so none is held through the next forward.
+        self.spare: list[torch.Tensor] = []
         self.pads: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # see _padding
         self.accumulates_locally = False  # stage 2 with local_accumulation, once its full buffers exist
         # This rank's reduced gradient partition, in the accumulation dtype.
@@ -146,13 +154,27 @@ class GradReducer:
             return full[n * bucket.partition_offset: n * (bucket.partition_offset + bucket.shard_numel)]
         buf = self.staging.get((g, b))
         if buf is None:  # uninitialised: each gradient is copied in (not added to zeros); the rest is zeroed
-            buf = empty_buffer(n * bucket.shard_numel, self.s.accum_dtype, grp.device)
+            buf = self._spare(n * bucket.shard_numel, grp.device)
             view = buf.view(n, bucket.shard_numel)
             for row, lo, hi in self._padding(g, b):
                 view[row:, lo:hi].zero_()
             self.staging[(g, b)] = buf
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.grad_bytes())
         return buf
+
+    def _spare(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A transient bucket buffer of ``numel`` elements: a spent one of this micro-step if one is large enough."""
+        for k, t in enumerate(self.spare):
+            if t.numel() >= numel and t.device == device:
+                return self.spare.pop(k)[:numel]
+        return empty_buffer(numel, self.s.accum_dtype, device)
+
+    def _retire(self, g: int, b: int) -> None:
+        """Bucket (g, b)'s transient buffer is spent: keep it for the next bucket of this micro-step."""
+        buf = self.staging.pop((g, b), None)
+        if buf is not None:
+            base = buf._base if buf._base is not None else buf
+            self.spare.append(base if base.dim() == 1 and base.dtype == buf.dtype else buf)
 
     def _padding(self, g: int, b: int) -> list[tuple[int, int, int]]:
         """Bucket (g, b)'s padding (``layout.padding_ranges``), computed once."""
@@ -353,9 +375,17 @@ class GradReducer:
         if grp.num_partitions == 1 or not self.s.reduce_scatter:
             handle = comm.all_reduce(send, group=self.dp_group, async_op=True)
             self.pending.append(_Pending(g, b, handle, send, None))
+        elif self.sink is None and send.dtype == self.s.accum_dtype and self._overwrites(g, b):
+            target, _ = self._reduce_target(g, b)  # this rank's chunk lands in the partition: no output buffer
+            handle = comm.reduce_scatter(target, send, group=self.dp_group, async_op=True, scratch=True)
+            self.pending.append(_Pending(g, b, handle, send, target, direct=True))
         else:
             out, handle = self._reduce_scatter(g, b, send)
             self.pending.append(_Pending(g, b, handle, send, out))
+
+    def _overwrites(self, g: int, b: int) -> bool:
+        """Whether bucket (g, b)'s reduced chunk replaces its partition slice (stage 1, or no reduce wrote it yet)."""
+        return self.s.stage < 2 or self.partition[g] is None or b in self.unwritten[g]
 
     def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
         """Launch bucket (g, b)'s reduce-scatter: this rank's chunk, and the handle to wait for."""
@@ -381,9 +411,14 @@ class GradReducer:
         else:
             mine = item.out
         scale = post if post != 1.0 and self.s.dp_size > 1 else 1.0
+        if item.direct:
+            if scale != 1.0:
+                item.out.mul_(scale)  # type: ignore[union-attr]
+            self._retire(item.g, item.b)
+            return
         if self.sink is not None:
             self.sink.add(item.g, bucket.partition_offset, mine * scale if scale != 1.0 else mine)
-            self.staging.pop((item.g, item.b), None)
+            self._retire(item.g, item.b)
             return
         target, fresh = self._reduce_target(item.g, item.b)
         if self.s.stage >= 2 and not fresh:
@@ -393,7 +428,7 @@ class GradReducer:
         else:
             target.copy_(mine)
         if self.full[item.g] is None:
-            self.staging.pop((item.g, item.b), None)
+            self._retire(item.g, item.b)
 
     # --- micro-step protocol (called by the engine) -----------------------------------------------
     def begin_micro_step(self, communicate: bool) -> None:
@@ -428,6 +463,7 @@ class GradReducer:
             for item in self.pending:
                 self._complete(item)
             self.pending.clear()
+            self.spare.clear()
             self.next_launch = 0
             if self.sink is not None:
                 self.sink.end_micro_step()
@@ -480,6 +516,7 @@ class GradReducer:
         self.partition = [None] * len(self.partition)
         self.unwritten = [set() for _ in self.partition]
         self.staging.clear()
+        self.spare.clear()
         self.late.clear()
         self.window_got = set()
         if self.sink is not None:
