@@ -11,7 +11,7 @@ import torch
 from zerospeed.config import load_config
 from zerospeed.launcher import cli
 from zerospeed.models.gpt import GPT, GPTConfig
-from zerospeed.profiling.plan import FRAMEWORK_BYTES, PlanInputs, inputs_from_config, predict
+from zerospeed.profiling.plan import FRAMEWORK_BYTES, PlanInputs, _bucket_pool, inputs_from_config, predict
 from zerospeed.profiling.plan_models import (ModelSpec, Shape, gpt_activation_bytes, hf_gpt2_activation_bytes,
                                              model_spec)
 
@@ -124,24 +124,36 @@ def test_stage3_gathered_parameters_follow_the_reuse_distance(reuse: int, prefet
 
 
 def test_buffers_made_after_the_backward_peak_add_only_beyond_what_backward_freed() -> None:
-    # stage 2 on SPEC: buckets of 10 and 8 padded elements (cap: 1/8 of the gradient), the reduce at the end of
-    # backward holds the partition (36 bytes), both reduce-scatter outputs (20 + 16) and both buckets (40 + 32):
-    # 144 bytes, all heap-sized; the step holds the partition and AdamW's two temporaries (2 x 20): 76
-    def buckets(acts: int, stage: int = 2) -> int:
+    # stage 2 on SPEC: buckets of 8 and 10 padded elements in reduce order (cap: 1/8 of the gradient); the reduce
+    # at the end of backward holds the partition (36 bytes) and both bucket buffers (32 + 40; the 10 fits no spent
+    # one): 108 bytes, all heap-sized; the step holds the partition and AdamW's two temporaries (2 x 20): 76
+    def buckets(acts: int, stage: int = 2, accumulation: int = 1) -> int:
         spec = replace(SPEC, activation_bytes=lambda s, b, t, e: acts)
-        return predict(spec, replace(BASE, stage=stage)).owners["buckets"]
+        return predict(spec, replace(BASE, stage=stage, accumulation=accumulation)).owners["buckets"]
 
-    assert buckets(0) == 144  # nothing freed: all of the larger phase adds
-    assert buckets(100) == 44  # they take the heap that backward freed first
+    assert buckets(0) == 108  # nothing freed: all of the larger phase adds
+    assert buckets(100) == 8  # they take the heap that backward freed first
     assert buckets(1000) == 0
     assert buckets(0, stage=0) == 2 * 10 * 4  # stage 0: only AdamW's temporaries of the 10-element parameter
+    # the reduce-scatter lands in the partition where it overwrites; under accumulation later micro-steps add
+    # through an output per bucket in flight (20 + 16)
+    assert buckets(0, accumulation=2) == 108 + 36
+    assert predict(SPEC, replace(BASE, stage=1)).owners["grads"] == 72  # stage 1: no output, buckets are views
+
+
+@pytest.mark.parametrize("order,made", [
+    ([5, 5, 5, 5, 5, 12], [5, 5, 5, 12]),  # MAX_IN_FLIGHT + 1 buffers in rotation, and the larger last bucket
+    ([12, 5, 5, 5, 5], [12, 5, 5]),  # a spent larger buffer serves a smaller bucket
+])
+def test_stage2_bucket_buffers_are_reused_within_a_micro_step(order: list[int], made: list[int]) -> None:
+    assert _bucket_pool(order) == made
 
 
 def test_mapped_buffers_after_the_peak_take_only_freed_mapped_memory() -> None:
-    # BIG at stage 2: the 64 MB bucket, its 32 MB reduce-scatter output, the partition (56 MB) and the 16 MB bucket
-    # are made after the peak; the mapped ones (>= 32 MiB) cannot use the freed heap of the activations
+    # BIG at stage 2: the partition (56 MB) and the bucket buffers (16, 16, 16 MB, then 64 MB for the largest
+    # parameter, reduced last) are made after the peak; the mapped ones (>= 32 MiB) cannot use the freed heap
     plan = predict(BIG, replace(BASE, stage=2, allgather_bucket=1))
-    assert plan.owners["buckets"] == 64 * M + 56 * M  # the 64 MB bucket and the partition (32 MB < 32 MiB: heap)
+    assert plan.owners["buckets"] == 64 * M + 56 * M
 
 
 def test_mapped_vocabulary_tensors_count_once_each_at_the_backward_peak() -> None:

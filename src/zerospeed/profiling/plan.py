@@ -84,6 +84,7 @@ class PlanInputs:
     offload_optimizer: bool = False
     offload_param: bool = False
     staged_gathers: bool = False  # zero_quantized_weights or zero_hpz_partition_size > 1: buffered stage-3 gathers
+    accumulation: int = 1  # gradient_accumulation_steps
 
 
 @dataclass
@@ -133,7 +134,14 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
     """Read the sizes from a validated ``ZeroSpeedConfig`` (``zerospeed.config.load_config``)."""
     z = cfg.zero_optimization
     half = cfg.fp16.enabled or cfg.bf16.enabled
-    mb = micro_batch if micro_batch is not None else cfg.batch(world).micro_batch_per_gpu
+    try:
+        batch = cfg.batch(world)
+        mb, gas = batch.micro_batch_per_gpu, batch.gradient_accumulation_steps
+    except ValueError:  # the command line gives the micro-batch; the config's batch keys need not resolve
+        if micro_batch is None:
+            raise
+        mb, gas = micro_batch, cfg.gradient_accumulation_steps or 1
+    mb = micro_batch if micro_batch is not None else mb
     opt = cfg.optimizer
     name = "" if opt is None else opt.type.lower().replace("_", "")
     params = {} if opt is None else dict(opt.params)
@@ -150,7 +158,8 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
                       model_persistence=z.stage3_model_persistence_threshold, optimizer=name,
                       momentum=float(params.get("momentum", 0.0)) > 0, offload_optimizer=z.offload_optimizer.enabled,
                       offload_param=z.offload_param.enabled,
-                      staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1)
+                      staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1,
+                      accumulation=gas)
 
 
 def _shard(n: int, world: int) -> int:
@@ -239,16 +248,41 @@ def _after_peak(sizes: list[int], freed_heap: int, freed_mapped: int) -> int:
     return max(0, heap - freed_heap) + max(0, mapped - freed_mapped)
 
 
+def _bucket_pool(buckets: list[int]) -> list[int]:
+    """Stages 2-3: the transient bucket buffers one micro-step makes, in reduce order (``GradReducer._spare``).
+
+    A bucket takes a spent buffer of this micro-step that is large enough (the first one), else a new one; a
+    buffer is spent when its collective completes, which launching a bucket forces for the oldest once
+    ``MAX_IN_FLIGHT`` are in flight. Every buffer made is held until the end of the micro-step: in the steady
+    state ``MAX_IN_FLIGHT`` + 1 of the common size, plus each larger bucket that no spent buffer fits (GPT-2's
+    tied embedding, reduced last).
+    """
+    made: list[int] = []
+    spare: list[int] = []
+    pending: list[int] = []
+    for size in buckets:
+        fit = next((k for k, s in enumerate(spare) if s >= size), None)
+        buf = spare.pop(fit) if fit is not None else size
+        if fit is None:
+            made.append(size)
+        while len(pending) >= MAX_IN_FLIGHT:
+            spare.append(pending.pop(0))
+        pending.append(buf)
+    return made
+
+
 def _after_phases(numels: list[int], buckets: list[int], partition: int, i: PlanInputs) -> list[list[int]]:
     """The buffers alive together after the backward peak, per phase (bytes): the reduce at the end of backward
     (``zero/grad_reducer.py``) and the optimizer step."""
     parts = 1 if i.stage == 0 else i.world
-    largest = sorted(buckets, reverse=True)
-    outs = [b // parts * i.accum_bytes for b in largest[:MAX_IN_FLIGHT]]  # reduce-scatter outputs in flight
     grad_partition = [partition * i.accum_bytes] if i.stage >= 1 and parts > 1 else []
-    reduce = grad_partition + outs if parts > 1 else []
-    if i.stage >= 2 and parts > 1:  # the filling bucket buffer and those in flight (stage 1: views of its buffer)
-        reduce += [b * i.accum_bytes for b in largest[:MAX_IN_FLIGHT + 1]]
+    reduce = list(grad_partition)
+    if i.stage >= 2 and parts > 1:  # transient bucket buffers (stage 1's are views of its full buffer)
+        reduce += [b * i.accum_bytes for b in _bucket_pool(buckets)]
+        if i.accumulation > 1:
+            # a reduce-scatter lands straight in the partition where it overwrites (the first micro-step of an
+            # accumulation window, and stage 1 always); later micro-steps add through an output per bucket in flight
+            reduce += [b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]]
     step = list(grad_partition)
     if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
         # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
