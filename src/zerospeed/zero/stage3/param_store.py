@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import comm
-from ...accelerator.huge_pages import empty_buffer
+from ...accelerator.huge_pages import advise_huge_pages, empty_buffer
 from ..layout import gather_from
 from ..partition import shard_size
 
@@ -222,9 +222,11 @@ class ParamShard:
         """Where the next gather writes the full value (the previous buffer, storage grown back)."""
         buf = self._full
         if buf is None or buf.dtype != self.dtype or buf.device != self.device:
-            self._full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._full = empty_buffer(self.numel, self.dtype, self.device)
             return self._full
-        buf.untyped_storage().resize_(self.numel * buf.element_size())
+        if buf.untyped_storage().nbytes() == 0:
+            buf.untyped_storage().resize_(self.numel * buf.element_size())
+            advise_huge_pages(buf)  # fresh memory, not yet touched
         return buf
 
     def abandon(self) -> None:
