@@ -136,8 +136,10 @@ def test_buffers_made_after_the_backward_peak_add_only_beyond_what_backward_free
     assert buckets(1000) == 0
     assert buckets(0, stage=0) == 2 * 10 * 4  # stage 0: only AdamW's temporaries of the 10-element parameter
     # the reduce-scatter lands in the partition where it overwrites; under accumulation later micro-steps add
-    # through an output per bucket in flight (20 + 16)
-    assert buckets(0, accumulation=2) == 108 + 36
+    # through an output per bucket in flight (20 + 16) into the partition, already there
+    assert buckets(0, accumulation=2) == 108 - 36 + 36
+    # ... and the partition an earlier micro-step made is held at the backward peak (36 bytes), not made after it
+    assert predict(SPEC, replace(BASE, stage=2, accumulation=2)).owners["grads"] == 36
     assert predict(SPEC, replace(BASE, stage=1)).owners["grads"] == 72  # stage 1: no output, buckets are views
 
 
@@ -185,6 +187,9 @@ def test_inputs_from_config() -> None:
     assert (i.stage, i.micro_batch, i.compute_bytes, i.accum_bytes, i.reduce_bucket) == (2, 4, 2, 2, 1000)
     assert predict(SPEC, replace(i, seq=4)).owners["optimizer_state"] == 0  # SGD without momentum keeps no state
     assert inputs_from_config(cfg, 2, micro_batch=3, stage=1).stage == 1
+    assert i.accumulation == 1
+    gas = load_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4})
+    assert inputs_from_config(gas, 2).accumulation == 3  # derived: 24 / (4 x 2)
     nvme = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
     with pytest.raises(ValueError, match="NVMe offload is not supported yet"):

@@ -322,13 +322,15 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     else:
         o["params"], o["gathered_params"] = _stage3_params(model, i)
     # at the backward peak: stages 0-1 hold the full gradient buffer; stages 2-3 released their partition after
-    # the last step and make it again at the first reduce, after the peak (``GradReducer.zero``)
-    o["grads"] = partition * parts * i.accum_bytes if i.stage < 2 or parts == 1 else 0
+    # the last step and make it again at the first reduce, after the peak (``GradReducer.zero``), unless an earlier
+    # micro-step of the accumulation window made it
+    held = i.stage >= 2 and parts > 1 and i.accumulation > 1
+    o["grads"] = partition * parts * i.accum_bytes if i.stage < 2 or parts == 1 else partition * i.accum_bytes * held
     o["master"] = 0 if parts == 1 and i.compute_bytes == 4 else partition * 4  # an fp32 model is its own master
     o["optimizer_state"] = _state_tensors(i) * partition * 4
     o["activations"], freed_mapped = _backward_peak(model, i)
     o["buckets"] = max(_after_peak(sizes, o["activations"] - freed_mapped, freed_mapped)
-                       for sizes in _after_phases(numels, buckets, partition, i))
+                       for sizes in _after_phases(numels, buckets, 0 if held else partition, i))
     o["framework"] = FRAMEWORK_BYTES
     host = ("master", "optimizer_state") if i.offload_optimizer else ()
     return MemoryPlan(i, model.name, model.num_params, o, host_owners=host + (("params",) if i.offload_param else ()))
