@@ -109,6 +109,8 @@ def _rank(framework: str, pp: int, cfg: GPTConfig, micro: int, gas: int, warmup:
         import zerospeed.pipe as api
 
         init = zerospeed.initialize
+        if framework == "zerospeed-eager":
+            config["pipeline"] = {"schedule": "eager_1f1b"}
     extra = {"virtual_stages": virtual} if virtual > 1 else {}
     model = api.PipelineModule(layers(api, cfg), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
                                seed_fn=_seed, partition_method="type:Block", **extra)
@@ -164,6 +166,7 @@ def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, 
            "fwd_bwd_s_per_stage": None, "p2p_mib_per_step": None, "last_loss": ranks[0]["loss"]}
     if ranks[0]["stats"][0] is None:  # DeepSpeed: no per-step accounting
         return row
+    from zerospeed.parallel.pipeline.eager import EagerTrainSchedule
     from zerospeed.parallel.pipeline.interleaved import InterleavedSchedule
     from zerospeed.parallel.pipeline.schedule import TrainSchedule
     from zerospeed.parallel.pipeline.simulate import simulate
@@ -172,7 +175,8 @@ def run(framework: str, pp: int, dp: int, cfg: GPTConfig, micro: int, gas: int, 
     by_stage = {r["stage"]: r for r in ranks if r["dp_rank"] == 0}
     fwd = [statistics.median(st.forward_seconds / gas for st in by_stage[s]["stats"]) for s in range(pp)]
     bwd = [statistics.median(st.backward_seconds / gas for st in by_stage[s]["stats"]) for s in range(pp)]
-    scheds = [InterleavedSchedule(gas, pp, s, chunks=virtual) if virtual > 1 else TrainSchedule(gas, pp, s)
+    scheds = [InterleavedSchedule(gas, pp, s, chunks=virtual) if virtual > 1 else
+              EagerTrainSchedule(gas, pp, s) if framework == "zerospeed-eager" else TrainSchedule(gas, pp, s)
               for s in range(pp)]
     row.update(bubble_measured=statistics.mean(per_stage), bubble_per_stage=[round(b, 3) for b in per_stage],
                bubble_own_span=[round(b, 3) for b in own],
@@ -200,11 +204,13 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="run the contenders this many times, alternating order")
     p.add_argument("--json", action="store_true")
     p.add_argument("--pin", action="store_true", help="pin rank r (all its threads) to core r")
+    p.add_argument("--eager", action="store_true", help="also run zerospeed with pipeline.schedule eager_1f1b "
+                                                         "(alternating with the others in every round)")
     args = p.parse_args()
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
     shapes = [(args.pp, 1)] + ([] if args.no_dp else [(args.pp, 2)])
-    frameworks = ["zerospeed"]
+    frameworks = ["zerospeed"] + (["zerospeed-eager"] if args.eager else [])
     if not args.no_deepspeed:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         try:

@@ -21,9 +21,9 @@ def _config(gas: int, stage: int = 0, **extra) -> dict:
             "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}, **extra}
 
 
-def _train(pp: int, gas: int, stage: int = 0, virtual: int = 1) -> dict:
+def _train(pp: int, gas: int, stage: int = 0, virtual: int = 1, schedule: str = "1f1b") -> dict:
     model = gpt_pipe(pp, virtual_stages=virtual)
-    engine, *_ = zerospeed.initialize(model=model, config=_config(gas, stage))
+    engine, *_ = zerospeed.initialize(model=model, config=_config(gas, stage, pipeline={"schedule": schedule}))
     dp = engine.grid.get_data_parallel_world_size()
     data = batches(STEPS, MICRO, gas * dp)
     it = rank_iter(data, engine.grid.get_data_parallel_rank(), gas)
@@ -32,21 +32,26 @@ def _train(pp: int, gas: int, stage: int = 0, virtual: int = 1) -> dict:
     losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
     tied = engine.module.tied_modules["embed"].wte.weight.detach().clone() if "embed" in engine.module.tied_modules else None
     return {"losses": losses, "eval": eval_loss, "stage": engine.stage_id, "tied": tied, "norm": engine.get_global_grad_norm(),
-            "stats": engine.last_step_stats}
+            "stats": engine.last_step_stats, "schedule": type(engine._train_schedule()).__name__}
 
 
-@pytest.mark.parametrize("world,pp,gas,stage,virtual", [
-    (2, 2, 3, 0, 1),   # pp=2
-    (4, 4, 4, 0, 1),   # pp=4
-    (4, 2, 2, 1, 1),   # pp=2 x dp=2, ZeRO-1
-    (2, 2, 4, 0, 2),   # interleaved 1F1B, 2 virtual stages per rank
-    (4, 2, 2, 1, 2),   # interleaved x dp=2, ZeRO-1
+@pytest.mark.parametrize("world,pp,gas,stage,virtual,schedule", [
+    (2, 2, 3, 0, 1, "1f1b"),         # pp=2
+    (4, 4, 4, 0, 1, "1f1b"),         # pp=4
+    (4, 2, 2, 1, 1, "1f1b"),         # pp=2 x dp=2, ZeRO-1
+    (2, 2, 4, 0, 2, "1f1b"),         # interleaved 1F1B, 2 virtual stages per rank
+    (4, 2, 2, 1, 2, "1f1b"),         # interleaved x dp=2, ZeRO-1
+    (2, 2, 3, 0, 1, "eager_1f1b"),   # eager 1F1B (pipeline.schedule)
+    (4, 4, 5, 0, 1, "eager_1f1b"),   # eager 1F1B, pp=4
 ])
-def test_gpt_pipeline_matches_one_process(world: int, pp: int, gas: int, stage: int, virtual: int) -> None:
-    results = run_distributed(_train, world, pp, gas, stage, virtual, timeout=120)
+def test_gpt_pipeline_matches_one_process(world: int, pp: int, gas: int, stage: int, virtual: int,
+                                          schedule: str) -> None:
+    results = run_distributed(_train, world, pp, gas, stage, virtual, schedule, timeout=120)
     dp = world // pp
     expected = reference_losses(batches(STEPS, MICRO, gas * dp), LR, CLIP)
     for r in results:
+        assert r["schedule"] == ("EagerTrainSchedule" if schedule == "eager_1f1b" else
+                                 "InterleavedSchedule" if virtual > 1 else "TrainSchedule")
         assert r["losses"] == pytest.approx(expected, rel=1e-5), f"stage {r['stage']}"
         assert r["eval"] == pytest.approx(expected[0], rel=1e-5)  # eval_batch on step 0's data, before training
     # tied copies stay identical across the first and last stage after every step

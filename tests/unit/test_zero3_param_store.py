@@ -127,3 +127,13 @@ def test_huge_page_buffers_are_plain_tensors() -> None:
     assert empty_buffer(5, torch.float32, "cpu").shape == (5,)
     assert not advise_huge_pages(torch.empty(8))  # small: left alone
     assert not advise_huge_pages(torch.empty(MIN_BYTES))  # off unless ZEROSPEED_HUGE_PAGES=1
+
+
+def test_free_huge_page_bytes_reads_orders_9_and_up(tmp_path) -> None:
+    from zerospeed.accelerator.huge_pages import free_huge_page_bytes
+
+    info = tmp_path / "buddyinfo"
+    info.write_text("Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n"
+                    "Node 0, zone   Normal   1548   1887    433    426    307  10872   6284   2096   1157    471    280\n")
+    assert free_huge_page_bytes(str(info)) == (1 * 2 + 3 * 4 + 471 * 2 + 280 * 4) << 20
+    assert free_huge_page_bytes(str(tmp_path / "missing")) == 0

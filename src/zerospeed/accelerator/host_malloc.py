@@ -50,3 +50,20 @@ def limit_heap_retention(threshold: int | None = None) -> bool:
     except OSError:  # not glibc (macOS, musl): nothing to tune
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(value)))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes glibc's heap holds free (``mallinfo2().fordblks`` over all arenas): memory the process keeps
+    after ``free`` and that counts in its RSS once touched; None without glibc 2.33+."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)

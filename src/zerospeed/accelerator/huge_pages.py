@@ -10,7 +10,8 @@ are advised; PyTorch's allocations (activations) are PyTorch's (its ``THP_MEM_AL
 
 Opt-in (``ZEROSPEED_HUGE_PAGES=1``): on a 27M GPT at world 2 it cut a stage-2 rank's page faults per step from
 13-50k to 1-11k, but neither the CPU seconds nor the step time moved beyond noise, and with the kernel's
-``defrag=madvise`` a huge-page fault may compact memory synchronously (one 54 MiB fill took 234 ms under load).
+``defrag=madvise`` a huge-page fault may compact memory synchronously (one 54 MiB fill took 234 ms under load);
+so a buffer is advised only while the kernel has twice its size free in 2 MiB blocks (``/proc/buddyinfo``).
 """
 
 from __future__ import annotations
@@ -40,13 +41,28 @@ def _madvise() -> object | None:
     return fn
 
 
+def free_huge_page_bytes(path: str = "/proc/buddyinfo") -> int:
+    """Bytes the kernel holds free in blocks of 2 MiB or more (orders >= 9 of ``/proc/buddyinfo``, 4 KiB
+    pages): what huge-page faults can take without compacting memory; 0 when unknown."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    total = 0
+    for line in lines:
+        counts = line.split()[4:]  # "Node 0, zone Normal c0 c1 ... c10"
+        total += sum(int(c) << (order + 12) for order, c in enumerate(counts) if order >= 9 and c.isdigit())
+    return total
+
+
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask for huge pages under ``t``'s storage (call before first touch); True when the advice was taken."""
     nbytes = t.untyped_storage().nbytes()
     if t.device.type != "cpu" or nbytes < MIN_BYTES:
         return False
     fn = _madvise()
-    if fn is None:
+    if fn is None or free_huge_page_bytes() < 2 * nbytes:  # no compaction stall: only from free 2 MiB blocks
         return False
     start = t.untyped_storage().data_ptr()
     lo = -(-start // _HUGE) * _HUGE

@@ -16,8 +16,10 @@ once (by storage, so views and flat buffers are never counted twice):
   ``activations`` once autograd saves it for backward (saved-tensor hooks) and ``temporaries`` otherwise
   (activation gradients, intermediate results).
 
-``other`` is measured minus accounted: memory no tensor explains (kernel scratch space, the Python heap,
-allocator slack and fragmentation). The baseline of the host measurement is the RSS at the start of
+On the host, ``heap_free`` is what glibc's heap holds free at each phase's accounted peak (``mallinfo2``,
+measured by the allocator, above its value at the start): freed tensors' memory the allocator keeps and that
+the RSS still counts. ``other`` is measured minus accounted minus ``heap_free``: memory nothing explains
+(kernel scratch space, the Python heap, pages the allocator returned late). The baseline of the host measurement is the RSS at the start of
 recording minus the bytes accounted at that moment (interpreter, libraries, data; ``malloc_trim`` is called
 first so freed heap the allocator kept does not hide in it); on CUDA it is ``memory_allocated`` minus the
 accounted bytes. "The timeline accounts for the peak" means: at the step's measured peak (the highest
@@ -41,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..accelerator.host_malloc import heap_free_bytes
 from .memory import _hwm_from_proc, _reset_hwm, rss_bytes
 
 PHASES = ("forward", "backward", "reduce", "step", "write_back")
@@ -75,6 +78,7 @@ class PhaseRecord:
     measured_peak: int = 0
     accounted_peak: int = 0
     owners: dict[str, int] = field(default_factory=dict)
+    heap_free: int = 0  # host: glibc's free heap bytes at the accounted peak, above the start's
 
 
 @dataclass
@@ -135,6 +139,7 @@ class MemoryTimeline:
         self._last_sample = -(1 << 62)
         self._t0 = 0.0
         self._restore: list[Callable[[], None]] = []
+        self._heap_free0 = 0
 
     # --- owners of the library's buffers -----------------------------------------------------------
     def _library_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -262,6 +267,9 @@ class MemoryTimeline:
         rec = self.phases[self._phase]
         if total > rec.accounted_peak:
             rec.accounted_peak, rec.owners = total, owners
+            if not self.on_cuda:
+                free = heap_free_bytes()
+                rec.heap_free = max(0, free - self._heap_free0) if free is not None else 0
         if abs(total - self._last_sample) >= self.resolution:
             self._last_sample = total
             self.samples.append(Sample(time.perf_counter() - self._t0, self._phase, self._measured_now(), total,
@@ -337,6 +345,7 @@ class MemoryTimeline:
         """Record the steps run inside the block (the engine's methods are wrapped only while it lasts)."""
         if not self.on_cuda:
             malloc_trim()
+            self._heap_free0 = heap_free_bytes() or 0
         self._refresh()
         self.baseline = 0
         start = self._measured_now()
@@ -360,7 +369,13 @@ class MemoryTimeline:
         return max(self.phases.values(), key=lambda r: r.measured_peak)
 
     def coverage(self) -> float:
-        """Accounted over measured at the step's measured peak (1.0: every byte above the baseline named)."""
+        """Accounted (with the host heap's free bytes) over measured at the step's measured peak (1.0: every
+        byte above the baseline named)."""
+        rec = self.peak_phase()
+        return (rec.accounted_peak + rec.heap_free) / rec.measured_peak if rec.measured_peak > 0 else float("nan")
+
+    def tensor_coverage(self) -> float:
+        """Accounted tensor bytes alone over measured at the step's measured peak."""
         rec = self.peak_phase()
         return rec.accounted_peak / rec.measured_peak if rec.measured_peak > 0 else float("nan")
 
@@ -370,7 +385,8 @@ class MemoryTimeline:
             "device": str(self.device), "baseline_bytes": self.baseline,
             "source": "cuda allocator" if self.on_cuda else "process RSS",
             "peak_phase": rec.phase, "measured_peak_bytes": rec.measured_peak,
-            "accounted_peak_bytes": rec.accounted_peak, "coverage": self.coverage(),
+            "accounted_peak_bytes": rec.accounted_peak, "heap_free_bytes": rec.heap_free,
+            "coverage": self.coverage(), "tensor_coverage": self.tensor_coverage(),
             "phases": [vars(r) for r in self.phases.values() if r.entries],
             "samples": [vars(s) for s in self.samples],
         }
@@ -379,15 +395,18 @@ class MemoryTimeline:
         """One row per phase: measured and accounted peaks, and the owners at the accounted peak (MiB)."""
         rows = [r for r in self.phases.values() if r.entries]
         owners = [o for o in OWNERS if any(r.owners.get(o, 0) for r in rows)]
-        cols = ["phase", "measured", "accounted", *owners, "other"]
+        heap = [] if self.on_cuda else ["heap_free"]
+        cols = ["phase", "measured", "accounted", *owners, *heap, "other"]
         body = [[r.phase, f"{r.measured_peak / unit:.1f}", f"{r.accounted_peak / unit:.1f}",
                  *(f"{r.owners.get(o, 0) / unit:.1f}" for o in owners),
-                 f"{(r.measured_peak - r.accounted_peak) / unit:.1f}"] for r in rows]
+                 *([] if self.on_cuda else [f"{r.heap_free / unit:.1f}"]),
+                 f"{(r.measured_peak - r.accounted_peak - r.heap_free) / unit:.1f}"] for r in rows]
         widths = [max(len(x) for x in col) for col in zip(cols, *body)]
         line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
         sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
         src = "CUDA allocator" if self.on_cuda else "RSS"
         head = (f"memory per phase on {self.device} (MiB above the baseline of {self.baseline / unit:.0f} MiB; "
                 f"measured: {src} peak; accounted at the peak: {self.coverage():.1%} of measured "
-                f"in {self.peak_phase().phase})")
+                f"in {self.peak_phase().phase}" + ("" if self.on_cuda else
+                                                   f", tensors alone {self.tensor_coverage():.1%}") + ")")
         return "\n".join([head, line(cols), sep, *(line(b) for b in body)])

@@ -23,6 +23,7 @@ from ... import comm
 from ...runtime.engine import Engine
 from .accounting import PipeStepStats
 from .channel import Channels, as_tuple
+from .eager import EagerTrainSchedule
 from .interleaved import InterleavedSchedule
 from .losses import broadcast_from_last, mean_loss_everywhere, reduce_outputs
 from .module import PipelineError, PipelineModule, get_attr_path
@@ -58,6 +59,9 @@ def check_pipeline_section(section: Any, module: Any) -> None:
     if section.seed_layers and not module.seed_layers:
         raise ConfigError("pipeline.seed_layers", "true, but the PipelineModule was built with "
                           "seed_layers=False; the module decides: pass seed_layers=True to it")
+    if section.schedule != "1f1b" and module.virtual_stages > 1:
+        raise ConfigError("pipeline.schedule", f"{section.schedule!r} with virtual_stages="
+                          f"{module.virtual_stages}: the interleaved schedule has its own warm-up; use \"1f1b\"")
 
 
 class PipelineEngine(Engine):
@@ -194,6 +198,8 @@ class PipelineEngine(Engine):
     def _train_schedule(self) -> PipeSchedule:
         if self.chunks > 1:
             return InterleavedSchedule(self.micro_batches, self.num_stages, self.stage_id, self.chunks)
+        if self.config.pipeline.schedule == "eager_1f1b":
+            return EagerTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
         return TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:

@@ -5,12 +5,14 @@ by that stage's (per-chunk) time; a send stamps the message with the sender's cl
 receive waits until its message exists (FIFO per channel, as the engine's tagged p2p). With equal times
 on every stage ``TrainSchedule`` gives exactly the textbook bubble ``(p - 1) / (m + p - 1)``; with measured
 per-stage times it gives the bubble the schedule *should* show on that model, to compare with the
-bubble the engine measures.
+bubble the engine measures. ``noise`` (a factor drawn per forward/backward) adds the jitter a real machine
+has: 1F1B's steady state has no slack, so under jitter its bubble grows with ``m`` (``eager.py``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .schedule import BackwardPass, ForwardPass, PipeSchedule, RecvActivation, RecvGrad, SendActivation, SendGrad
@@ -28,8 +30,10 @@ class Timeline:
         return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
 
 
-def simulate(schedules: list[PipeSchedule], forward: list[float], backward: list[float], chunks: int = 1) -> Timeline:
-    """``forward[s]`` / ``backward[s]``: seconds of one micro-batch through all of stage s's layers."""
+def simulate(schedules: list[PipeSchedule], forward: list[float], backward: list[float], chunks: int = 1,
+             noise: Callable[[], float] | None = None) -> Timeline:
+    """``forward[s]`` / ``backward[s]``: seconds of one micro-batch through all of stage s's layers, each
+    multiplied by a fresh ``noise()`` when given."""
     p = len(schedules)
     programs = [[c for step in s for c in step] for s in schedules]
     pcs = [0] * p
@@ -60,6 +64,8 @@ def simulate(schedules: list[PipeSchedule], forward: list[float], backward: list
                     queues[("act" if fwd else "grad", dr, dc)].append(clock[r])
                 elif isinstance(cmd, (ForwardPass, BackwardPass)):
                     t = (forward[r] if isinstance(cmd, ForwardPass) else backward[r]) / chunks
+                    if noise is not None:
+                        t *= noise()
                     clock[r] += t
                     busy[r] += t
                     ends[r] = clock[r]
