@@ -37,11 +37,11 @@ def _capture(name: str):
         logger.setLevel(old)
 
 
-def _overlap(overlap: bool | None) -> dict:
+def _overlap(overlap: bool | None, bucket: int | None = 16) -> dict:
     """Stage 0: where do the bucket collectives start, from backward hooks or after backward?"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    zero: dict = {"stage": 0, "reduce_bucket_size": 16}
+    zero: dict = {"stage": 0} if bucket is None else {"stage": 0, "reduce_bucket_size": bucket}
     if overlap is not None:
         zero["overlap_comm"] = overlap
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -70,7 +70,16 @@ def _overlap(overlap: bool | None) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"setting": reducer.s.overlap_comm, "where": sorted(set(where)), "losses": losses}
+    return {"setting": reducer.s.overlap_comm, "where": sorted(set(where)), "losses": losses,
+            "buckets": sum(len(grp.plan.buckets) for grp in reducer.groups)}
+
+
+def test_stage_0_buckets_overlap_backward_at_deepspeeds_default_size() -> None:
+    """DeepSpeed's reduce_bucket_size (5e8) would put the model in one bucket, all-reduced after backward;
+    zerospeed cuts stage 0's buckets (views of its gradient buffer) at 1/8 like DDP's, so they overlap."""
+    res = run_distributed(_overlap, 2, None, None)
+    assert res[0]["buckets"] > 1 and "hook" in res[0]["where"]
+    assert res[0]["losses"] == pytest.approx(run_distributed(_overlap, 2, None)[0]["losses"])
 
 
 def test_overlap_comm_false_is_honoured_at_stage_0() -> None:

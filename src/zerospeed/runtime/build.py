@@ -216,12 +216,12 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
 
 
 def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int) -> int:
-    """Stages 1-3: at most 1/8 of the gradient (``reduce_bucket_numel``); top-k (per bucket): stage 0's buckets."""
+    """At most 1/8 of the gradient (``reduce_bucket_numel``); top-k (it selects per bucket): one bucket."""
     from ..zero.partition import reduce_bucket_numel
     from ..zero.stage3.param_store import shard_of
     numels = [s.numel if (s := shard_of(p)) is not None else p.numel() for p in params]
-    stage = 0 if cfg.gradient_compression.type == "topk" else cfg.zero_stage
-    return reduce_bucket_numel(cfg.zero_optimization.reduce_bucket_size, numels, stage, world)
+    replicas = 1 if cfg.gradient_compression.type == "topk" else world
+    return reduce_bucket_numel(cfg.zero_optimization.reduce_bucket_size, numels, cfg.zero_stage, replicas)
 
 
 def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
@@ -250,7 +250,7 @@ def _build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3
                                             defer_master=on_disk, separate_master=separate))
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
-                                       _reduce_bucket(cfg, trainable, partitions), compute,
+                                       _reduce_bucket(cfg, trainable, dp_size), compute,
                                        defer_master=on_disk, separate_master=separate))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them

@@ -79,11 +79,12 @@ TRANSIENT_BUCKET_PARTS = 8
 
 
 def reduce_bucket_numel(reduce_bucket_size: int, numels: Sequence[int], stage: int, world: int) -> int:
-    """The bucket size to plan with: ``reduce_bucket_size`` (stage 0, one rank), else also at most 1/8 of the
-    group's padded gradient: the transient bucket buffers of stages 2-3 stay a fraction of the model, and at
-    stage 1 (buckets are views of its full gradient buffer, so the cut costs no memory) the reduce-scatter of
-    the first buckets overlaps the rest of backward instead of waiting for all of it."""
-    if stage < 1 or world < 2 or not numels:
+    """The bucket size to plan with: ``reduce_bucket_size`` on one rank (``world``: data-parallel ranks), else
+    also at most 1/8 of the group's padded gradient: the transient bucket buffers of stages 2-3 stay a fraction
+    of the model, and at stages 0-1 (buckets are views of the full gradient buffer, so the cut costs no memory)
+    the collectives of the first buckets overlap the rest of backward, as DDP's do, instead of waiting for all
+    of it (DeepSpeed's 5e8-element default puts most models in one bucket reduced after backward)."""
+    if world < 2 or not numels:
         return reduce_bucket_size
     total = sum(shard_size(n, world) for n in numels) * world
     return max(1, min(reduce_bucket_size, -(-total // TRANSIENT_BUCKET_PARTS)))
