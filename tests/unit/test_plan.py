@@ -75,10 +75,11 @@ BASE = PlanInputs(stage=0, world=2, micro_batch=1, seq=4, compute_bytes=4, accum
     # params, grads, master, optimizer_state, buckets, gathered_params (shards of 10 and 7 over 2 ranks: 5 + 4), at
     # the start of backward; everything is heap-sized and made after it (AdamW's temporaries, the reduce's buffers)
     # takes heap that backward freed (1000 bytes of activations): nothing adds
-    (0, (68, 68, 0, 136, 0, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
-    (1, (68, 72, 36, 72, 0, 0)),  # full padded gradients; the partition is made at the end of backward
-    (2, (68, 0, 36, 72, 0, 0)),  # the gradient partition is released between steps, made again after the peak
-    (3, (0, 0, 36, 72, 0, 4 * 18)),  # fp32 shards are the master; the whole model gathered (default reuse)
+    # + the output head's gradient (V·c = 8 x 4 elements, 128 bytes) in grads, held from the logits' gradient on
+    (0, (68, 68 + 128, 0, 136, 0, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
+    (1, (68, 72 + 128, 36, 72, 0, 0)),  # full padded gradients; the partition is made at the end of backward
+    (2, (68, 128, 36, 72, 0, 0)),  # the gradient partition is released between steps, made again after the peak
+    (3, (0, 128, 36, 72, 0, 4 * 18)),  # fp32 shards are the master; the whole model gathered (default reuse)
 ])
 def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
     plan = predict(SPEC, replace(BASE, stage=stage))
@@ -139,8 +140,8 @@ def test_buffers_made_after_the_backward_peak_add_only_beyond_what_backward_free
     # through an output per bucket in flight (20 + 16) into the partition, already there
     assert buckets(0, accumulation=2) == 108 - 36 + 36
     # ... and the partition an earlier micro-step made is held at the backward peak (36 bytes), not made after it
-    assert predict(SPEC, replace(BASE, stage=2, accumulation=2)).owners["grads"] == 36
-    assert predict(SPEC, replace(BASE, stage=1)).owners["grads"] == 72  # stage 1: no output, buckets are views
+    assert predict(SPEC, replace(BASE, stage=2, accumulation=2)).owners["grads"] == 36 + 128
+    assert predict(SPEC, replace(BASE, stage=1)).owners["grads"] == 72 + 128  # stage 1: no output, views
 
 
 @pytest.mark.parametrize("order,made", [
@@ -170,6 +171,15 @@ def test_mapped_vocabulary_tensors_count_once_each_at_the_backward_peak() -> Non
     assert plan.owners["buckets"] == 0
     small = replace(spec, shape=Shape(1, 4, 1, 8, 16))  # heap-sized vocabulary tensors: all scaled
     assert predict(small, replace(BASE, stage=2)).owners["activations"] == 2 * (one + 1000)
+
+
+def test_the_output_heads_gradient_is_held_at_the_backward_peak() -> None:
+    # V·c elements in the compute dtype, whatever the stage (GPT-2-small: 50257 x 768 x 4 = 147 MiB)
+    wide = replace(SPEC, shape=Shape(1, 768, 1, 50257, 16))
+    for stage in (0, 2, 3):
+        base = predict(SPEC, replace(BASE, stage=stage)).owners["grads"] - 8 * 4 * 4
+        assert predict(wide, replace(BASE, stage=stage)).owners["grads"] == base + 50257 * 768 * 4
+    assert predict(wide, replace(BASE, stage=2, compute_bytes=2)).owners["grads"] == 50257 * 768 * 2
 
 
 def test_adam_step_temporaries_follow_the_largest_master_tensor() -> None:

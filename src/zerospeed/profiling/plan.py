@@ -9,7 +9,8 @@ then adds whole:
   shard *is* its master slot, so it costs nothing extra);
 * grads (``zero/grad_reducer.py``): stages 0 and 1 keep a full padded buffer in the accumulation dtype; stages
   2-3 released their partition after the last step (``GradReducer.zero``) and make it again at the first reduce
-  of backward, after the peak;
+  of backward, after the peak; and autograd's gradient of the output head (``_head_grad``), made right after
+  the logits' gradient and held to the end of backward;
 * master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
 * optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
 * stage 3 gathered parameters (``_gathered``): with DeepSpeed's default ``stage3_max_reuse_distance`` and
@@ -240,6 +241,13 @@ def _backward_peak(model: ModelSpec, i: PlanInputs) -> tuple[int, int]:
     return int((saved - one) * model.backward_factor) + 3 * one, 3 * one
 
 
+def _head_grad(model: ModelSpec, i: PlanInputs) -> int:
+    """The output head's weight gradient (``V·c`` elements): autograd makes it right after the logits' gradient,
+    and the head, tied to the token embedding in both architectures, keeps it until the embedding's gradient is
+    added at the end of backward (only then does the reducer's hook take it)."""
+    return model.shape.vocab_size * model.shape.n_embd * i.compute_bytes
+
+
 def _after_peak(sizes: list[int], freed_heap: int, freed_mapped: int) -> int:
     """Bytes that buffers made after the backward peak (alive together) add to it: a heap-sized one takes freed
     heap first, a mapped one the mapped memory backward gave back; only what exceeds those adds."""
@@ -326,6 +334,7 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     # micro-step of the accumulation window made it
     held = i.stage >= 2 and parts > 1 and i.accumulation > 1
     o["grads"] = partition * parts * i.accum_bytes if i.stage < 2 or parts == 1 else partition * i.accum_bytes * held
+    o["grads"] += _head_grad(model, i)  # autograd's, before the reducer takes it
     o["master"] = 0 if parts == 1 and i.compute_bytes == 4 else partition * 4  # an fp32 model is its own master
     o["optimizer_state"] = _state_tensors(i) * partition * 4
     o["activations"], freed_mapped = _backward_peak(model, i)
