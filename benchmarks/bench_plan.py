@@ -25,13 +25,15 @@ from typing import Any
 MIB = 1024 * 1024
 
 
-def config(stage: int, micro_batch: int, reuse: int | None = None) -> dict[str, Any]:
-    """AdamW, DeepSpeed's defaults; ``reuse``: ``stage3_max_reuse_distance`` (None: DeepSpeed's 1e9)."""
+def config(stage: int, micro_batch: int, reuse: int | None = None, optimizer: str = "AdamW") -> dict[str, Any]:
+    """AdamW (or SGD with momentum 0.9), DeepSpeed's defaults; ``reuse``: ``stage3_max_reuse_distance`` (None:
+    DeepSpeed's 1e9)."""
     zero: dict[str, Any] = {"stage": stage}
     if reuse is not None:
         zero["stage3_max_reuse_distance"] = reuse
+    params: dict[str, Any] = {"lr": 1e-4, **({"momentum": 0.9} if optimizer == "SGD" else {})}
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
+            "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero}
 
 
 def build(name: str) -> tuple[Any, int]:
@@ -61,7 +63,7 @@ def _trim_heap() -> None:
 
 
 def train_and_measure(name: str, stage: int, micro_batch: int, seq: int, steps: int,
-                      timeline: bool = False, reuse: int | None = None) -> dict[str, Any]:
+                      timeline: bool = False, reuse: int | None = None, optimizer: str = "AdamW") -> dict[str, Any]:
     """On each rank: peak RSS over the RSS at this function's start, through build, initialize and steps.
 
     ``timeline``: record the last step with ``MemoryTimeline`` (what the bytes are, by phase and owner; its
@@ -86,7 +88,7 @@ def train_and_measure(name: str, stage: int, micro_batch: int, seq: int, steps: 
     model, vocab = build(name)
     hf = not name.startswith("gpt:")
     marks = {"build": tracker.peak_bytes() - start}
-    engine, *_ = zerospeed.initialize(model=model, config=config(stage, micro_batch, reuse))
+    engine, *_ = zerospeed.initialize(model=model, config=config(stage, micro_batch, reuse, optimizer))
     marks["initialize"] = tracker.peak_bytes() - start
     gen = torch.Generator().manual_seed(0)
     recorder = MemoryTimeline(engine)
@@ -128,16 +130,17 @@ def main() -> None:
     ap.add_argument("--reuse-distance", type=int, default=None,
                     help="stage3_max_reuse_distance (default: DeepSpeed's 1e9; 0 releases every gathered parameter)")
     ap.add_argument("--timeline", action="store_true", help="also record the last step's memory timeline per rank")
+    ap.add_argument("--optimizer", choices=["AdamW", "SGD"], default="AdamW", help="SGD: momentum 0.9 (no step temporaries)")
     args = ap.parse_args()
     print(f"bare `import torch, zerospeed` RSS: {import_torch_rss() / MIB:.1f} MiB (the plan's baseline)")
     print(f"{'model':<16}{'stage':>6}{'predicted MiB':>15}{'measured MiB (ranks)':>24}{'error':>9}")
     for name in args.models:
         spec = model_spec(name)
         for stage in args.stages:
-            cfg = load_config(config(stage, args.micro_batch, args.reuse_distance))
+            cfg = load_config(config(stage, args.micro_batch, args.reuse_distance, args.optimizer))
             plan = predict(spec, inputs_from_config(cfg, args.world_size, args.micro_batch, args.seq))
             results = run_distributed(train_and_measure, args.world_size, name, stage, args.micro_batch, args.seq,
-                                      args.steps, args.timeline, args.reuse_distance, timeout=1800)
+                                      args.steps, args.timeline, args.reuse_distance, args.optimizer, timeout=1800)
             measured = [r["peak_over_start"] for r in results]
             worst = max(measured, key=lambda m: abs(plan.peak_over_start - m))
             error = (plan.peak_over_start - worst) / worst
@@ -147,7 +150,7 @@ def main() -> None:
                 print(r["timeline"])
             if args.json:
                 print(json.dumps({"model": name, "stage": stage, "micro_batch": args.micro_batch, "seq": args.seq,
-                                  "reuse_distance": args.reuse_distance, "steps": args.steps,
+                                  "reuse_distance": args.reuse_distance, "steps": args.steps, "optimizer": args.optimizer,
                                   "predicted": plan.peak_over_start, "measured": measured, "worst_error": error,
                                   "owners": plan.owners, "marks": [r["marks"] for r in results]}), flush=True)
 

@@ -11,7 +11,7 @@ import torch
 from zerospeed.config import load_config
 from zerospeed.launcher import cli
 from zerospeed.models.gpt import GPT, GPTConfig
-from zerospeed.profiling.plan import FRAMEWORK_BYTES, PlanInputs, inputs_from_config, predict
+from zerospeed.profiling.plan import FRAMEWORK_BYTES, PlanInputs, _bucket_pool, inputs_from_config, predict
 from zerospeed.profiling.plan_models import (ModelSpec, Shape, gpt_activation_bytes, hf_gpt2_activation_bytes,
                                              model_spec)
 
@@ -72,16 +72,14 @@ BASE = PlanInputs(stage=0, world=2, micro_batch=1, seq=4, compute_bytes=4, accum
 
 
 @pytest.mark.parametrize("stage,expected", [
-    # params, grads, master, optimizer_state, buckets, gathered_params (shards of 10 and 7 over 2 ranks: 5 + 4)
-    # AdamW's step makes two temporaries the size of the largest master tensor: 2 x 10 (stage 0), 2 x 5 (shards)
-    (0, (68, 68, 0, 136, 80, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
-    # stage 1: full padded gradients; at the end of backward and the step: partition, reduce-scatter output (the
-    # write-back gathers in place on Gloo host tensors: no buffer)
-    (1, (68, 72, 36, 72, 36 + 36 + 40, 0)),
-    (2, (68, 36, 36, 72, 72 + 36 + 40, 0)),  # gradient partition; one bucket + reduce-scatter output; write-back
-    # stage 3: fp32 shards are the master; gathered + the heap holes of the gathered (Gloo host tensors: the
-    # gathers are in place into the parameters' own buffers, no staging output)
-    (3, (0, 36, 36, 72, 72 + 36 + 40, 4 * (18 + 18))),
+    # params, grads, master, optimizer_state, buckets, gathered_params (shards of 10 and 7 over 2 ranks: 5 + 4), at
+    # the start of backward; everything is heap-sized and made after it (AdamW's temporaries, the reduce's buffers)
+    # takes heap that backward freed (1000 bytes of activations): nothing adds
+    # + the output head's gradient (V·c = 8 x 4 elements, 128 bytes) in grads, held from the logits' gradient on
+    (0, (68, 68 + 128, 0, 136, 0, 0)),  # one partition: the fp32 model is its own master; full gradient buffer
+    (1, (68, 72 + 128, 36, 72, 0, 0)),  # full padded gradients; the partition is made at the end of backward
+    (2, (68, 128, 36, 72, 0, 0)),  # the gradient partition is released between steps, made again after the peak
+    (3, (0, 128, 36, 72, 0, 4 * 18)),  # fp32 shards are the master; the whole model gathered (default reuse)
 ])
 def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
     plan = predict(SPEC, replace(BASE, stage=stage))
@@ -94,13 +92,19 @@ def test_buffer_rules_by_hand(stage: int, expected: tuple[int, ...]) -> None:
 
 def test_stage3_persistent_parameters_stay_whole_and_bf16_shards_cost_their_bytes() -> None:
     plan = predict(SPEC, replace(BASE, stage=3, param_persistence=8))  # 7 stays whole, 10 is cut
-    assert plan.owners["params"] == 7 * 4 and plan.owners["gathered_params"] == 4 * (10 + 10)
+    assert plan.owners["params"] == 7 * 4 and plan.owners["gathered_params"] == 4 * 10
     staged = predict(SPEC, replace(BASE, stage=3, param_persistence=8, staged_gathers=True))  # qwZ / hpZ
-    assert staged.owners["gathered_params"] == 4 * (10 + 10 + 10)  # + the gather's staging output
+    assert staged.owners["gathered_params"] == 4 * (10 + 10)  # + the gather's staging output
     half = predict(SPEC, replace(BASE, stage=3, compute_bytes=2))
     assert half.owners["params"] == 9 * 2 and half.owners["master"] == 36
     small_live = predict(SPEC, replace(BASE, stage=3, max_live=1, prefetch=0))
-    assert small_live.owners["gathered_params"] == 4 * (10 + 18)  # the largest unit (+ holes), not the whole model
+    assert small_live.owners["gathered_params"] == 4 * 10  # the largest unit, not the whole model
+
+
+def test_stage3_gathers_leave_no_heap_holes() -> None:
+    # the in-place gathers grow each parameter's own storage back where the last gather freed it: a gathered
+    # parameter costs its bytes once (the old plan added each heap-sized one twice: 4 * (18 + 18))
+    assert predict(SPEC, replace(BASE, stage=3)).owners["gathered_params"] == 4 * 18
 
 
 M = 1_000_000
@@ -109,39 +113,78 @@ BIG = ModelSpec("big", (16 * M, 4 * M, 4 * M, 4 * M), (True,) * 4, Shape(1, 4, 1
 
 
 @pytest.mark.parametrize("reuse,prefetch,expected", [
-    # + 12M everywhere: the heap holes the three 16 MB units leave (gathered and freed every step)
-    (10**9, 5 * 10**7, 28 * M + 12 * M),  # DeepSpeed's defaults: all kept from forward to backward (mapped gather)
-    (0, 6 * M, (16 + 6) * M + 12 * M),  # the largest unit and the prefetch window (the gather's output is mapped)
-    (8 * M, 6 * M, (4 + 16 + 6) * M + 12 * M),  # the last reuse/2 elements kept, the rest gathered again
+    (10**9, 5 * 10**7, 28 * M),  # DeepSpeed's defaults: all kept from forward to backward
+    (0, 6 * M, (16 + 6) * M),  # the largest unit and the prefetch window (the gather's output is in place)
+    (8 * M, 6 * M, (4 + 16 + 6) * M),  # the last reuse/2 elements kept, the rest gathered again
     # a reuse distance covering forward's rest and backward down to the first unit: all kept
-    (56 * M, 6 * M, 28 * M + 12 * M),
+    (56 * M, 6 * M, 28 * M),
 ])
 def test_stage3_gathered_parameters_follow_the_reuse_distance(reuse: int, prefetch: int, expected: int) -> None:
     plan = predict(BIG, replace(BASE, stage=3, max_reuse=reuse, prefetch=prefetch))
     assert plan.owners["gathered_params"] == 4 * expected
 
 
-def test_mapped_bucket_buffers_take_the_place_of_freed_activations() -> None:
-    # stage 2, one bucket per parameter (each above the cap, 1/8 of the model): the three largest (64, 16, 16 MB)
-    # and two reduce-scatter outputs (32, 8 MB) in flight; only the 64 MB one is mmapped (32 MB < 32 MiB: heap)
-    sizes = [64 * M, 16 * M, 16 * M, 32 * M, 8 * M]
-    heap = sum(b for b in sizes if b < 32 * 1024 * 1024)
-    with_acts = predict(BIG, replace(BASE, stage=2, allgather_bucket=1))
-    step = 2 * 32 * M  # AdamW's two temporaries (the write-back gathers in place)
-    assert with_acts.owners["buckets"] == heap + step
-    no_acts = predict(replace(BIG, activation_bytes=lambda s, b, t, e: 0), replace(BASE, stage=2, allgather_bucket=1))
-    assert no_acts.owners["buckets"] == sum(sizes) + step  # nothing freed to take the place of
+def test_buffers_made_after_the_backward_peak_add_only_beyond_what_backward_freed() -> None:
+    # stage 2 on SPEC: buckets of 8 and 10 padded elements in reduce order (cap: 1/8 of the gradient); the reduce
+    # at the end of backward holds the partition (36 bytes) and both bucket buffers (32 + 40; the 10 fits no spent
+    # one): 108 bytes, all heap-sized; the step holds the partition and AdamW's two temporaries (2 x 20): 76
+    def buckets(acts: int, stage: int = 2, accumulation: int = 1) -> int:
+        spec = replace(SPEC, activation_bytes=lambda s, b, t, e: acts)
+        return predict(spec, replace(BASE, stage=stage, accumulation=accumulation)).owners["buckets"]
+
+    assert buckets(0) == 108  # nothing freed: all of the larger phase adds
+    assert buckets(100) == 8  # they take the heap that backward freed first
+    assert buckets(1000) == 0
+    assert buckets(0, stage=0) == 2 * 10 * 4  # stage 0: only AdamW's temporaries of the 10-element parameter
+    # the reduce-scatter lands in the partition where it overwrites; under accumulation later micro-steps add
+    # through an output per bucket in flight (20 + 16) into the partition, already there
+    assert buckets(0, accumulation=2) == 108 - 36 + 36
+    # ... and the partition an earlier micro-step made is held at the backward peak (36 bytes), not made after it
+    assert predict(SPEC, replace(BASE, stage=2, accumulation=2)).owners["grads"] == 36 + 128
+    assert predict(SPEC, replace(BASE, stage=1)).owners["grads"] == 72 + 128  # stage 1: no output, views
 
 
-def test_stage3_peaks_before_a_mapped_gradient_partition_is_made_again() -> None:
-    assert predict(BIG, replace(BASE, stage=3)).owners["grads"] == 0  # 14M fp32 elements: mapped, made in backward
-    assert predict(BIG, replace(BASE, stage=2)).owners["grads"] == 4 * 14 * M  # held at stage 2's step peak
-    assert predict(SPEC, replace(BASE, stage=3)).owners["grads"] == 36  # heap-sized: it adds
+@pytest.mark.parametrize("order,made", [
+    ([5, 5, 5, 5, 5, 12], [5, 5, 5, 12]),  # MAX_IN_FLIGHT + 1 buffers in rotation, and the larger last bucket
+    ([12, 5, 5, 5, 5], [12, 5, 5]),  # a spent larger buffer serves a smaller bucket
+])
+def test_stage2_bucket_buffers_are_reused_within_a_micro_step(order: list[int], made: list[int]) -> None:
+    assert _bucket_pool(order) == made
+
+
+def test_mapped_buffers_after_the_peak_take_only_freed_mapped_memory() -> None:
+    # BIG at stage 2: the partition (56 MB) and the bucket buffers (16, 16, 16 MB, then 64 MB for the largest
+    # parameter, reduced last) are made after the peak; the mapped ones (>= 32 MiB) cannot use the freed heap
+    plan = predict(BIG, replace(BASE, stage=2, allgather_bucket=1))
+    assert plan.owners["buckets"] == 64 * M + 56 * M
+
+
+def test_mapped_vocabulary_tensors_count_once_each_at_the_backward_peak() -> None:
+    # b·t·V·4 = 1 x 4 x 2^22 x 4 = 64 MiB: mapped; the saved log-softmax (in the formula), the gradient nll_loss
+    # writes and the logits' gradient are counted once each; the rest of the saved activations is scaled
+    vocab = 1 << 22
+    one = 4 * vocab * 4
+    spec = ModelSpec("wide", (10, 7), (True, True), Shape(1, 4, 1, vocab, 16), lambda s, b, t, e: one + 1000, 2.0)
+    plan = predict(spec, replace(BASE, stage=2))
+    assert plan.owners["activations"] == 2 * 1000 + 3 * one
+    # the step's and the reduce's buffers fit in what backward gave back: nothing adds
+    assert plan.owners["buckets"] == 0
+    small = replace(spec, shape=Shape(1, 4, 1, 8, 16))  # heap-sized vocabulary tensors: all scaled
+    assert predict(small, replace(BASE, stage=2)).owners["activations"] == 2 * (one + 1000)
+
+
+def test_the_output_heads_gradient_is_held_at_the_backward_peak() -> None:
+    # V·c elements in the compute dtype, whatever the stage (GPT-2-small: 50257 x 768 x 4 = 147 MiB)
+    wide = replace(SPEC, shape=Shape(1, 768, 1, 50257, 16))
+    for stage in (0, 2, 3):
+        base = predict(SPEC, replace(BASE, stage=stage)).owners["grads"] - 8 * 4 * 4
+        assert predict(wide, replace(BASE, stage=stage)).owners["grads"] == base + 50257 * 768 * 4
+    assert predict(wide, replace(BASE, stage=2, compute_bytes=2)).owners["grads"] == 50257 * 768 * 2
 
 
 def test_adam_step_temporaries_follow_the_largest_master_tensor() -> None:
     adamw = predict(BIG, replace(BASE, stage=0)).owners["buckets"]
-    assert adamw == 2 * 16 * M * 4  # stage 0: the 16M parameter itself
+    assert adamw == 2 * 16 * M * 4  # stage 0: the 16M parameter itself (mapped: the freed heap does not serve it)
     assert predict(BIG, replace(BASE, stage=0, optimizer="sgd")).owners["buckets"] == 0
     assert predict(BIG, replace(BASE, stage=0, offload_optimizer=True)).owners["buckets"] == 0  # not torch's step
 
@@ -154,6 +197,9 @@ def test_inputs_from_config() -> None:
     assert (i.stage, i.micro_batch, i.compute_bytes, i.accum_bytes, i.reduce_bucket) == (2, 4, 2, 2, 1000)
     assert predict(SPEC, replace(i, seq=4)).owners["optimizer_state"] == 0  # SGD without momentum keeps no state
     assert inputs_from_config(cfg, 2, micro_batch=3, stage=1).stage == 1
+    assert i.accumulation == 1
+    gas = load_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4})
+    assert inputs_from_config(gas, 2).accumulation == 3  # derived: 24 / (4 x 2)
     nvme = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
     with pytest.raises(ValueError, match="NVMe offload is not supported yet"):

@@ -1,45 +1,43 @@
 """Per-rank peak memory predicted before any rank starts (``zerospeed plan``): pure, sizes in, bytes out.
 
-The prediction follows zerospeed's own buffer rules (read from the code, not from DeepSpeed's tables):
+The prediction follows zerospeed's own buffer rules (read from the code, not from DeepSpeed's tables). The peak
+is at the start of backward, where the saved activations and the loss's gradients are all live; what exists
+then adds whole:
 
-* partition plan (``zero/partition.py``): parameter ``n`` is padded to ``N·ceil(n/N)``; a rank's flat
-  partition is the sum of its shards; buckets of at most ``reduce_bucket_size`` padded elements (stages 2-3:
-  also at most 1/8 of the gradient, ``reduce_bucket_numel``), in reverse parameter order (a larger parameter
-  gets a bucket of its own);
 * params: the model in the compute dtype (stage 3: only this rank's shards and the whole *persistent*
   parameters, ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``; an fp32
   shard *is* its master slot, so it costs nothing extra);
-* grads (``zero/grad_reducer.py``): stage 0 and 1 keep a full padded buffer in the accumulation dtype;
-  stages 2-3 keep only the partition (released between steps, made again at the first reduce of backward:
-  at stage 3, whose peak is in backward, a mapped partition is not there yet),
-  and during backward up to ``MAX_IN_FLIGHT`` + 1 transient bucket buffers (the filling one and those in
-  flight), with a reduce-scatter output per bucket in flight; stage 1 makes its partition and the
-  reduce-scatter outputs at the end of backward;
+* grads (``zero/grad_reducer.py``): stages 0 and 1 keep a full padded buffer in the accumulation dtype; stages
+  2-3 released their partition after the last step (``GradReducer.zero``) and make it again at the first reduce
+  of backward, after the peak; and autograd's gradient of the output head (``_head_grad``), made right after
+  the logits' gradient and held to the end of backward;
 * master: fp32 partition, none where the model itself is the master (one partition, fp32, no offload);
 * optimizer state: per master element, Adam/AdamW/Lamb 2 fp32 tensors, SGD with momentum and Adagrad 1;
-* stage-1/2 write-back: in place on Gloo host tensors (no buffer);
-* the optimizer step's temporaries: torch's Adam/AdamW steps one master tensor (a parameter, or its shard)
-  at a time on CPU, making two of its size (seen in the memory timeline: 2 x the tied embedding's 147 MiB on
-  GPT-2-small at stage 0, 2 x its 74 MiB shard at stage 3);
 * stage 3 gathered parameters (``_gathered``): with DeepSpeed's default ``stage3_max_reuse_distance`` and
   ``stage3_max_live_parameters`` every non-persistent parameter stays gathered from its forward to its
   backward; a shorter reuse distance (0: release always) keeps only the last part of the model and gathers
-  the rest again in backward (the unit in use, the prefetch window, one coalesced all-gather in flight);
-* activations: the per-architecture formula of ``plan_models.py``.
+  the rest again in backward (the unit in use, the prefetch window). On Gloo host tensors a gather is in place
+  into each parameter's own storage, grown back where its last gather freed it (no staging output, no hole);
+  qwZ / hpZ / offloaded gathers stage one;
+* activations (``_backward_peak``): the per-architecture formula of ``plan_models.py`` times its measured
+  ``backward_factor``; the vocabulary-wide fp32 tensors, when mmap-sized, count once each instead.
 
-The peak is ``framework + persistent + backward phase + step phase``: in backward the activations, gathered
-parameters and bucket buffers coexist; the step's own buffers (stage-1 partition, write-back all-gather) come
-after the activations are freed, but are added rather than maxed. Which transients add is glibc's rule
-(``MMAP_CEILING``): a buffer below 32 MiB comes from the heap, where the memory that backward freed stays
-resident and fragmented, so it adds (measured); a larger one is mmapped and unmapped at free, so a transient
-made while backward frees the activations (stage 2-3 bucket buffers, stage 1's reduce-scatter output before the
-step's larger buffers, forward's gathers under the default reuse distance) takes the place of freed memory
-and adds only beyond it. Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo
-ranks, glibc's default heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot:
-``FRAMEWORK_BYTES``, what the first steps of training cost beyond any model state (code pages of the kernels
-touched, autograd and Gloo buffers: the peak-over-start of the tiny GPT, whose states and activations are under
-1 MiB), and each architecture's ``backward_factor`` (``plan_models.py``), how far the steady-state peak of
-backward rises above the saved activations (backward's temporaries, the logits' gradients, fragmentation).
+Buffers made after that point (``_after_phases``; ``buckets`` in the table) add only beyond what backward freed:
+the reduce at the end of backward (the gradient partition at stages 1-3, the reduce-scatter outputs in flight,
+stages 2-3's transient bucket buffers: the filling one and ``MAX_IN_FLIGHT``; stage 1's buckets are views of its
+full buffer) and the optimizer step (the partition, and the two temporaries the size of the largest master
+tensor that torch's per-tensor Adam/AdamW makes on CPU). Which memory a buffer can take is glibc's rule
+(``MMAP_CEILING``): one below 32 MiB comes from the heap, where what backward freed stays resident, so it
+adds only beyond the freed heap; a larger one is mmapped, so it adds only beyond the mapped memory backward
+unmapped (the vocabulary-wide tensors). The stage-1/2 write-back gathers in place on Gloo host tensors (no buffer).
+
+Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks, glibc's default
+heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot: ``FRAMEWORK_BYTES``, what the first
+steps of training cost beyond any model state (code pages of the kernels touched, autograd and Gloo buffers: the
+tiny GPT's peak over start less its states and activations, under 1 MiB), and each architecture's
+``backward_factor`` (``plan_models.py``), how far the steady-state peak rises above the saved activations
+(backward's temporaries and the heap that training leaves fragmented from step to step). Both were fit on the
+small shapes (``docs/benchmarks.md``, "Memory plan vs measurement", 2026-12-01); GPT-2-small is the check.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ from ..zero.partition import reduce_bucket_numel
 from .plan_models import ModelSpec
 
 MIB = 1024 * 1024
-FRAMEWORK_BYTES = 33 * MIB  # measured: peak over start of the tiny GPT (micro-batch 4, seq 32), world 2, forked ranks
+FRAMEWORK_BYTES = int(30.5 * MIB)  # measured: the tiny GPT's peak over start (micro-batch 4, seq 32) less its states
 IMPORT_TORCH_BYTES = 220 * MIB  # measured default: RSS of `python -c "import torch, zerospeed"` here
 # glibc (64-bit) serves requests of at least this many bytes with mmap whatever its dynamic threshold, and
 # unmaps them at free; smaller ones come from the heap, where freed memory stays resident and fragmented.
@@ -87,6 +85,7 @@ class PlanInputs:
     offload_optimizer: bool = False
     offload_param: bool = False
     staged_gathers: bool = False  # zero_quantized_weights or zero_hpz_partition_size > 1: buffered stage-3 gathers
+    accumulation: int = 1  # gradient_accumulation_steps
 
 
 @dataclass
@@ -136,7 +135,14 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
     """Read the sizes from a validated ``ZeroSpeedConfig`` (``zerospeed.config.load_config``)."""
     z = cfg.zero_optimization
     half = cfg.fp16.enabled or cfg.bf16.enabled
-    mb = micro_batch if micro_batch is not None else cfg.batch(world).micro_batch_per_gpu
+    try:
+        batch = cfg.batch(world)
+        mb, gas = batch.micro_batch_per_gpu, batch.gradient_accumulation_steps
+    except ValueError:  # the command line gives the micro-batch; the config's batch keys need not resolve
+        if micro_batch is None:
+            raise
+        mb, gas = micro_batch, cfg.gradient_accumulation_steps or 1
+    mb = micro_batch if micro_batch is not None else mb
     opt = cfg.optimizer
     name = "" if opt is None else opt.type.lower().replace("_", "")
     params = {} if opt is None else dict(opt.params)
@@ -153,7 +159,8 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
                       model_persistence=z.stage3_model_persistence_threshold, optimizer=name,
                       momentum=float(params.get("momentum", 0.0)) > 0, offload_optimizer=z.offload_optimizer.enabled,
                       offload_param=z.offload_param.enabled,
-                      staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1)
+                      staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1,
+                      accumulation=gas)
 
 
 def _shard(n: int, world: int) -> int:
@@ -195,10 +202,10 @@ def _gathered(units: list[int], i: PlanInputs) -> tuple[int, int, int]:
     is used again about ``2x`` elements later (the rest of forward, then backward down to it), so the last
     ``max_reuse / 2`` elements of the model are kept, within ``stage3_max_live_parameters``. When that covers
     the model (DeepSpeed's defaults, 1e9 each, up to ~500M parameters), the whole model is gathered when
-    backward starts and backward gathers nothing (forward's gathers still leave their heap behind). Otherwise
+    backward starts and backward gathers nothing. Otherwise
     backward gathers again: the kept part, the largest unit being used and the prefetched units
-    (``stage3_prefetch_bucket_size``, within the live cap), with that prefetch's all-gather in flight. Either
-    way a gather's buffers count only when heap-sized (a mapped one is made while backward frees memory, or
+    (``stage3_prefetch_bucket_size``, within the live cap), with that prefetch's all-gather in flight. A
+    staged gather's output counts only when heap-sized (a mapped one is made while backward frees memory, or
     in forward before the activations peak).
     """
     total = sum(units)
@@ -219,6 +226,95 @@ def _state_tensors(i: PlanInputs) -> int:
     return _STATE_TENSORS.get(i.optimizer, 0)
 
 
+def _backward_peak(model: ModelSpec, i: PlanInputs) -> tuple[int, int]:
+    """Bytes of the activations at the start of backward, and their mapped share.
+
+    The saved activations times the architecture's ``backward_factor`` (backward's temporaries and the heap they
+    leave fragmented), except the vocabulary-wide fp32 tensors when they are mmap-sized (``b·t·V·4`` each: the
+    saved log-softmax, the gradient ``nll_loss`` writes and the logits' gradient): counted once each, not scaled
+    (a mapped chunk is unmapped at free and leaves no fragment), and given back once backward has passed the loss.
+    """
+    saved = model.activations(i.micro_batch, i.seq, i.compute_bytes)
+    one = i.micro_batch * i.seq * model.shape.vocab_size * 4
+    if one < MMAP_CEILING:
+        return int(saved * model.backward_factor), 0
+    return int((saved - one) * model.backward_factor) + 3 * one, 3 * one
+
+
+def _head_grad(model: ModelSpec, i: PlanInputs) -> int:
+    """The output head's weight gradient (``V·c`` elements): autograd makes it right after the logits' gradient,
+    and the head, tied to the token embedding in both architectures, keeps it until the embedding's gradient is
+    added at the end of backward (only then does the reducer's hook take it)."""
+    return model.shape.vocab_size * model.shape.n_embd * i.compute_bytes
+
+
+def _after_peak(sizes: list[int], freed_heap: int, freed_mapped: int) -> int:
+    """Bytes that buffers made after the backward peak (alive together) add to it: a heap-sized one takes freed
+    heap first, a mapped one the mapped memory backward gave back; only what exceeds those adds."""
+    heap = sum(b for b in sizes if b < MMAP_CEILING)
+    mapped = sum(b for b in sizes if b >= MMAP_CEILING)
+    return max(0, heap - freed_heap) + max(0, mapped - freed_mapped)
+
+
+def _bucket_pool(buckets: list[int]) -> list[int]:
+    """Stages 2-3: the transient bucket buffers one micro-step makes, in reduce order (``GradReducer._spare``).
+
+    A bucket takes a spent buffer of this micro-step that is large enough (the first one), else a new one; a
+    buffer is spent when its collective completes, which launching a bucket forces for the oldest once
+    ``MAX_IN_FLIGHT`` are in flight. Every buffer made is held until the end of the micro-step: in the steady
+    state ``MAX_IN_FLIGHT`` + 1 of the common size, plus each larger bucket that no spent buffer fits (GPT-2's
+    tied embedding, reduced last).
+    """
+    made: list[int] = []
+    spare: list[int] = []
+    pending: list[int] = []
+    for size in buckets:
+        fit = next((k for k, s in enumerate(spare) if s >= size), None)
+        buf = spare.pop(fit) if fit is not None else size
+        if fit is None:
+            made.append(size)
+        while len(pending) >= MAX_IN_FLIGHT:
+            spare.append(pending.pop(0))
+        pending.append(buf)
+    return made
+
+
+def _after_phases(numels: list[int], buckets: list[int], partition: int, i: PlanInputs) -> list[list[int]]:
+    """The buffers alive together after the backward peak, per phase (bytes): the reduce at the end of backward
+    (``zero/grad_reducer.py``) and the optimizer step."""
+    parts = 1 if i.stage == 0 else i.world
+    grad_partition = [partition * i.accum_bytes] if i.stage >= 1 and parts > 1 else []
+    reduce = list(grad_partition)
+    if i.stage >= 2 and parts > 1:  # transient bucket buffers (stage 1's are views of its full buffer)
+        reduce += [b * i.accum_bytes for b in _bucket_pool(buckets)]
+        if i.accumulation > 1:
+            # a reduce-scatter lands straight in the partition where it overwrites (the first micro-step of an
+            # accumulation window, and stage 1 always); later micro-steps add through an output per bucket in flight
+            reduce += [b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]]
+    step = list(grad_partition)
+    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
+        # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
+        # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
+        step += [max(_shard(n, parts) for n in numels) * 4] * _STEP_TEMPORARIES[i.optimizer]
+    return [reduce, step]
+
+
+def _stage3_params(model: ModelSpec, i: PlanInputs) -> tuple[int, int]:
+    """Stage 3: bytes of the parameters a rank keeps (its shards, the whole persistent ones) and of those gathered
+    at the backward peak (``_gathered``), with a heap-sized staging output where gathers are buffered."""
+    persist = _persistent(list(model.numels), i)
+    whole = sum(n for n, p in zip(model.numels, persist) if p)
+    cut = [n for n, p in zip(model.numels, persist) if not p]
+    shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
+    kept = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
+    live, out, _ = _gathered([_shard(n, i.world) * i.world for n in cut], i)
+    # the coalesced all-gather's output; on Gloo host tensors a plain gather is in place into the parameters'
+    # own buffers (``GatherOp._gather_in_place``, each storage grown back where the last gather freed it), so only
+    # qwZ / hpZ / offloaded gathers stage one
+    staging = out * i.compute_bytes if i.offload_param or i.staged_gathers else 0
+    return kept, live * i.compute_bytes + (staging if staging < MMAP_CEILING else 0)
+
+
 def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     """Predicted per-rank peak memory of training ``model`` as ``i`` says (see the module docstring)."""
     if i.stage not in (0, 1, 2, 3) or i.world < 1 or i.micro_batch < 1 or i.seq < 1:
@@ -227,64 +323,23 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     frozen = sum(n for n, t in zip(model.numels, model.trainable) if not t)
     parts = 1 if i.stage == 0 else i.world
     partition = sum(_shard(n, parts) for n in numels)  # this rank's flat partition (elements)
-    padded = partition * parts
     buckets = _buckets(numels, parts, reduce_bucket_numel(i.reduce_bucket, numels, i.stage, parts))
-    alias = parts == 1 and i.compute_bytes == 4
     o: dict[str, int] = dict.fromkeys(OWNERS, 0)
-    gathered_peak = 0
     if i.stage < 3:
         o["params"] = (sum(numels) + frozen) * i.compute_bytes
     else:
-        persist = _persistent(list(model.numels), i)
-        whole = sum(n for n, p in zip(model.numels, persist) if p)
-        cut = [n for n, p in zip(model.numels, persist) if not p]
-        shard_bytes = 0 if i.compute_bytes == 4 and not i.offload_param else i.compute_bytes
-        o["params"] = whole * i.compute_bytes + sum(_shard(n, i.world) for n in cut) * shard_bytes
-        units = [_shard(n, i.world) * i.world for n in cut]
-        live, out, _ = _gathered(units, i)
-        # the coalesced all-gather's output; on Gloo host tensors a plain gather is in place into the parameters'
-        # own buffers (``GatherOp._gather_in_place``), so only qwZ / hpZ / offloaded gathers stage one
-        staging = [out * i.compute_bytes] if i.offload_param or i.staged_gathers else []
-        # heap-sized gathered parameters are made between forward's activations and freed in backward, every
-        # step: the holes they leave stay resident as well (measured: GPT-2-small's stage-3 peak rises for
-        # four steps, and its slack is twice stage 0's in the memory timeline)
-        holes = sum(u * i.compute_bytes for u in units if u * i.compute_bytes < MMAP_CEILING)
-        gathered_peak = live * i.compute_bytes + sum(b for b in staging if b < MMAP_CEILING) + holes
-    o["grads"] = (padded if i.stage < 2 else partition) * i.accum_bytes
-    if i.stage == 3 and parts > 1 and o["grads"] >= MMAP_CEILING:
-        # stage 3 peaks in backward, before its first reduce makes the (released) partition again; made then,
-        # a mapped partition takes the place of what backward has freed (stage 2 holds it at its step peak)
-        o["grads"] = 0
-    o["master"] = 0 if alias else partition * 4
+        o["params"], o["gathered_params"] = _stage3_params(model, i)
+    # at the backward peak: stages 0-1 hold the full gradient buffer; stages 2-3 released their partition after
+    # the last step and make it again at the first reduce, after the peak (``GradReducer.zero``), unless an earlier
+    # micro-step of the accumulation window made it
+    held = i.stage >= 2 and parts > 1 and i.accumulation > 1
+    o["grads"] = partition * parts * i.accum_bytes if i.stage < 2 or parts == 1 else partition * i.accum_bytes * held
+    o["grads"] += _head_grad(model, i)  # autograd's, before the reducer takes it
+    o["master"] = 0 if parts == 1 and i.compute_bytes == 4 else partition * 4  # an fp32 model is its own master
     o["optimizer_state"] = _state_tensors(i) * partition * 4
-    backward = model.activations(i.micro_batch, i.seq, i.compute_bytes) * model.backward_factor
-    bucket_bytes = 0
-    if i.stage >= 2 and parts > 1:
-        held = sorted(buckets, reverse=True)[:MAX_IN_FLIGHT + 1]
-        sizes = [b * i.accum_bytes for b in held] + [b // parts * i.accum_bytes for b in held[:MAX_IN_FLIGHT]]
-        # made while backward frees the saved activations: mmapped ones take the place of what was freed (only
-        # an excess over the activations adds); heap-sized ones add (freed heap is not reused in place)
-        mapped = sum(b for b in sizes if b >= MMAP_CEILING)
-        bucket_bytes = sum(b for b in sizes if b < MMAP_CEILING) + max(0, mapped - model.activations(
-            i.micro_batch, i.seq, i.compute_bytes))
-    step = 0
-    if i.stage == 1 and parts > 1:
-        step += partition * i.accum_bytes
-        # the reduce-scatter outputs at the end of backward: heap-sized ones add; a mapped one is unmapped
-        # before the step's buffers (at least as large: the partition) are made
-        step += sum(b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]
-                    if b // parts * i.accum_bytes < MMAP_CEILING)
-    # stage-1/2 write-back (zero/optimizer.py ``_gather_group``): on Gloo host tensors the partitions are
-    # gathered in place into the parameters (no buffer); elsewhere stage 1 gathers into its spent gradient buffer
-    # and stage 2 into two run-sized buffers (not modelled: the plan is measured on CPU)
-    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
-        # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
-        # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
-        step += _STEP_TEMPORARIES[i.optimizer] * max(_shard(n, parts) for n in numels) * 4
-    transient = int(backward) + gathered_peak + bucket_bytes + step  # freed heap is not reused in place
-    o["activations"] = int(backward)
-    o["gathered_params"] = gathered_peak
-    o["buckets"] = transient - int(backward) - gathered_peak
+    o["activations"], freed_mapped = _backward_peak(model, i)
+    o["buckets"] = max(_after_peak(sizes, o["activations"] - freed_mapped, freed_mapped)
+                       for sizes in _after_phases(numels, buckets, 0 if held else partition, i))
     o["framework"] = FRAMEWORK_BYTES
     host = ("master", "optimizer_state") if i.offload_optimizer else ()
     return MemoryPlan(i, model.name, model.num_params, o, host_owners=host + (("params",) if i.offload_param else ()))
