@@ -155,7 +155,13 @@ class ServingEngine:
         batch = RaggedBatch(torch.tensor(ids, device=self.adapter.device), chunks)
         hidden = self.adapter.hidden(batch.token_ids, batch.positions, self.cache.attention(batch))
         rows = [i for i, w in enumerate(work) if w.samples]
-        logits = self.adapter.logits(hidden[batch.last_token_rows()[rows]]) if rows else None
+        if len(rows) == hidden.shape[0]:  # every chunk is one token and samples (all decodes): every row
+            logits = self.adapter.logits(hidden)
+        elif rows:
+            ends = list(itertools.accumulate(w.length for w in work))
+            logits = self.adapter.logits(hidden[torch.tensor([ends[i] - 1 for i in rows], device=hidden.device)])
+        else:
+            logits = None
         self.scheduler.commit(work)
         self.forwards += 1
         self.tokens_forwarded += len(ids)
