@@ -14,6 +14,7 @@ keys/values into their slots, then lets each sequence's queries see its cached p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +64,7 @@ class BlockAllocator:
             self._free.append(b)
 
 
-@dataclass(frozen=True)
-class SeqChunk:
+class SeqChunk(NamedTuple):  # a named tuple: built per sequence per step, ~4x cheaper than a frozen dataclass
     """``length`` new tokens of one sequence at positions ``start .. start+length-1``."""
 
     block_table: tuple[int, ...]

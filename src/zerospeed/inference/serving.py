@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -51,8 +51,7 @@ class Request:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
     """One new token of request ``uid``; ``finish_reason`` is set on its last event."""
 
     uid: int
