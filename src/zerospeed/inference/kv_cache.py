@@ -151,9 +151,6 @@ class PagedKVCache:
         own, ``-inf`` for the rest of the last block and the padding blocks; one row per (kv head, chunk))."""
         size = self.block_size
         width = blocks_needed(longest, size)
-        for c in chunks:
-            if blocks_needed(c.start + 1, size) > len(c.block_table):
-                raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {c.start + 1} positions")
         tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
         keep = torch.arange(width * size)[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
         mask = torch.zeros(keep.shape, dtype=self.k.dtype).masked_fill_(~keep, float("-inf"))
@@ -173,7 +170,13 @@ class PagedKVCache:
         """
         bs = batch.chunks
         device = self.k.device
-        write = torch.tensor([s for c in bs for s in self._slot_list(c)], dtype=torch.long, device=device)
+        size, slots = self.block_size, []
+        for c in bs:  # the new tokens' slots (a decode's inline: one per sequence per step); checks every table
+            if c.length == 1 and c.start // size < len(c.block_table):
+                slots.append(c.block_table[c.start // size] * size + c.start % size)
+            else:
+                slots += self._slot_list(c)
+        write = torch.tensor(slots, dtype=torch.long, device=device)
         offsets = [0]
         for c in bs:
             offsets.append(offsets[-1] + c.length)

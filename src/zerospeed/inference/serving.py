@@ -166,11 +166,15 @@ class ServingEngine:
         self.tokens_forwarded += len(ids)
         events = []
         greedy = logits.argmax(-1).tolist() if rows else []  # one call for every greedy request
+        eos = self.eos_token_ids
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
-            token = greedy[j] if req.params.greedy else sample_next(logits[j], req.params, req.generator)
+            params = req.params
+            token = greedy[j] if params.temperature == 0.0 else sample_next(logits[j], params, req.generator)
             req.output.append(token)
-            reason = self._finish_reason(req, token)
+            reason = None  # most tokens end nothing: the checks below run only when one could
+            if token in eos or params.stop or params.stop_token_ids or len(req.output) >= params.max_tokens:
+                reason = self._finish_reason(req, token)
             if reason is not None:
                 req.finish_reason = reason
                 if self.decode is not None and not req.params.stop:
