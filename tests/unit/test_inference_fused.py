@@ -142,3 +142,23 @@ def test_decode_attention_matches_per_sequence_sdpa_in_every_layout():
             at += c.length
     mask = cache._decode_reads(layouts["decodes only"][:2], 31)[1]
     assert mask.shape == (kv * 2, 1, 32)  # one row per (kv head, sequence): broadcast over the query heads
+
+
+def test_hooked_or_replaced_projections_still_run_as_modules():
+    """The Llama out-projection and down-projection call ``F.linear`` directly only for plain hook-free
+    ``nn.Linear`` layers: a forward hook still fires, and the tokens still equal Hugging Face's."""
+    pytest.importorskip("transformers")
+    from zerospeed.inference import SamplingParams, ServingEngine
+
+    model = llama()
+    prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 6:].tolist()
+    seen = []
+    blk = model.model.layers[1]
+    blk.self_attn.o_proj.register_forward_hook(lambda m, i, o: seen.append("o_proj"))
+    blk.mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append("down_proj"))
+    cfg = {"state_manager": {"max_ragged_batch_size": 16, "max_ragged_sequence_count": 2, "max_context": 32,
+                             "kv_block_size": 4, "memory_config": {"mode": "allocate", "size": 8}}}
+    eng = ServingEngine(model, cfg)
+    assert eng.generate([prompt], SamplingParams(max_tokens=4))[0].output == want
+    assert seen.count("o_proj") == 4 and seen.count("down_proj") == 4  # one forward per new token

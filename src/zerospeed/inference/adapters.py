@@ -208,6 +208,13 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
+def _is_silu(act: nn.Module) -> bool:
+    """``nn.SiLU`` or Hugging Face's ``SiLUActivation`` (whose forward is ``F.silu``), known by name so that
+    importing this module does not import transformers."""
+    t = type(act)
+    return t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")
+
+
 def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``mod(x)``; a plain hook-free ``nn.Linear`` calls ``F.linear`` directly (no module dispatch per layer)."""
     if type(mod) is nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks):
@@ -295,7 +302,7 @@ class LlamaAdapter(DecoderAdapter):
             gate, up = out[:, :n], out[:, n:]
         else:
             gate, up = mods[0](h), mods[1](h)
-        act = F.silu(gate) if type(m.act_fn) is nn.SiLU else m.act_fn(gate)
+        act = F.silu(gate) if _is_silu(m.act_fn) else m.act_fn(gate)
         return x + _linear(m.down_proj, act.mul_(up) if act is not gate else act * up)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
