@@ -105,8 +105,8 @@ def test_rotary_in_three_ops_equals_rotate_half_form():
 
 def test_decode_attention_matches_per_sequence_sdpa_in_every_layout():
     """Decodes attend in one scaled ``baddbmm`` per length group, its mask one row per (kv head, sequence):
-    equal to plain per-sequence attention whether the decodes fill the whole batch (their output is returned
-    as is), come first (a slice) or sit between prompt chunks (an index), with one or two length groups."""
+    equal to plain per-sequence attention whether the decodes fill the whole batch, come first (copied into
+    place through a slice) or sit between prompt chunks (an index), with one or two length groups."""
     import torch.nn.functional as F
 
     from zerospeed.inference.kv_cache import PagedKVCache, RaggedBatch, SeqChunk

@@ -196,7 +196,6 @@ class PagedKVCache:
                 rows = slice(at[0], at[0] + n) if at == list(range(at[0], at[0] + n)) else torch.tensor(at, device=device)
                 bufs = (self.workspace.view("k", (kv, ids.numel(), bsd)), self.workspace.view("v", (kv, ids.numel(), bsd)))
                 groups.append((rows, ids, mask, n, mask.shape[-1], bufs))
-        only_decodes = not multi and len(groups) == 1 and groups[0][0] == slice(0, groups[0][3])
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             kl, vl, kb, vb = self._layers[layer]  # vb, kb: [Hkv, blocks, size*D]
@@ -208,7 +207,7 @@ class PagedKVCache:
                 vl.index_copy_(1, write, v.transpose(0, 1).to(vl.dtype))
             heads = q.shape[1]
             gqa = heads != kv
-            out = None if only_decodes else torch.empty_like(q)
+            out = torch.empty_like(q)  # never a view: compiled regions downstream see one kind of input
             for rows, ids, mask, n, span, (kbuf, vbuf) in groups:  # one after the other: they share the buffers
                 qr = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
                 qg = qr.view(n, kv, heads // kv, dim).transpose(0, 1).reshape(kv * n, heads // kv, dim)
@@ -220,13 +219,11 @@ class PagedKVCache:
                 else:
                     p = torch.baddbmm(mask, qg, ks.transpose(1, 2), alpha=scale).softmax(-1, dtype=torch.float32)
                     p = p.to(vs.dtype)
-                y = torch.bmm(p, vs).view(kv, n, heads // kv, dim).transpose(0, 1).reshape(n, heads, dim)
-                if out is None:
-                    return y if y.dtype == q.dtype else y.to(q.dtype)
-                if isinstance(rows, slice):
-                    out[rows] = y
+                y = torch.bmm(p, vs).view(kv, n, heads // kv, dim).transpose(0, 1)  # [N, Hkv, g, D]
+                if isinstance(rows, slice):  # straight into place, no reshape copy
+                    out[rows].view(n, kv, heads // kv, dim).copy_(y)
                 else:
-                    out.index_copy_(0, rows, y.to(q.dtype))
+                    out.index_copy_(0, rows, y.reshape(n, heads, dim).to(q.dtype))
             for i in multi:
                 a, b = offsets[i], offsets[i + 1]
                 qs = q[a:b].transpose(0, 1)[None]  # [1, H, n, D]: 4-d, so CPU takes the flash kernel, not math
