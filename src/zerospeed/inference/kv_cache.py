@@ -193,8 +193,9 @@ class PagedKVCache:
                 at = [offsets[i] for i in members]
                 n = len(members)
                 # the chunks' rows in the flat batch: a slice when they are consecutive (decodes come first)
-                rows = slice(at[0], at[0] + n) if at == list(range(at[0], at[0] + n)) else torch.tensor(at, device=device)
-                bufs = (self.workspace.view("k", (kv, ids.numel(), bsd)), self.workspace.view("v", (kv, ids.numel(), bsd)))
+                consecutive = at == list(range(at[0], at[0] + n))
+                rows = slice(at[0], at[0] + n) if consecutive else torch.tensor(at, device=device)
+                bufs = tuple(self.workspace.view(name, (kv, ids.numel(), bsd)) for name in ("k", "v"))
                 groups.append((rows, ids, mask, n, mask.shape[-1], bufs))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
