@@ -101,3 +101,64 @@ def test_rotary_in_three_ops_equals_rotate_half_form():
     signed = torch.cat((-sin[..., :4], sin[..., 4:]), dim=-1)
     assert torch.allclose(_rotate(x, cos, signed), x * cos + half * sin, atol=1e-6)
     assert not torch.allclose(_rotate(x, cos, sin), x * cos + half * sin, atol=1e-3)  # the sign matters
+
+
+def test_decode_attention_matches_per_sequence_sdpa_in_every_layout():
+    """Decodes attend in one scaled ``baddbmm`` per length group, its mask one row per (kv head, sequence):
+    equal to plain per-sequence attention whether the decodes fill the whole batch, come first (copied into
+    place through a slice) or sit between prompt chunks (an index), with one or two length groups."""
+    import torch.nn.functional as F
+
+    from zerospeed.inference.kv_cache import PagedKVCache, RaggedBatch, SeqChunk
+
+    torch.manual_seed(0)
+    heads, kv, dim, size = 4, 2, 8, 4
+    cache = PagedKVCache(1, 40, size, kv, dim, torch.float32)
+    k0, v0 = torch.randn(160, kv, dim), torch.randn(160, kv, dim)
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(5)]
+    lens = (3, 30, 5, 27, 2)  # short and long cached lengths: two length groups
+    prefill = RaggedBatch(torch.zeros(sum(lens), dtype=torch.long), [SeqChunk(t, 0, n) for t, n in zip(tables, lens)])
+    q0 = torch.randn(sum(lens), heads, dim)
+    cache.attention(prefill)(0, q0, k0[:sum(lens)], v0[:sum(lens)], 0.3)
+    layouts = {
+        "decodes only": [SeqChunk(t, n, 1) for t, n in zip(tables, lens)],
+        "decodes first": [SeqChunk(t, n, 1) for t, n in zip(tables[:4], lens[:4])] + [SeqChunk(tables[4], 2, 3)],
+        "decodes between": [SeqChunk(tables[4], 2, 3)] + [SeqChunk(t, n, 1) for t, n in zip(tables[:4], lens[:4])],
+    }
+    assert len(cache._decode_groups(layouts["decodes only"], list(range(5)))) == 2
+    for name, chunks in layouts.items():
+        total = sum(c.length for c in chunks)
+        q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv, dim), torch.randn(total, kv, dim)
+        got = cache.attention(RaggedBatch(torch.zeros(total, dtype=torch.long), chunks))(0, q, k, v, 0.3)
+        at = 0
+        for c in chunks:
+            slots = cache.slots(c.block_table, 0, c.start + c.length)
+            ks, vs = cache.k[0][:, slots][None], cache.v[0][:, slots][None]  # [1, Hkv, S, D], new keys included
+            qs = q[at:at + c.length].transpose(0, 1)[None]
+            causal = torch.ones(c.length, c.start + c.length, dtype=torch.bool).tril(c.start)
+            want = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal, scale=0.3, enable_gqa=True)
+            torch.testing.assert_close(got[at:at + c.length], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+            at += c.length
+    mask = cache._decode_reads(layouts["decodes only"][:2], 31)[1]
+    assert mask.shape == (kv * 2, 1, 32)  # one row per (kv head, sequence): broadcast over the query heads
+
+
+def test_hooked_or_replaced_projections_still_run_as_modules():
+    """The Llama out-projection and down-projection call ``F.linear`` directly only for plain hook-free
+    ``nn.Linear`` layers: a forward hook still fires, and the tokens still equal Hugging Face's."""
+    pytest.importorskip("transformers")
+    from zerospeed.inference import SamplingParams, ServingEngine
+
+    model = llama()
+    prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 6:].tolist()
+    seen = []
+    blk = model.model.layers[1]
+    blk.self_attn.o_proj.register_forward_hook(lambda m, i, o: seen.append("o_proj"))
+    blk.mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append("down_proj"))
+    cfg = {"state_manager": {"max_ragged_batch_size": 16, "max_ragged_sequence_count": 2, "max_context": 32,
+                             "kv_block_size": 4, "memory_config": {"mode": "allocate", "size": 8}}}
+    eng = ServingEngine(model, cfg)
+    assert eng.generate([prompt], SamplingParams(max_tokens=4))[0].output == want
+    assert seen.count("o_proj") == 4 and seen.count("down_proj") == 4  # one forward per new token

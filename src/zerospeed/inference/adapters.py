@@ -208,6 +208,20 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
+def _is_silu(act: nn.Module) -> bool:
+    """``nn.SiLU`` or Hugging Face's ``SiLUActivation`` (whose forward is ``F.silu``), known by name so that
+    importing this module does not import transformers."""
+    t = type(act)
+    return t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")
+
+
+def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mod(x)``; a plain hook-free ``nn.Linear`` calls ``F.linear`` directly (no module dispatch per layer)."""
+    if type(mod) is nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks):
+        return F.linear(x, mod.weight, mod.bias)
+    return mod(x)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's ``x * cos + rotate_half(x) * sin`` in three ops: ``rotate_half(x) * sin`` is
     ``roll(x, half) * signed_sin`` with the first half of ``sin`` negated (sign flips are exact)."""
@@ -254,11 +268,6 @@ class LlamaAdapter(DecoderAdapter):
         fused = getattr(self, "_fused", {}).get((id(block), name))
         return fused if fused is not None and fused.valid(mods) else None
 
-    def _run_fused(self, block: nn.Module, name: str, mods: tuple[nn.Module, ...], h: torch.Tensor
-                   ) -> list[torch.Tensor]:
-        fused = self._fused_for(block, name, mods)
-        return fused(h) if fused is not None else [p(h) for p in mods]
-
     def pre_attention(self, block: nn.Module, x: torch.Tensor, *extra: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, signed_sin = extra
@@ -281,12 +290,20 @@ class LlamaAdapter(DecoderAdapter):
         return block.self_attn.scaling
 
     def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = x + block.self_attn.o_proj(y.reshape(y.shape[0], -1))
+        x = x + _linear(block.self_attn.o_proj, y.reshape(y.shape[0], -1))
         m = block.mlp
         if type(m).__name__ != "LlamaMLP":
             return x + m(block.post_attention_layernorm(x))
-        gate, up = self._run_fused(block, "gate_up", (m.gate_proj, m.up_proj), _rms_norm(block.post_attention_layernorm, x))
-        return x + m.down_proj(m.act_fn(gate) * up)
+        h = _rms_norm(block.post_attention_layernorm, x)
+        mods = (m.gate_proj, m.up_proj)
+        fused = self._fused_for(block, "gate_up", mods)
+        if fused is not None:  # gate and up are two views of one matmul's output (no split call)
+            out, n = fused.linear(h), fused.sizes[0]
+            gate, up = out[:, :n], out[:, n:]
+        else:
+            gate, up = mods[0](h), mods[1](h)
+        act = F.silu(gate) if _is_silu(m.act_fn) else m.act_fn(gate)
+        return x + _linear(m.down_proj, act.mul_(up) if act is not gate else act * up)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(_rms_norm(self.model.model.norm, x))

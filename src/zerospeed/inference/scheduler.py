@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .kv_cache import BlockAllocator, blocks_needed
 
@@ -60,8 +61,7 @@ class SeqState:
         return self.computed >= self.prompt_len
 
 
-@dataclass(frozen=True)
-class Work:
+class Work(NamedTuple):  # immutable and cheap to build (one per sequence per step)
     """Feed tokens ``start .. start+length-1`` of sequence ``uid``; ``samples``: the chunk ends its known tokens."""
 
     uid: int

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -51,8 +51,7 @@ class Request:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
     """One new token of request ``uid``; ``finish_reason`` is set on its last event."""
 
     uid: int
@@ -155,17 +154,27 @@ class ServingEngine:
         batch = RaggedBatch(torch.tensor(ids, device=self.adapter.device), chunks)
         hidden = self.adapter.hidden(batch.token_ids, batch.positions, self.cache.attention(batch))
         rows = [i for i, w in enumerate(work) if w.samples]
-        logits = self.adapter.logits(hidden[batch.last_token_rows()[rows]]) if rows else None
+        if len(rows) == hidden.shape[0]:  # every chunk is one token and samples (all decodes): every row
+            logits = self.adapter.logits(hidden)
+        elif rows:
+            ends = list(itertools.accumulate(w.length for w in work))
+            logits = self.adapter.logits(hidden[torch.tensor([ends[i] - 1 for i in rows], device=hidden.device)])
+        else:
+            logits = None
         self.scheduler.commit(work)
         self.forwards += 1
         self.tokens_forwarded += len(ids)
         events = []
         greedy = logits.argmax(-1).tolist() if rows else []  # one call for every greedy request
+        eos = self.eos_token_ids
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
-            token = greedy[j] if req.params.greedy else sample_next(logits[j], req.params, req.generator)
+            params = req.params
+            token = greedy[j] if params.temperature == 0.0 else sample_next(logits[j], params, req.generator)
             req.output.append(token)
-            reason = self._finish_reason(req, token)
+            reason = None  # most tokens end nothing: the checks below run only when one could
+            if token in eos or params.stop or params.stop_token_ids or len(req.output) >= params.max_tokens:
+                reason = self._finish_reason(req, token)
             if reason is not None:
                 req.finish_reason = reason
                 if self.decode is not None and not req.params.stop:
