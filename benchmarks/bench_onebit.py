@@ -70,6 +70,9 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     out["OneBitAdam-zbc"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze,
                                                                              "zerospeed_bias_correction": True}}},
                              "Adam")
+    out["ZeroOneAdam-zbc"] = ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": LR, "var_freeze_step": freeze,
+                                                                               "zerospeed_bias_correction": True}}},
+                              "Adam")
     out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
     out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
     # A dense warm-up as long as the 1-bit optimizers' (gradient_compression.warmup_steps), then top-k 1 %: with

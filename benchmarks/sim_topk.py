@@ -11,6 +11,8 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   mom-pre          after the warm-up: frozen variance, top-k of error-compensated local momentum (1-bit Adam's
                    shape), entries chosen by |x| / sqrt(v)
   mom              as mom-pre, entries chosen by |x|
+  mom-union        as mom, but the ranks exchange their top-k indices and average their exact values at the
+                   union of the indices (every selected entry exact; all ranks' residuals cleared there)
   dgc              DGC's momentum correction with Adam's frozen variance: each rank keeps its own momentum
                    u = b1 u + (1-b1) g and accumulates it (acc += u); top-k of |acc| is averaged and applied as
                    p -= lr * avg / sqrt(v); sent entries are zeroed in acc and u (momentum factor masking)
@@ -61,6 +63,8 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--lr-warmup", type=int, default=60)
+    p.add_argument("--ramp", type=int, default=0, help="after the warm-up, density falls geometrically from 1 "
+                   "to --ratio over this many steps (mom schemes)")
     a = p.parse_args()
     torch.set_num_threads(1)
     cfg = PRESETS["demo"]()
@@ -88,7 +92,7 @@ def main() -> None:
             _, l = model(x, y)
             l.backward()
             grads.append(torch.cat([q.grad.reshape(-1) for q in params]))
-            loss += float(l) / WORLD
+            loss += float(l.detach()) / WORLD
         losses.append(loss)
         step = t + 1
         if scheme.startswith("ds"):
@@ -149,18 +153,31 @@ def main() -> None:
             m.mul_(B1).add_(g, alpha=1 - B1)
             flat.add_(m * prec, alpha=-lr / (1 - B1 ** step))
         elif scheme.startswith("mom"):
+            ratio = a.ratio
+            if a.ramp and t - warm < a.ramp:
+                ratio = a.ratio ** ((t - warm + 1) / a.ramp)
+            kk = max(1, math.ceil(ratio * n))
             new = torch.zeros(n)
-            for r in range(WORLD):
-                x_r = res[r].add_(m * B1 + grads[r] * (1 - B1))
-                idx = select(x_r.abs() * weight, k, sizes, a.ratio)
-                new.index_add_(0, idx, x_r[idx])
-                res[r].index_fill_(0, idx, 0.0)
+            xs = [res[r].add_(m * B1 + grads[r] * (1 - B1)) for r in range(WORLD)]
+            if "union" in scheme:
+                chosen = torch.zeros(n, dtype=torch.bool)
+                for r in range(WORLD):
+                    chosen[select(xs[r].abs() * weight, kk, sizes, ratio)] = True
+                idx = chosen.nonzero().squeeze(1)
+                for r in range(WORLD):
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
+            else:
+                for r in range(WORLD):
+                    idx = select(xs[r].abs() * weight, kk, sizes, ratio)
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
             m = new / WORLD
             flat.add_(m * prec, alpha=-lr)
         else:
             raise SystemExit(f"unknown scheme {a.scheme}")
     tail = sum(losses[-20:]) / 20
-    print(json.dumps({"scheme": a.scheme, "ratio": a.ratio, "warmup": warm, "first": losses[0], "last20": tail,
+    print(json.dumps({"scheme": a.scheme, "ratio": a.ratio, "warmup": warm, "ramp": a.ramp, "first": losses[0], "last20": tail,
                       "at": {s: losses[s] for s in (59, 99, 199, a.steps - 1) if s < a.steps}}), flush=True)
 
 
