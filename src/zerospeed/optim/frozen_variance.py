@@ -28,9 +28,18 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 def check_freeze_variance(section: Any, optimizer: object, offload: bool) -> None:
     """With ``section.freeze_variance`` (``gradient_compression``) on, refuse what :func:`frozen_variance_step`
     cannot step (names the key to change)."""
-    for needs in ("momentum_correction", "preconditioned_selection"):
+    for needs in ("momentum_correction", "preconditioned_selection", "momentum_exchange"):
         if getattr(section, needs) and not section.freeze_variance:
             raise ConfigError(f"gradient_compression.{needs}", "needs freeze_variance: true")
+    if section.union_indices and not section.momentum_exchange:
+        raise ConfigError("gradient_compression.union_indices", "needs momentum_exchange: true")
+    if section.momentum_exchange:
+        for other in ("momentum_correction", "preconditioned_selection"):
+            if getattr(section, other):
+                raise ConfigError(f"gradient_compression.{other}", "cannot be combined with momentum_exchange "
+                                  "(it exchanges momentum already, ranked by |x|); remove one")
+        if not section.error_feedback:
+            raise ConfigError("gradient_compression.error_feedback", "momentum_exchange needs error_feedback: true")
     if not section.freeze_variance:
         return
     key = "gradient_compression.freeze_variance"

@@ -38,6 +38,7 @@ class ZeroOptimizer:
     freeze_variance_at: int | None = None
     momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
     preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
+    momentum_exchange: Any = None  # ... momentum_exchange: a TopkMomentumExchange (zero/topk_momentum.py)
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -168,7 +169,10 @@ class ZeroOptimizer:
         if self.stepper is not None:
             self.stepper.step(grads)
         elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
-            frozen_variance_step(self.optimizer, self.freeze_variance_at, bool(self.reducer.topk_momentum))
+            if self.momentum_exchange is not None:
+                self._exchange_momentum(grads)
+            frozen_variance_step(self.optimizer, self.freeze_variance_at,
+                                 bool(self.reducer.topk_momentum) or self.momentum_exchange is not None)
         else:
             self.optimizer.step()
         self.loss_scaler.update(False)
@@ -206,6 +210,18 @@ class ZeroOptimizer:
                 comm.all_gather(full, mine, group=self.gather_group(grp))
                 scales[(gi, bucket.index)] = full
         self.reducer.topk_scale = scales
+
+    def _exchange_momentum(self, grads: list[torch.Tensor]) -> None:
+        """Replace each group's local gradient by the exchanged top-k momentum (zero/topk_momentum.py)."""
+        for gi, (grp, grad) in enumerate(zip(self.groups, grads)):
+            momentum = torch.zeros_like(grad)
+            for i, mp in enumerate(grp.master_params):
+                st = self.optimizer.state.get(mp)
+                if st and "exp_avg" in st:
+                    view = grp.slot_view(momentum, i)
+                    view.copy_(st["exp_avg"].reshape(view.shape))
+            owner = self.optimizer.state.get(grp.master_params[0])
+            self.momentum_exchange.exchange(gi, grad, momentum, self._beta1(grp), owner)
 
     def abandon_step(self) -> None:
         """After an exception in forward, backward or step: drop the step's gradients and buffers."""

@@ -1,0 +1,59 @@
+"""Top-k momentum exchange (``gradient_compression.momentum_exchange``): 1-bit Adam's shape, top-k instead of signs.
+
+After the dense warm-up of ``warmup_steps`` (Adam; then its variance frozen, ``optim/frozen_variance.py``)
+the engine stops all-reducing gradients (stage 0: each rank keeps its local gradient ``g_r``) and, per
+parameter group, as one flat vector::
+
+    x_r = e_r + beta1 * m + (1 - beta1) * g_r     m: Adam's exp_avg (the same on every rank), e_r: this rank's error
+    m   = (1 / world) * sum over ranks of the top-k of x_r     (k = ceil(ratio * n); e_r keeps what was not sent)
+    p  -= lr * m / (sqrt(v / (1 - beta2^warmup_steps)) + eps)                          (v frozen at the warm-up)
+
+The exchanged value is the error-compensated momentum, not the gradient: an entry once sent stays large in
+``beta1 * m`` and keeps being sent while it decays, and error feedback keeps the sum of the delivered momenta
+equal to the sum of the true ones. With ``union_indices`` the ranks all-gather their top-k indices and
+all-reduce their values at the union (``comm.union_sparse_all_reduce``): every delivered entry is exact.
+
+The error buffers are per rank and are not checkpointed: like DeepSpeed's 1-bit error buffers they start
+again from zero after a checkpoint load (detected as a replaced optimizer state) or a change of world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import comm
+
+
+class TopkMomentumExchange:
+    """Exchanges the error-compensated momentum of each group's flat local gradient (see the module doc)."""
+
+    def __init__(self, ratio: float, union_indices: bool, dp_group: comm.Group | None) -> None:
+        self.ratio = ratio
+        self.union_indices = union_indices
+        self.dp_group = dp_group
+        self.errors: dict[int, tuple[Any, torch.Tensor]] = {}  # group -> (the state it belongs to, e_r)
+
+    def reset(self) -> None:
+        self.errors.clear()
+
+    def error(self, gi: int, owner: Any, like: torch.Tensor) -> torch.Tensor:
+        """Group ``gi``'s error buffer; zeros when new or when ``owner`` (its optimizer state) was replaced."""
+        held = self.errors.get(gi)
+        if held is None or held[0] is not owner or held[1].numel() != like.numel():
+            held = (owner, torch.zeros_like(like, dtype=torch.float32))
+            self.errors[gi] = held
+        return held[1]
+
+    @torch.no_grad()
+    def exchange(self, gi: int, grad: torch.Tensor, momentum: torch.Tensor, beta1: float, owner: Any) -> None:
+        """Replace the flat local gradient ``grad`` by the exchanged momentum; ``momentum`` (Adam's exp_avg of
+        the group, flat) is used up as scratch."""
+        x = momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
+        err = self.error(gi, owner, x)
+        if self.union_indices:
+            comm.union_sparse_all_reduce(x, self.ratio, err, self.dp_group)
+        else:
+            comm.sparse_all_reduce(x, self.ratio, err, self.dp_group)
+        grad.copy_(x).mul_(1.0 / comm.get_world_size(self.dp_group))
