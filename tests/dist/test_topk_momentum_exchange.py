@@ -4,6 +4,7 @@ Adam for the warm-up, then each rank's error-compensated ``beta1 * m + (1 - beta
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -137,7 +138,7 @@ def test_checkpoint_round_trip_keeps_momentum_and_resets_errors(tmp_path: Any) -
 
 def test_momentum_exchange_refused_where_it_does_not_apply() -> None:
     from zerospeed.config import ConfigError, load_config
-    from zerospeed.runtime.build import _momentum_exchange, _topk
+    from zerospeed.runtime.build import _topk
 
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": COMPRESSION}
@@ -147,7 +148,11 @@ def test_momentum_exchange_refused_where_it_does_not_apply() -> None:
                        ({"error_feedback": False}, "needs error_feedback")):
         with pytest.raises(ConfigError, match=match):
             _topk(load_config({**on, "gradient_compression": {**COMPRESSION, **bad}}), torch.optim.Adam(p))
-    for extra, match in (({"zero_optimization": {"stage": 1}}, "stage 0 only"),
-                         ({"gradient_clipping": 1.0}, "gradient_clipping")):
+    from zerospeed.zero.topk_momentum import install_momentum_exchange
+
+    section = load_config(on).gradient_compression
+    for fields, match in (({"partitioned": True}, "stage 0 only"), ({"clip": 1.0}, "gradient_clipping"),
+                          ({"reducer": object()}, "Mixture-of-Experts")):
+        opt = SimpleNamespace(**{"partitioned": False, "clip": 0.0, "reducer": SimpleNamespace(topk_steps=0), **fields})
         with pytest.raises(ConfigError, match=match):
-            _momentum_exchange(load_config({**on, **extra}), None, None, None)  # type: ignore[arg-type]
+            install_momentum_exchange(section, opt, None)

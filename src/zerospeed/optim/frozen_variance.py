@@ -28,6 +28,9 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 def check_freeze_variance(section: Any, optimizer: object, offload: bool) -> None:
     """With ``section.freeze_variance`` (``gradient_compression``) on, refuse what :func:`frozen_variance_step`
     cannot step (names the key to change)."""
+    if getattr(optimizer, "compresses_communication", False):
+        raise ConfigError("gradient_compression", f"{type(optimizer).__name__} compresses its own communication: "
+                          "remove it")
     for needs in ("momentum_correction", "preconditioned_selection", "momentum_exchange"):
         if getattr(section, needs) and not section.freeze_variance:
             raise ConfigError(f"gradient_compression.{needs}", "needs freeze_variance: true")

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..config.compression import GradientCompressionConfig
+from ..config.errors import ConfigError
 
 
 class TopkMomentumExchange:
@@ -57,3 +59,21 @@ class TopkMomentumExchange:
         else:
             comm.sparse_all_reduce(x, self.ratio, err, self.dp_group)
         grad.copy_(x).mul_(1.0 / comm.get_world_size(self.dp_group))
+
+
+def install_momentum_exchange(section: GradientCompressionConfig, zero_opt: Any, dp_group: comm.Group | None) -> None:
+    """With ``gradient_compression.momentum_exchange`` on (``section``), give ``zero_opt`` the exchange and make its
+    reducer keep local gradients once the warm-up is over; refuse what it cannot serve (names the key)."""
+    if section.type != "topk" or not section.momentum_exchange:
+        return
+    key = "gradient_compression.momentum_exchange"
+    if zero_opt.partitioned:
+        raise ConfigError(key, "works with ZeRO stage 0 only (each rank keeps its whole local gradient)")
+    if zero_opt.clip > 0:
+        raise ConfigError(key, "does not work with gradient_clipping (the ranks' local gradient norms differ): "
+                          "set gradient_clipping to 0")
+    reducer = zero_opt.reducer
+    if not hasattr(reducer, "topk_steps"):
+        raise ConfigError(key, "does not work with Mixture-of-Experts layers")
+    zero_opt.momentum_exchange = TopkMomentumExchange(section.ratio, section.union_indices, dp_group)
+    reducer.allreduce_gate = lambda: reducer.topk_steps < section.warmup_steps
