@@ -11,7 +11,7 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   mom-pre          after the warm-up: frozen variance, top-k of error-compensated local momentum (1-bit Adam's
                    shape), entries chosen by |x| / sqrt(v)
   mom              as mom-pre, entries chosen by |x|
-  mom-union        as mom, but the ranks exchange their top-k indices and average their exact values at the
+  mom-union(-vw)   (-vw: entries ranked by |x| * (sqrt(v) + eps)) as mom, but the ranks exchange their top-k indices and average their exact values at the
                    union of the indices (every selected entry exact; all ranks' residuals cleared there)
   dgc              DGC's momentum correction with Adam's frozen variance: each rank keeps its own momentum
                    u = b1 u + (1-b1) g and accumulates it (acc += u); top-k of |acc| is averaged and applied as
@@ -127,7 +127,7 @@ def main() -> None:
             continue
         if prec is None:  # freeze Adam's variance (bias-corrected) at the end of the warm-up
             prec = 1.0 / ((v / (1 - B2 ** (step - 1))).sqrt() + EPS)
-        weight = prec if scheme.endswith("-pre") else torch.ones(n)
+        weight = prec if scheme.endswith("-pre") else 1.0 / prec if scheme.endswith("-vw") else torch.ones(n)
         if scheme == "dgc":
             total = torch.zeros(n)
             for r in range(WORLD):
