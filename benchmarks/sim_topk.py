@@ -13,6 +13,9 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   mom              as mom-pre, entries chosen by |x|
   mom-union(-vw)   (-vw: entries ranked by |x| * (sqrt(v) + eps)) as mom, but the ranks exchange their top-k indices and average their exact values at the
                    union of the indices (every selected entry exact; all ranks' residuals cleared there)
+  upd(-union)      each rank keeps its own live variance of its local gradient and sends the top-k of its
+                   error-compensated preconditioned momentum b1 * u + (1 - b1) * g / (sqrt(v_r) + eps); the
+                   average u is the update (p -= lr * u), per-rank or exact at the union of the indices
   dgc              DGC's momentum correction with Adam's frozen variance: each rank keeps its own momentum
                    u = b1 u + (1-b1) g and accumulates it (acc += u); top-k of |acc| is averaged and applied as
                    p -= lr * avg / sqrt(v); sent entries are zeroed in acc and u (momentum factor masking)
@@ -80,7 +83,9 @@ def main() -> None:
     sizes = [q.numel() for q in params] if a.scheme.endswith("-layer") else None
     scheme = a.scheme.removesuffix("-layer")
     u = [torch.zeros(n) for _ in range(WORLD)]
-    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam", "dgc")) else 0
+    vr: list[torch.Tensor] | None = None
+    upd = torch.zeros(n)
+    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam", "dgc", "upd")) else 0
     losses = []
     for t in range(a.steps):
         lr = LR * min(1.0, t / a.lr_warmup) if a.lr_warmup else LR
@@ -152,6 +157,31 @@ def main() -> None:
             g /= WORLD
             m.mul_(B1).add_(g, alpha=1 - B1)
             flat.add_(m * prec, alpha=-lr / (1 - B1 ** step))
+        elif scheme.startswith("upd"):
+            if vr is None:  # from the warm-up: Adam's variance (each rank keeps its own copy live) and update
+                vr = [v.clone() for _ in range(WORLD)]
+                upd = m / ((v / (1 - B2 ** (step - 1))).sqrt() + EPS)
+            xs = []
+            for r in range(WORLD):
+                vr[r].mul_(B2).addcmul_(grads[r], grads[r], value=1 - B2)
+                den = (vr[r] / (1 - B2 ** step)).sqrt() + EPS
+                xs.append(res[r].add_(upd * B1 + grads[r] / den * (1 - B1)))
+            new = torch.zeros(n)
+            if "union" in scheme:
+                chosen = torch.zeros(n, dtype=torch.bool)
+                for r in range(WORLD):
+                    chosen[select(xs[r].abs(), k, sizes, a.ratio)] = True
+                idx = chosen.nonzero().squeeze(1)
+                for r in range(WORLD):
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
+            else:
+                for r in range(WORLD):
+                    idx = select(xs[r].abs(), k, sizes, a.ratio)
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
+            upd = new / WORLD
+            flat.add_(upd, alpha=-lr)
         elif scheme.startswith("mom"):
             ratio = a.ratio
             if a.ramp and t - warm < a.ramp:
