@@ -23,26 +23,26 @@ def data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def config(union: bool) -> dict[str, Any]:
+def config(union: bool, local: bool = False) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
             "optimizer": {"type": "Adam", "params": {"lr": LR}},
-            "gradient_compression": {**COMPRESSION, "union_indices": union}}
+            "gradient_compression": {**COMPRESSION, "union_indices": union, "local_variance": local}}
 
 
-def run(union: bool, save_at: int | None = None, ckpt: str = "") -> dict[str, Any]:
+def run(union: bool, save_at: int | None = None, ckpt: str = "", local: bool = False) -> dict[str, Any]:
     """Train STEPS steps; with ``save_at``, save after that many steps and let a fresh engine load and finish."""
     import zerospeed
     from zerospeed import comm
 
     rank = comm.get_rank()
     model = Wide()
-    engine, _, _, _ = zerospeed.initialize(model=model, config=config(union))
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config(union, local))
     per_step = []
     for step in range(STEPS):
         if save_at is not None and step == save_at:
             engine.save_checkpoint(ckpt, tag="t")
             model = Wide()
-            engine, _, _, _ = zerospeed.initialize(model=model, config=config(union))
+            engine, _, _, _ = zerospeed.initialize(model=model, config=config(union, local))
             engine.load_checkpoint(ckpt, tag="t")
         before = comm.COMMS_LOGGER.snapshot()
         loss = engine(data(step, rank))
@@ -72,8 +72,9 @@ def exchange(xs: list[torch.Tensor], errors: list[torch.Tensor], k: int, union: 
     return total * 0.5
 
 
-def simulate(union: bool, reset_at: int | None = None) -> dict[str, torch.Tensor]:
-    """One process, both ranks' gradients from the same replica; ``reset_at``: error buffers zeroed there."""
+def simulate(union: bool, reset_at: int | None = None, local: bool = False) -> dict[str, torch.Tensor]:
+    """One process, both ranks' gradients from the same replica; ``reset_at``: error buffers zeroed there;
+    ``local``: each rank's own live variance, the preconditioned momentum exchanged (``local_variance``)."""
     model = Wide()
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=LR, betas=BETAS, eps=EPS)
@@ -94,8 +95,23 @@ def simulate(union: bool, reset_at: int | None = None) -> dict[str, torch.Tensor
             opt.step()
             continue
         m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
+        if local:
+            t = int(opt.state[params[0]]["step"]) + 1
+            if t - 1 == WARM:  # from Adam's momentum and variance: each rank's variance, the shared step u
+                variances = [torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params]) for _ in grads]
+                m = m / ((variances[0] / (1 - BETAS[1] ** WARM)).sqrt() + EPS)
+            for r, g in enumerate(grads):
+                variances[r].mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+                grads[r] = g / (variances[r] / (1 - BETAS[1] ** t)).sqrt_().add_(EPS)
         xs = [m.clone().mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0]) for g in grads]
         avg = exchange(xs, errors, topk_count(n, RATIO), union)
+        if local:
+            with torch.no_grad():
+                for p, up in zip(params, avg.split([p.numel() for p in params])):
+                    opt.state[p]["step"] += 1
+                    opt.state[p]["exp_avg"].copy_(up.view_as(p))
+                    p.add_(opt.state[p]["exp_avg"], alpha=-LR)
+            continue
         with torch.no_grad():  # 1-bit Adam's rule: the exchanged momentum is exp_avg; the variance frozen
             for p, mp in zip(params, avg.split([p.numel() for p in params])):
                 st = opt.state[p]
@@ -126,6 +142,17 @@ def test_momentum_exchange_equals_simulation(union: bool) -> None:
             assert s["all_gather"] == 2 * 2 * k * 4 and s.get("all_reduce", 0) <= 4
 
 
+@pytest.mark.parametrize("union", [False, True])
+def test_local_variance_equals_simulation(union: bool) -> None:
+    """``local_variance``: each rank's own live variance preconditions its gradient; the step is exchanged."""
+    results = run_distributed(run, 2, union, None, "", True, timeout=120)
+    want = simulate(union, local=True)
+    for r in results:
+        for key, v in want.items():
+            torch.testing.assert_close(r["state"][key], v, rtol=1e-6, atol=1e-7)
+    assert any(not torch.allclose(want[key], v, rtol=1e-4, atol=1e-6) for key, v in simulate(union).items())
+
+
 def test_checkpoint_round_trip_keeps_momentum_and_resets_errors(tmp_path: Any) -> None:
     """Saved after a compressed step, loaded by a fresh engine: Adam's state and step count come back; the
     per-rank error buffers start from zero (as DeepSpeed's 1-bit error buffers do on load)."""
@@ -145,7 +172,8 @@ def test_momentum_exchange_refused_where_it_does_not_apply() -> None:
     for bad, match in (({"freeze_variance": False}, "needs freeze_variance"),
                        ({"momentum_exchange": False, "union_indices": True}, "needs momentum_exchange"),
                        ({"momentum_correction": True}, "cannot be combined with momentum_exchange"),
-                       ({"error_feedback": False}, "needs error_feedback")):
+                       ({"error_feedback": False}, "needs error_feedback"),
+                       ({"momentum_exchange": False, "local_variance": True}, "needs momentum_exchange")):
         with pytest.raises(ConfigError, match=match):
             _topk(load_config({**on, "gradient_compression": {**COMPRESSION, **bad}}), torch.optim.Adam(p))
     from zerospeed.zero.topk_momentum import install_momentum_exchange

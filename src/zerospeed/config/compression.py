@@ -24,7 +24,9 @@ class GradientCompressionConfig(Section):
     ``momentum_exchange`` (needs ``freeze_variance``, stage 0, no gradient clipping): 1-bit Adam's exchange with
     top-k, each rank sends the top-k of its error-compensated ``beta1 * m + (1 - beta1) * g`` and the average
     becomes Adam's momentum (``zero/topk_momentum.py``). ``union_indices`` (needs ``momentum_exchange``): the
-    ranks all-gather their top-k indices and all-reduce their values at the union, so every sent entry is exact."""
+    ranks all-gather their top-k indices and all-reduce their values at the union, so every sent entry is exact.
+    ``local_variance`` (needs ``momentum_exchange``): each rank keeps Adam's variance live from its own local
+    gradient and the ranks exchange the preconditioned momentum (the step) instead."""
 
     type: Literal["none", "topk"] = "none"
     ratio: float = Field(0.01, gt=0, le=1)
@@ -35,3 +37,4 @@ class GradientCompressionConfig(Section):
     preconditioned_selection: bool = False
     momentum_exchange: bool = False
     union_indices: bool = False
+    local_variance: bool = False

@@ -13,6 +13,15 @@ The exchanged value is the error-compensated momentum, not the gradient: an entr
 equal to the sum of the true ones. With ``union_indices`` the ranks all-gather their top-k indices and
 all-reduce their values at the union (``comm.union_sparse_all_reduce``): every delivered entry is exact.
 
+With ``local_variance`` the variance stays live instead: each rank updates Adam's ``exp_avg_sq`` from its own
+local gradient and exchanges the error-compensated *preconditioned* momentum, which is the step itself::
+
+    v_r = beta2 * v_r + (1 - beta2) * g_r^2;   x_r = e_r + beta1 * u + (1 - beta1) * g_r / (sqrt(v_r / (1 - beta2^t)) + eps)
+    u   = (1 / world) * sum over ranks of the top-k of x_r   (kept in exp_avg);   p -= lr * u
+
+(at the first compressed step ``u`` starts as Adam's own ``m / (sqrt(v_hat) + eps)``). ``exp_avg_sq`` then
+differs between ranks; a checkpoint keeps rank 0's.
+
 The error buffers are per rank and are not checkpointed: like DeepSpeed's 1-bit error buffers they start
 again from zero after a checkpoint load (detected as a replaced optimizer state) or a change of world size.
 """
@@ -31,9 +40,11 @@ from ..config.errors import ConfigError
 class TopkMomentumExchange:
     """Exchanges the error-compensated momentum of each group's flat local gradient (see the module doc)."""
 
-    def __init__(self, ratio: float, union_indices: bool, dp_group: comm.Group | None) -> None:
+    def __init__(self, ratio: float, union_indices: bool, dp_group: comm.Group | None,
+                 local_variance: bool = False) -> None:
         self.ratio = ratio
         self.union_indices = union_indices
+        self.local_variance = local_variance
         self.dp_group = dp_group
         self.errors: dict[int, tuple[Any, torch.Tensor]] = {}  # group -> (the state it belongs to, e_r)
 
@@ -49,10 +60,17 @@ class TopkMomentumExchange:
         return held[1]
 
     @torch.no_grad()
-    def exchange(self, gi: int, grad: torch.Tensor, momentum: torch.Tensor, beta1: float, owner: Any) -> None:
+    def exchange(self, gi: int, grad: torch.Tensor, momentum: torch.Tensor, beta1: float, owner: Any,
+                 variance: torch.Tensor | None = None, beta2: float = 0.0, eps: float = 0.0, t: int = 1) -> None:
         """Replace the flat local gradient ``grad`` by the exchanged momentum; ``momentum`` (Adam's exp_avg of
-        the group, flat) is used up as scratch."""
-        x = momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
+        the group, flat) is used up as scratch. With ``variance`` (``local_variance``: this rank's exp_avg_sq,
+        flat, updated here; ``t`` its step count) the gradient is preconditioned first and ``momentum`` is
+        the shared update."""
+        local = grad
+        if variance is not None:
+            variance.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            local = grad / (variance / (1 - beta2 ** t)).sqrt_().add_(eps)
+        x = momentum.mul_(beta1).add_(local, alpha=1 - beta1)
         err = self.error(gi, owner, x)
         if self.union_indices:
             comm.union_sparse_all_reduce(x, self.ratio, err, self.dp_group)
@@ -75,5 +93,6 @@ def install_momentum_exchange(section: GradientCompressionConfig, zero_opt: Any,
     reducer = zero_opt.reducer
     if not hasattr(reducer, "topk_steps"):
         raise ConfigError(key, "does not work with Mixture-of-Experts layers")
-    zero_opt.momentum_exchange = TopkMomentumExchange(section.ratio, section.union_indices, dp_group)
+    zero_opt.momentum_exchange = TopkMomentumExchange(section.ratio, section.union_indices, dp_group,
+                                                      section.local_variance)
     reducer.allreduce_gate = lambda: reducer.topk_steps < section.warmup_steps
