@@ -98,6 +98,8 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     # -l: local_variance (each rank's own live variance; the preconditioned momentum is exchanged)
     out["TopK-1%-mxul"] = ({"optimizer": adam, "gradient_compression": {**mx, "union_indices": True,
                                                                          "local_variance": True}}, "Adam")
+    out["TopK-1%-mxl-w100"] = ({"optimizer": adam, "gradient_compression": {**mx, **w100, "local_variance": True}},
+                               "Adam")
     out["TopK-1%-mxul-w100"] = ({"optimizer": adam, "gradient_compression": {**mx, **w100, "union_indices": True,
                                                                               "local_variance": True}}, "Adam")
     out["TopK-2%-dgc"] = ({"optimizer": adam, "gradient_compression": {**dgc, "ratio": 0.02}}, "Adam")
