@@ -20,7 +20,7 @@ local gradient and exchanges the error-compensated *preconditioned* momentum, wh
     u   = (1 / world) * sum over ranks of the top-k of x_r   (kept in exp_avg);   p -= lr * u
 
 (at the first compressed step ``u`` starts as Adam's own ``m / (sqrt(v_hat) + eps)``). ``exp_avg_sq`` then
-differs between ranks; a checkpoint keeps rank 0's.
+differs between ranks; a checkpoint keeps one rank's.
 
 The error buffers are per rank and are not checkpointed: like DeepSpeed's 1-bit error buffers they start
 again from zero after a checkpoint load (detected as a replaced optimizer state) or a change of world size.
