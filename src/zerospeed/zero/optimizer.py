@@ -170,8 +170,8 @@ class ZeroOptimizer:
             self.stepper.step(grads)
         elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
             exchange = self.momentum_exchange
-            if exchange is not None:
-                self._exchange_momentum(grads)
+            if exchange is not None:  # each group's local gradient becomes the exchanged top-k momentum
+                exchange.exchange_groups(self.optimizer, self.groups, grads, self._param_group, self.freeze_variance_at)
             frozen_variance_step(self.optimizer, self.freeze_variance_at,
                                  bool(self.reducer.topk_momentum) or exchange is not None,
                                  exchange is not None and exchange.local_variance)
@@ -212,29 +212,6 @@ class ZeroOptimizer:
                 comm.all_gather(full, mine, group=self.gather_group(grp))
                 scales[(gi, bucket.index)] = full
         self.reducer.topk_scale = scales
-
-    def _exchange_momentum(self, grads: list[torch.Tensor]) -> None:
-        """Replace each group's local gradient by the exchanged top-k momentum (zero/topk_momentum.py)."""
-        local = self.momentum_exchange.local_variance
-        for gi, (grp, grad) in enumerate(zip(self.groups, grads)):
-            flat = {"exp_avg": torch.zeros_like(grad), "exp_avg_sq": torch.zeros_like(grad) if local else None}
-            for i, mp in enumerate(grp.master_params):
-                st = self.optimizer.state.get(mp)
-                for key, out in flat.items():
-                    if out is not None and st and key in st:
-                        view = grp.slot_view(out, i)
-                        view.copy_(st[key].reshape(view.shape))
-            owner = self.optimizer.state.get(grp.master_params[0])
-            pg = self._param_group(grp)
-            beta2, eps, t = pg["betas"][1], pg["eps"], int(owner["step"]) + 1 if owner else 1
-            momentum, variance = flat["exp_avg"], flat["exp_avg_sq"]
-            if variance is not None and t - 1 == self.freeze_variance_at:  # exp_avg is Adam's m: start from its step
-                momentum.div_((variance / (1 - beta2 ** max(1, t - 1))).sqrt().add_(eps))
-            self.momentum_exchange.exchange(gi, grad, momentum, self._beta1(grp), owner, variance, beta2, eps, t)
-            for i, mp in enumerate(grp.master_params if variance is not None else []):
-                st = self.optimizer.state.get(mp)
-                if st and "exp_avg_sq" in st:
-                    st["exp_avg_sq"].copy_(grp.slot_view(variance, i).reshape(st["exp_avg_sq"].shape))
 
     def abandon_step(self) -> None:
         """After an exception in forward, backward or step: drop the step's gradients and buffers."""

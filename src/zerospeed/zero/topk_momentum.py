@@ -28,6 +28,7 @@ again from zero after a checkpoint load (detected as a replaced optimizer state)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +59,33 @@ class TopkMomentumExchange:
             held = (owner, torch.zeros_like(like, dtype=torch.float32))
             self.errors[gi] = held
         return held[1]
+
+    @torch.no_grad()
+    def exchange_groups(self, optimizer: torch.optim.Optimizer, groups: list[Any], grads: list[torch.Tensor],
+                        param_group: Callable[[Any], dict[str, Any]], frozen_at: int) -> None:
+        """Replace each sharded group's flat local gradient by the exchanged momentum, reading Adam's state of
+        its master parameters as flat vectors (``local_variance``: writing its variance back)."""
+        for gi, (grp, grad) in enumerate(zip(groups, grads)):
+            flat = {"exp_avg": torch.zeros_like(grad)}
+            if self.local_variance:
+                flat["exp_avg_sq"] = torch.zeros_like(grad)
+            for i, mp in enumerate(grp.master_params):
+                st = optimizer.state.get(mp)
+                for key, out in flat.items():
+                    if st and key in st:
+                        view = grp.slot_view(out, i)
+                        view.copy_(st[key].reshape(view.shape))
+            owner = optimizer.state.get(grp.master_params[0])
+            pg = param_group(grp)
+            beta2, eps, t = pg["betas"][1], pg["eps"], int(owner["step"]) + 1 if owner else 1
+            momentum, variance = flat["exp_avg"], flat.get("exp_avg_sq")
+            if variance is not None and t - 1 == frozen_at:  # exp_avg is still Adam's m: start from Adam's step
+                momentum.div_((variance / (1 - beta2 ** max(1, t - 1))).sqrt().add_(eps))
+            self.exchange(gi, grad, momentum, float(pg["betas"][0]), owner, variance, beta2, eps, t)
+            for i, mp in enumerate(grp.master_params if variance is not None else []):
+                st = optimizer.state.get(mp)
+                if st and "exp_avg_sq" in st:
+                    st["exp_avg_sq"].copy_(grp.slot_view(variance, i).reshape(st["exp_avg_sq"].shape))
 
     @torch.no_grad()
     def exchange(self, gi: int, grad: torch.Tensor, momentum: torch.Tensor, beta1: float, owner: Any,
