@@ -11,8 +11,9 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   mom-pre          after the warm-up: frozen variance, top-k of error-compensated local momentum (1-bit Adam's
                    shape), entries chosen by |x| / sqrt(v)
   mom              as mom-pre, entries chosen by |x|
-  mom-union(-vw)   (-vw: entries ranked by |x| * (sqrt(v) + eps)) as mom, but the ranks exchange their top-k indices and average their exact values at the
-                   union of the indices (every selected entry exact; all ranks' residuals cleared there)
+  mom-union        as mom, but the ranks exchange their top-k indices and average their exact values at the
+                   union of the indices (every selected entry exact; all ranks' residuals cleared there);
+                   -vw suffix: entries ranked by |x| * (sqrt(v) + eps)
   upd(-union)      each rank keeps its own live variance of its local gradient and sends the top-k of its
                    error-compensated preconditioned momentum b1 * u + (1 - b1) * g / (sqrt(v_r) + eps); the
                    average u is the update (p -= lr * u), per-rank or exact at the union of the indices
@@ -207,7 +208,8 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown scheme {a.scheme}")
     tail = sum(losses[-20:]) / 20
-    print(json.dumps({"scheme": a.scheme, "ratio": a.ratio, "warmup": warm, "ramp": a.ramp, "first": losses[0], "last20": tail,
+    print(json.dumps({"scheme": a.scheme, "ratio": a.ratio, "warmup": warm, "ramp": a.ramp, "first": losses[0],
+                      "last20": tail,
                       "at": {s: losses[s] for s in (59, 99, 199, a.steps - 1) if s < a.steps}}), flush=True)
 
 

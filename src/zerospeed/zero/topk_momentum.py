@@ -16,7 +16,8 @@ all-reduce their values at the union (``comm.union_sparse_all_reduce``): every d
 With ``local_variance`` the variance stays live instead: each rank updates Adam's ``exp_avg_sq`` from its own
 local gradient and exchanges the error-compensated *preconditioned* momentum, which is the step itself::
 
-    v_r = beta2 * v_r + (1 - beta2) * g_r^2;   x_r = e_r + beta1 * u + (1 - beta1) * g_r / (sqrt(v_r / (1 - beta2^t)) + eps)
+    v_r = beta2 * v_r + (1 - beta2) * g_r^2
+    x_r = e_r + beta1 * u + (1 - beta1) * g_r / (sqrt(v_r / (1 - beta2^t)) + eps)
     u   = (1 / world) * sum over ranks of the top-k of x_r   (kept in exp_avg);   p -= lr * u
 
 (at the first compressed step ``u`` starts as Adam's own ``m / (sqrt(v_hat) + eps)``). ``exp_avg_sq`` then
