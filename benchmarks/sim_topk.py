@@ -1,6 +1,6 @@
 """One-process simulation of top-k compressed Adam schemes on the demo GPT (2 ranks by splitting the batch).
 
-    python benchmarks/sim_topk.py --scheme NAME [--steps 300] [--ratio 0.01] [--warmup 60]
+    python benchmarks/sim_topk.py --scheme NAME [--steps 300] [--ratio 0.01] [--warmup 60] [--ramp N]
 
 Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   dense            Adam on the averaged gradient (the baseline)
