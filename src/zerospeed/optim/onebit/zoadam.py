@@ -20,10 +20,10 @@ initialising one (``s = step - 1`` updates), the variance only on variance-updat
 and, before the freeze, the momentum is divided by ``1 - b1^s``. While every step updates the variance
 (``var_interval`` 1) that is torch Adam's update exactly. In the local-step phase ``k`` is the frozen count
 (the local steps and their synchronisation use the corrected denominator) and the momentum is taken as it is
-(``1 - b1^s`` is 1 to 1e-3 after 60 steps, and the synchronised momentum is an average of used ones).
-Differences from
-DeepSpeed: the phase follows the step count (a loaded checkpoint needs no new initialising call); at world
-1 the non-all-reduce steps still update the momentum (DeepSpeed's skips it there).
+(``1 - b1^s`` is within 2e-3 of 1 after 60 steps, and the synchronised momentum is an average of used ones).
+
+Differences from DeepSpeed: the phase follows the step count (a loaded checkpoint needs no new initialising
+call); at world 1 the non-all-reduce steps still update the momentum (DeepSpeed's skips it there).
 """
 
 from __future__ import annotations
