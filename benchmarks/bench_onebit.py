@@ -70,6 +70,9 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     out["OneBitAdam-zbc"] = ({"optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": freeze,
                                                                              "zerospeed_bias_correction": True}}},
                              "Adam")
+    out["ZeroOneAdam-zbc"] = ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": LR, "var_freeze_step": freeze,
+                                                                               "zerospeed_bias_correction": True}}},
+                              "Adam")
     out["TopK-1%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.01}}, "Adam")
     out["TopK-10%"] = ({"optimizer": adam, "gradient_compression": {"type": "topk", "ratio": 0.1}}, "Adam")
     # A dense warm-up as long as the 1-bit optimizers' (gradient_compression.warmup_steps), then top-k 1 %: with
@@ -83,6 +86,22 @@ def contenders(steps: int, freeze_frac: float = 0.2) -> dict[str, tuple[dict[str
     out["TopK-1%-dgc"] = ({"optimizer": adam, "gradient_compression": dgc}, "Adam")
     out["TopK-1%-dgc-z1"] = ({"optimizer": adam, "gradient_compression": dgc, "zero_optimization": {"stage": 1}},
                              "Adam")
+    # 1-bit Adam's exchange with top-k: each rank's error-compensated momentum (momentum_exchange), per-rank
+    # top-k (-mx) or exact at the union of the ranks' indices (-mxu); -w100: a dense warm-up of 100 steps (33 %)
+    mx = {**frozen, "momentum_exchange": True}
+    out["TopK-1%-mx"] = ({"optimizer": adam, "gradient_compression": mx}, "Adam")
+    out["TopK-1%-mxu"] = ({"optimizer": adam, "gradient_compression": {**mx, "union_indices": True}}, "Adam")
+    w100 = {"warmup_steps": max(2, steps // 3)}
+    out["TopK-1%-mx-w100"] = ({"optimizer": adam, "gradient_compression": {**mx, **w100}}, "Adam")
+    out["TopK-1%-mxu-w100"] = ({"optimizer": adam, "gradient_compression": {**mx, **w100, "union_indices": True}},
+                               "Adam")
+    # -l: local_variance (each rank's own live variance; the preconditioned momentum is exchanged)
+    out["TopK-1%-mxul"] = ({"optimizer": adam, "gradient_compression": {**mx, "union_indices": True,
+                                                                         "local_variance": True}}, "Adam")
+    out["TopK-1%-mxl-w100"] = ({"optimizer": adam, "gradient_compression": {**mx, **w100, "local_variance": True}},
+                               "Adam")
+    out["TopK-1%-mxul-w100"] = ({"optimizer": adam, "gradient_compression": {**mx, **w100, "union_indices": True,
+                                                                              "local_variance": True}}, "Adam")
     out["TopK-2%-dgc"] = ({"optimizer": adam, "gradient_compression": {**dgc, "ratio": 0.02}}, "Adam")
     return out
 

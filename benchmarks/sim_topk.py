@@ -1,6 +1,6 @@
 """One-process simulation of top-k compressed Adam schemes on the demo GPT (2 ranks by splitting the batch).
 
-    python benchmarks/sim_topk.py --scheme NAME [--steps 300] [--ratio 0.01] [--warmup 60]
+    python benchmarks/sim_topk.py --scheme NAME [--steps 300] [--ratio 0.01] [--warmup 60] [--ramp N]
 
 Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   dense            Adam on the averaged gradient (the baseline)
@@ -11,6 +11,12 @@ Schemes (``--warmup`` dense Adam steps first where the name says ``warm``):
   mom-pre          after the warm-up: frozen variance, top-k of error-compensated local momentum (1-bit Adam's
                    shape), entries chosen by |x| / sqrt(v)
   mom              as mom-pre, entries chosen by |x|
+  mom-union        as mom, but the ranks exchange their top-k indices and average their exact values at the
+                   union of the indices (every selected entry exact; all ranks' residuals cleared there);
+                   -vw suffix: entries ranked by |x| * (sqrt(v) + eps)
+  upd(-union)      each rank keeps its own live variance of its local gradient and sends the top-k of its
+                   error-compensated preconditioned momentum b1 * u + (1 - b1) * g / (sqrt(v_r) + eps); the
+                   average u is the update (p -= lr * u), per-rank or exact at the union of the indices
   dgc              DGC's momentum correction with Adam's frozen variance: each rank keeps its own momentum
                    u = b1 u + (1-b1) g and accumulates it (acc += u); top-k of |acc| is averaged and applied as
                    p -= lr * avg / sqrt(v); sent entries are zeroed in acc and u (momentum factor masking)
@@ -61,6 +67,8 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--lr-warmup", type=int, default=60)
+    p.add_argument("--ramp", type=int, default=0, help="after the warm-up, density falls geometrically from 1 "
+                   "to --ratio over this many steps (mom schemes)")
     a = p.parse_args()
     torch.set_num_threads(1)
     cfg = PRESETS["demo"]()
@@ -76,7 +84,9 @@ def main() -> None:
     sizes = [q.numel() for q in params] if a.scheme.endswith("-layer") else None
     scheme = a.scheme.removesuffix("-layer")
     u = [torch.zeros(n) for _ in range(WORLD)]
-    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam", "dgc")) else 0
+    vr: list[torch.Tensor] | None = None
+    upd = torch.zeros(n)
+    warm = a.warmup if "warm" in a.scheme or a.scheme.startswith(("frozen", "mom", "adam", "dgc", "upd")) else 0
     losses = []
     for t in range(a.steps):
         lr = LR * min(1.0, t / a.lr_warmup) if a.lr_warmup else LR
@@ -88,7 +98,7 @@ def main() -> None:
             _, l = model(x, y)
             l.backward()
             grads.append(torch.cat([q.grad.reshape(-1) for q in params]))
-            loss += float(l) / WORLD
+            loss += float(l.detach()) / WORLD
         losses.append(loss)
         step = t + 1
         if scheme.startswith("ds"):
@@ -123,7 +133,7 @@ def main() -> None:
             continue
         if prec is None:  # freeze Adam's variance (bias-corrected) at the end of the warm-up
             prec = 1.0 / ((v / (1 - B2 ** (step - 1))).sqrt() + EPS)
-        weight = prec if scheme.endswith("-pre") else torch.ones(n)
+        weight = prec if scheme.endswith("-pre") else 1.0 / prec if scheme.endswith("-vw") else torch.ones(n)
         if scheme == "dgc":
             total = torch.zeros(n)
             for r in range(WORLD):
@@ -148,19 +158,58 @@ def main() -> None:
             g /= WORLD
             m.mul_(B1).add_(g, alpha=1 - B1)
             flat.add_(m * prec, alpha=-lr / (1 - B1 ** step))
-        elif scheme.startswith("mom"):
-            new = torch.zeros(n)
+        elif scheme.startswith("upd"):
+            if vr is None:  # from the warm-up: Adam's variance (each rank keeps its own copy live) and update
+                vr = [v.clone() for _ in range(WORLD)]
+                upd = m / ((v / (1 - B2 ** (step - 1))).sqrt() + EPS)
+            xs = []
             for r in range(WORLD):
-                x_r = res[r].add_(m * B1 + grads[r] * (1 - B1))
-                idx = select(x_r.abs() * weight, k, sizes, a.ratio)
-                new.index_add_(0, idx, x_r[idx])
-                res[r].index_fill_(0, idx, 0.0)
+                vr[r].mul_(B2).addcmul_(grads[r], grads[r], value=1 - B2)
+                den = (vr[r] / (1 - B2 ** step)).sqrt() + EPS
+                xs.append(res[r].add_(upd * B1 + grads[r] / den * (1 - B1)))
+            new = torch.zeros(n)
+            if "union" in scheme:
+                chosen = torch.zeros(n, dtype=torch.bool)
+                for r in range(WORLD):
+                    chosen[select(xs[r].abs(), k, sizes, a.ratio)] = True
+                idx = chosen.nonzero().squeeze(1)
+                for r in range(WORLD):
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
+            else:
+                for r in range(WORLD):
+                    idx = select(xs[r].abs(), k, sizes, a.ratio)
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
+            upd = new / WORLD
+            flat.add_(upd, alpha=-lr)
+        elif scheme.startswith("mom"):
+            ratio = a.ratio
+            if a.ramp and t - warm < a.ramp:
+                ratio = a.ratio ** ((t - warm + 1) / a.ramp)
+            kk = max(1, math.ceil(ratio * n))
+            new = torch.zeros(n)
+            xs = [res[r].add_(m * B1 + grads[r] * (1 - B1)) for r in range(WORLD)]
+            if "union" in scheme:
+                chosen = torch.zeros(n, dtype=torch.bool)
+                for r in range(WORLD):
+                    chosen[select(xs[r].abs() * weight, kk, sizes, ratio)] = True
+                idx = chosen.nonzero().squeeze(1)
+                for r in range(WORLD):
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
+            else:
+                for r in range(WORLD):
+                    idx = select(xs[r].abs() * weight, kk, sizes, ratio)
+                    new.index_add_(0, idx, xs[r][idx])
+                    res[r].index_fill_(0, idx, 0.0)
             m = new / WORLD
             flat.add_(m * prec, alpha=-lr)
         else:
             raise SystemExit(f"unknown scheme {a.scheme}")
     tail = sum(losses[-20:]) / 20
-    print(json.dumps({"scheme": a.scheme, "ratio": a.ratio, "warmup": warm, "first": losses[0], "last20": tail,
+    print(json.dumps({"scheme": a.scheme, "ratio": a.ratio, "warmup": warm, "ramp": a.ramp, "first": losses[0],
+                      "last20": tail,
                       "at": {s: losses[s] for s in (59, 99, 199, a.steps - 1) if s < a.steps}}), flush=True)
 
 

@@ -46,38 +46,50 @@ def run() -> dict[str, Any]:
     return {"out": out, "a2a_bytes": stats["all_to_all"].bytes, "ag_bytes": stats["all_gather"].bytes}
 
 
+def simulate_call(xs: list[torch.Tensor], we: list[torch.Tensor], se: list[torch.Tensor]) -> torch.Tensor:
+    """One call of the 1-bit all-reduce on every rank's ``xs[r]``, in one process: updates the ranks' worker
+    errors ``we`` and server errors ``se`` (lists, replaced in place) and returns the average every rank gets."""
+    world, shape, n = len(xs), xs[0].shape, xs[0].numel()
+    padded = padded_numel(n, world)
+    chunk = padded // world
+    sgn, scale = [], []
+    for r in range(world):
+        c = torch.cat([xs[r].reshape(-1), torch.zeros(padded - n)]) + we[r]
+        s = torch.linalg.vector_norm(c) / math.sqrt(padded)
+        sign = torch.where(c >= 0, 1.0, -1.0)
+        we[r] = c - s * sign
+        sgn.append(sign)
+        scale.append(s)
+    scales = torch.stack(scale)
+    t_list, t_sign = [], []
+    for r in range(world):
+        rows = torch.stack([sgn[k][r * chunk:(r + 1) * chunk] for k in range(world)])
+        m = rows.mul(scales.mul(1.0 / world).view(-1, 1)).sum(0) + se[r]
+        t = torch.linalg.vector_norm(m) / math.sqrt(chunk)
+        sign = torch.where(m >= 0, 1.0, -1.0)
+        se[r] = m - t * sign
+        t_list.append(t)
+        t_sign.append(sign)
+    return torch.cat([t_list[r] * t_sign[r] for r in range(world)])[:n].reshape(shape)
+
+
+def fresh_errors(n: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    padded = padded_numel(n, world)
+    return [torch.zeros(padded)] * world, [torch.zeros(padded // world)] * world
+
+
 def simulate(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """results[call][rank] = (output, worker_error, server_error), one process, plain tensor ops."""
     errors: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     results = []
     for call, shape in enumerate(SHAPES):
         n = math.prod(shape)
-        padded = padded_numel(n, world)
-        chunk = padded // world
-        we, se = errors.setdefault(n, ([torch.zeros(padded)] * world, [torch.zeros(chunk)] * world))
+        we, se = errors.setdefault(n, fresh_errors(n, world))
         if n == 0:
-            errors[n] = ([torch.zeros(padded)] * world, [torch.zeros(chunk)] * world)
+            errors[n] = fresh_errors(n, world)
             results.append([(torch.zeros(shape), errors[n][0][r], errors[n][1][r]) for r in range(world)])
             continue
-        sgn, scale = [], []
-        for r in range(world):
-            c = torch.cat([data(call, r).reshape(-1), torch.zeros(padded - n)]) + we[r]
-            s = torch.linalg.vector_norm(c) / math.sqrt(padded)
-            sign = torch.where(c >= 0, 1.0, -1.0)
-            we[r] = c - s * sign
-            sgn.append(sign)
-            scale.append(s)
-        scales = torch.stack(scale)
-        t_list, t_sign = [], []
-        for r in range(world):
-            rows = torch.stack([sgn[k][r * chunk:(r + 1) * chunk] for k in range(world)])
-            m = rows.mul(scales.mul(1.0 / world).view(-1, 1)).sum(0) + se[r]
-            t = torch.linalg.vector_norm(m) / math.sqrt(chunk)
-            sign = torch.where(m >= 0, 1.0, -1.0)
-            se[r] = m - t * sign
-            t_list.append(t)
-            t_sign.append(sign)
-        full = torch.cat([t_list[r] * t_sign[r] for r in range(world)])[:n].reshape(shape)
+        full = simulate_call([data(call, r) for r in range(world)], we, se)
         results.append([(full, we[r].clone(), se[r].clone()) for r in range(world)])
     return results
 

@@ -207,6 +207,74 @@ def test_zero_one_adam_local_steps_after_var_freeze_step() -> None:
     assert pending == [False, False, True, False, True, True, True, False, True, True]
 
 
+def test_zero_one_adam_bias_correction_is_torch_adam_while_every_step_updates_the_variance() -> None:
+    """zerospeed_bias_correction (zerospeed only): with var_interval 1 the update is torch Adam's."""
+    from zerospeed.optim.onebit import ZeroOneAdam
+
+    ps, ref = params(), params()
+    opt = ZeroOneAdam(ps, lr=0.01, var_update_scaler=100, zerospeed_bias_correction=True)
+    adam = torch.optim.Adam(ref, lr=0.01)
+    grads(0, ps)
+    opt.step()  # initialises only
+    for step in range(1, 6):
+        grads(step, ps)
+        grads(step, ref)
+        opt.step()
+        adam.step()
+    for p, q in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def zero_one_adam_bias_corrected(ps: list[torch.nn.Parameter], steps: int, lr: float, scaler: int,
+                                 freeze: int) -> list[torch.Tensor]:
+    """0/1 Adam with zerospeed_bias_correction at world 1, written out: the variance moves on steps that are
+    multiples of an interval doubling every ``scaler`` updates, k of them so far; after ``freeze`` the
+    variance and k stay, the momentum is used uncorrected (a local step synchronised at once: a no-op)."""
+    ps = [p.detach().clone() for p in ps]
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    k, interval, counter = 0, 1, 0
+    for call in range(steps):
+        gen = torch.Generator().manual_seed(call)
+        gs = [torch.randn(p.shape, generator=gen) for p in ps]
+        step = call + 1
+        if step == 1:
+            continue
+        frozen = step - 1 > freeze
+        var_step = not frozen and step % interval == 0
+        if var_step:
+            k += 1
+        for p, g, m_, v_ in zip(ps, gs, m, v):
+            if var_step:
+                v_.mul_(0.999).addcmul_(g, g, value=0.001)
+            m_.mul_(0.9).add_(g, alpha=0.1)
+            mh = m_ if frozen else m_ / (1 - 0.9 ** (step - 1))
+            p.sub_(lr * mh / ((v_ / (1 - 0.999 ** k)).sqrt() + 1e-8))
+        if var_step:
+            counter += 1
+            if counter == scaler:
+                counter, interval = 0, interval * 2
+    return ps
+
+
+def test_zero_one_adam_bias_correction_counts_variance_updates_and_freezes_them() -> None:
+    from zerospeed.optim.onebit import ZeroOneAdam
+
+    ps = params()
+    start = [p.detach().clone() for p in ps]
+    opt = ZeroOneAdam(ps, lr=0.01, var_update_scaler=2, var_freeze_step=9, zerospeed_bias_correction=True)
+    for step in range(14):
+        grads(step, ps)
+        opt.step()
+    assert opt.freeze_key and opt.state[ps[0]]["var_interval"] == 4
+    for p, want in zip(ps, zero_one_adam_bias_corrected(start, 14, 0.01, 2, 9)):
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+    off = ZeroOneAdam(params(), lr=0.01, var_update_scaler=2, var_freeze_step=9)
+    assert not off.zerospeed_bias_correction, "off by default (DeepSpeed's update)"
+    assert build_optimizer("ZeroOneAdam", {"zerospeed_bias_correction": True},
+                           [{"params": params()}]).zerospeed_bias_correction
+
+
 def lamb_warmup(ps: list[torch.nn.Parameter], steps: int, lr: float, wd: float) -> tuple[list[torch.Tensor], list[float]]:
     """DeepSpeed's OnebitLamb before freeze_step, written out: LAMB without bias correction, trust ratio
     clamped to [0.01, 10], the first step only initialises. Returns weights and the EMA of the ratios."""

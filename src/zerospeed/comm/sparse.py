@@ -10,6 +10,11 @@ from every rank: the all-gather output is ``world * 8k`` bytes, a ring all-reduc
 Without error feedback (``residual`` None) unsent entries are dropped. With ``scale`` (same shape, e.g. Adam's
 frozen ``1 / (sqrt(v) + eps)``) the entries are chosen by ``|r| * scale`` instead of ``|r|``; the values sent
 are still ``r[S]``.
+
+:func:`union_sparse_all_reduce` sends every selected entry exactly: the ranks all-gather only their top-k
+indices (``world * 4k`` bytes), then all-reduce their values at the union ``U`` of those indices (a ring
+moves ``2 * 4|U|``, ``|U| <= world * k``), and every rank clears ``U`` from its residual. An entry one rank
+selected carries the other ranks' accumulated values too, instead of leaving them behind in their residuals.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 import torch
 
 from .backend import Group, get_world_size
-from .collectives import all_gather
+from .collectives import all_gather, all_reduce
 
 
 def topk_count(numel: int, ratio: float) -> int:
@@ -51,3 +56,27 @@ def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor
     dense.index_add_(0, all_idx.long(), all_val)
     buffer.copy_(dense)
     return idx
+
+
+@torch.no_grad()
+def union_sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor,
+                            group: Group | None = None) -> torch.Tensor:
+    """Replace the flat fp32 ``buffer`` by the sum over ranks of ``buffer + residual`` at the union of every
+    rank's top-k indices (zeros elsewhere); the union is cleared from ``residual``. Returns the union."""
+    n = buffer.numel()
+    k = topk_count(n, ratio)
+    if k == 0:
+        return torch.zeros(0, dtype=torch.long, device=buffer.device)
+    acc = residual.add_(buffer)
+    idx = torch.topk(acc.abs(), k, sorted=False).indices
+    world = get_world_size(group)
+    all_idx = torch.empty(world * k, dtype=torch.int32, device=buffer.device)
+    all_gather(all_idx, idx.to(torch.int32), group)
+    chosen = torch.zeros(n, dtype=torch.bool, device=buffer.device)
+    chosen[all_idx.long()] = True
+    union = chosen.nonzero().squeeze(1)  # ascending: the same order on every rank
+    values = acc[union]
+    all_reduce(values, group)
+    residual.index_fill_(0, union, 0.0)
+    buffer.zero_().index_copy_(0, union, values)
+    return union

@@ -20,7 +20,13 @@ class GradientCompressionConfig(Section):
     correction stay as they were at the end of the warm-up (``optim/frozen_variance.py``), so rare large
     accumulated values no longer inflate it. ``momentum_correction`` (needs ``freeze_variance``): DGC's, each
     rank exchanges top-k of its own accumulated momentum instead of its gradient. ``preconditioned_selection``
-    (needs ``freeze_variance``): entries ranked by ``|x| / (sqrt(v) + eps)`` instead of ``|x|``."""
+    (needs ``freeze_variance``): entries ranked by ``|x| / (sqrt(v) + eps)`` instead of ``|x|``.
+    ``momentum_exchange`` (needs ``freeze_variance``, stage 0, no gradient clipping): 1-bit Adam's exchange with
+    top-k, each rank sends the top-k of its error-compensated ``beta1 * m + (1 - beta1) * g`` and the average
+    becomes Adam's momentum (``zero/topk_momentum.py``). ``union_indices`` (needs ``momentum_exchange``): the
+    ranks all-gather their top-k indices and all-reduce their values at the union, so every sent entry is exact.
+    ``local_variance`` (needs ``momentum_exchange``): each rank keeps Adam's variance live from its own local
+    gradient and the ranks exchange the preconditioned momentum (the step) instead."""
 
     type: Literal["none", "topk"] = "none"
     ratio: float = Field(0.01, gt=0, le=1)
@@ -29,3 +35,6 @@ class GradientCompressionConfig(Section):
     freeze_variance: bool = False
     momentum_correction: bool = False
     preconditioned_selection: bool = False
+    momentum_exchange: bool = False
+    union_indices: bool = False
+    local_variance: bool = False

@@ -122,6 +122,7 @@ class ZeroOneAdamParams(Section):
     amsgrad: bool = False
     cuda_aware: bool = False
     comm_backend_name: str = "nccl"
+    zerospeed_bias_correction: bool = False  # zerospeed only: torch Adam's bias correction (optim/onebit/zoadam.py)
 
     _betas = field_validator("betas")(_check_betas)
 

@@ -28,9 +28,23 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 def check_freeze_variance(section: Any, optimizer: object, offload: bool) -> None:
     """With ``section.freeze_variance`` (``gradient_compression``) on, refuse what :func:`frozen_variance_step`
     cannot step (names the key to change)."""
-    for needs in ("momentum_correction", "preconditioned_selection"):
+    if getattr(optimizer, "compresses_communication", False):
+        raise ConfigError("gradient_compression", f"{type(optimizer).__name__} compresses its own communication: "
+                          "remove it")
+    for needs in ("momentum_correction", "preconditioned_selection", "momentum_exchange"):
         if getattr(section, needs) and not section.freeze_variance:
             raise ConfigError(f"gradient_compression.{needs}", "needs freeze_variance: true")
+    if section.union_indices and not section.momentum_exchange:
+        raise ConfigError("gradient_compression.union_indices", "needs momentum_exchange: true")
+    if section.momentum_exchange:
+        for other in ("momentum_correction", "preconditioned_selection"):
+            if getattr(section, other):
+                raise ConfigError(f"gradient_compression.{other}", "cannot be combined with momentum_exchange "
+                                  "(it exchanges momentum already, ranked by |x|); remove one")
+        if not section.error_feedback:
+            raise ConfigError("gradient_compression.error_feedback", "momentum_exchange needs error_feedback: true")
+    if section.local_variance and not section.momentum_exchange:
+        raise ConfigError("gradient_compression.local_variance", "needs momentum_exchange: true")
     if not section.freeze_variance:
         return
     key = "gradient_compression.freeze_variance"
@@ -64,10 +78,13 @@ def preconditioner(optimizer: torch.optim.Optimizer, param: torch.Tensor, frozen
 
 
 @torch.no_grad()
-def frozen_variance_step(optimizer: torch.optim.Optimizer, frozen_at: int, grad_is_momentum: bool = False) -> None:
+def frozen_variance_step(optimizer: torch.optim.Optimizer, frozen_at: int, grad_is_momentum: bool = False,
+                         grad_is_update: bool = False) -> None:
     """One Adam(W) step of every parameter with a gradient, ``exp_avg_sq`` left as it is. With
     ``grad_is_momentum`` (DGC's momentum correction: the ranks exchanged momentum) ``.grad`` becomes
-    ``exp_avg`` as it is (1-bit Adam's rule) and the step is ``lr * exp_avg / denom``."""
+    ``exp_avg`` as it is (1-bit Adam's rule) and the step is ``lr * exp_avg / denom``; with ``grad_is_update``
+    (``momentum_exchange`` with ``local_variance``: the ranks exchanged the preconditioned step) it is
+    ``lr * exp_avg``."""
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
@@ -89,6 +106,10 @@ def frozen_variance_step(optimizer: torch.optim.Optimizer, frozen_at: int, grad_
                     p.mul_(1 - lr * wd)
                 else:
                     grad = grad.add(p, alpha=wd)
+            if grad_is_update:
+                state["exp_avg"].copy_(grad)
+                p.add_(state["exp_avg"], alpha=-lr)
+                continue
             if grad_is_momentum:
                 state["exp_avg"].copy_(grad)
             else:

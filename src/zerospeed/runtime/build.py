@@ -19,6 +19,7 @@ from ..config.hints import log_accepted_hints
 from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler, make_policy
 from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
+from ..zero.topk_momentum import install_momentum_exchange
 from .dataloader import build_dataloader
 from .engine import Engine
 from .state_dump import engine_state
@@ -301,6 +302,7 @@ def _build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, liv
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size)
     zero_opt.allgather_partitions = zcfg.allgather_partitions
+    install_momentum_exchange(cfg.gradient_compression, zero_opt, dp_group)
     zero_opt.check_grad_overflow = cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
     if zcfg.offload_optimizer.enabled:
         from ..offload import OffloadStepper
@@ -347,8 +349,6 @@ def _topk(cfg: ZeroSpeedConfig, base: Any) -> dict[str, Any]:
         return {}
     if cfg.zero_stage > 1:
         raise ConfigError("gradient_compression", f"top-k works with ZeRO stages 0 and 1, got stage {cfg.zero_stage}")
-    if getattr(base, "compresses_communication", False):
-        raise ConfigError("gradient_compression", f"{type(base).__name__} compresses its own communication: remove it")
     check_freeze_variance(gc, base, cfg.zero_optimization.offload_optimizer.enabled)
     return {"topk_ratio": gc.ratio, "topk_error_feedback": gc.error_feedback, "topk_warmup_steps": gc.warmup_steps,
             "topk_freeze_variance": gc.freeze_variance, "topk_momentum_correction": gc.momentum_correction,

@@ -38,6 +38,7 @@ class ZeroOptimizer:
     freeze_variance_at: int | None = None
     momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
     preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
+    momentum_exchange: Any = None  # ... momentum_exchange: a TopkMomentumExchange (zero/topk_momentum.py)
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
@@ -168,7 +169,12 @@ class ZeroOptimizer:
         if self.stepper is not None:
             self.stepper.step(grads)
         elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
-            frozen_variance_step(self.optimizer, self.freeze_variance_at, bool(self.reducer.topk_momentum))
+            exchange = self.momentum_exchange
+            if exchange is not None:  # each group's local gradient becomes the exchanged top-k momentum
+                exchange.exchange_groups(self.optimizer, self.groups, grads, self._param_group, self.freeze_variance_at)
+            frozen_variance_step(self.optimizer, self.freeze_variance_at,
+                                 bool(self.reducer.topk_momentum) or exchange is not None,
+                                 exchange is not None and exchange.local_variance)
         else:
             self.optimizer.step()
         self.loss_scaler.update(False)
@@ -222,10 +228,13 @@ class ZeroOptimizer:
         self.reducer.zero()
 
     def _beta1(self, grp: ShardedGroup) -> float:
+        return float(self._param_group(grp)["betas"][0])
+
+    def _param_group(self, grp: ShardedGroup) -> dict[str, Any]:
         for pg in self.optimizer.param_groups:
             if any(p is grp.master_params[0] for p in pg["params"]):
-                return float(pg["betas"][0])
-        return float(self.optimizer.param_groups[0]["betas"][0])
+                return pg
+        return self.optimizer.param_groups[0]
 
     def gather_group(self, grp: ShardedGroup) -> comm.Group | None:
         """The group over which ``grp`` is partitioned (MoE: experts' over their expert-data-parallel group)."""

@@ -12,9 +12,18 @@ After an initialising first call (state made, a step counted, no weight moved), 
   becomes that average over the learning rates summed since. Every ``local_step_scaler`` steps the
   interval doubles, up to ``local_step_clipper``. The error buffers are reset when this phase starts.
 
-The update is Adam without bias correction, weight decay added to it (as in DeepSpeed). Differences from
-DeepSpeed: the phase follows the step count (a loaded checkpoint needs no new initialising call); at world
-1 the non-all-reduce steps still update the momentum (DeepSpeed's skips it there).
+The update is Adam without bias correction, weight decay added to it (as in DeepSpeed).
+``zerospeed_bias_correction`` (zerospeed only, off by default; DeepSpeed refuses the key) adds torch Adam's
+bias corrections, counted the way 0/1 Adam updates its moments: the momentum moves on every step after the
+initialising one (``s = step - 1`` updates), the variance only on variance-update steps (``k`` so far:
+``log2(var_interval) * var_update_scaler + var_counter``), so the denominator is ``sqrt(v / (1 - b2^k)) + eps``
+and, before the freeze, the momentum is divided by ``1 - b1^s``. While every step updates the variance
+(``var_interval`` 1) that is torch Adam's update exactly. In the local-step phase ``k`` is the frozen count
+(the local steps and their synchronisation use the corrected denominator) and the momentum is taken as it is
+(``1 - b1^s`` is within 2e-3 of 1 after 60 steps, and the synchronised momentum is an average of used ones).
+
+Differences from DeepSpeed: the phase follows the step count (a loaded checkpoint needs no new initialising
+call); at world 1 the non-all-reduce steps still update the momentum (DeepSpeed's skips it there).
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ class ZeroOneAdam(CompressedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0, var_freeze_step: int = 100000,
                  var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl") -> None:
+                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl",
+                 zerospeed_bias_correction: bool = False) -> None:
         for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
                             ("local_step_clipper", local_step_clipper)):
             if value < 1:
@@ -47,6 +57,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.local_step_clipper = local_step_clipper
         self.eps_mode = 0 if eps_inside_sqrt else 1
         self.cuda_aware = cuda_aware
+        self.zerospeed_bias_correction = zerospeed_bias_correction
 
     # --- phase ------------------------------------------------------------------------------------
     @property
@@ -116,7 +127,12 @@ class ZeroOneAdam(CompressedOptimizer):
         else:
             exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
             state["lrs"] += lr
-        update = exp_avg / (exp_avg_sq.sqrt() + eps)
+        if self.zerospeed_bias_correction:
+            k = self._var_updates(state) + (not frozen and step % state["var_interval"] == 0)
+            m = exp_avg if frozen else exp_avg / (1 - beta1 ** (step - 1))
+            update = m / self._denom(group, exp_avg_sq, k)
+        else:
+            update = exp_avg / (exp_avg_sq.sqrt() + eps)
         if group["weight_decay"] > 0.0:
             update += group["weight_decay"] * p
         p.add_(-lr * update)
@@ -137,7 +153,10 @@ class ZeroOneAdam(CompressedOptimizer):
     def _sync_local_steps(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
         """Undo this rank's local steps and apply the 1-bit average of every rank's, in momentum units."""
         exp_avg, exp_avg_sq, acc = state["exp_avg"], state["exp_avg_sq"], state["momentum_accumulator"]
-        denom = exp_avg_sq.sqrt() + group["eps"]
+        if self.zerospeed_bias_correction:
+            denom = self._denom(group, exp_avg_sq, self._var_updates(state))
+        else:
+            denom = exp_avg_sq.sqrt() + group["eps"]
         p.add_(-1 * acc)
         acc.mul_(denom)
         acc.copy_(self.compressed_average(group, p, acc.clone()))
@@ -145,3 +164,12 @@ class ZeroOneAdam(CompressedOptimizer):
         p.add_(acc / denom)
         acc.zero_()
         state["lrs"] = 0.0
+
+    def _var_updates(self, state: dict[str, Any]) -> int:
+        """Variance updates counted so far: the interval doubles every ``var_update_scaler`` of them."""
+        return (int(state["var_interval"]).bit_length() - 1) * self.var_update_scaler + int(state["var_counter"])
+
+    @staticmethod
+    def _denom(group: dict[str, Any], exp_avg_sq: torch.Tensor, k: int) -> torch.Tensor:
+        """``sqrt(v / (1 - b2^k)) + eps`` (``zerospeed_bias_correction``; ``k`` variance updates)."""
+        return (exp_avg_sq / (1 - group["betas"][1] ** max(1, k))).sqrt() + group["eps"]
