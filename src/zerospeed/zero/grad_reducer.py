@@ -375,13 +375,17 @@ class GradReducer:
         if grp.num_partitions == 1 or not self.s.reduce_scatter:
             handle = comm.all_reduce(send, group=self.dp_group, async_op=True)
             self.pending.append(_Pending(g, b, handle, send, None))
-        elif self.sink is None and send.dtype == self.s.accum_dtype and self._overwrites(g, b):
+        elif self.sink is None and send.dtype == self.s.accum_dtype and self._direct() and self._overwrites(g, b):
             target, _ = self._reduce_target(g, b)  # this rank's chunk lands in the partition: no output buffer
             handle = comm.reduce_scatter(target, send, group=self.dp_group, async_op=True, scratch=True)
             self.pending.append(_Pending(g, b, handle, send, target, direct=True))
         else:
             out, handle = self._reduce_scatter(g, b, send)
             self.pending.append(_Pending(g, b, handle, send, out))
+
+    def _direct(self) -> bool:
+        """Whether reduce-scatters may write the partition themselves (not when a subclass reduces its own way)."""
+        return True
 
     def _overwrites(self, g: int, b: int) -> bool:
         """Whether bucket (g, b)'s reduced chunk replaces its partition slice (stage 1, or no reduce wrote it yet)."""

@@ -144,6 +144,9 @@ class Stage3Reducer(GradReducer):
         self.fetcher = fetcher
         self.qgz = qgz  # ZeRO++ qgZ: buckets reduce-scattered as int4 (zero/stage3/qgz.py)
 
+    def _direct(self) -> bool:
+        return self.qgz is None  # qgZ's int4 reduce-scatter makes its own output
+
     def _reduce_scatter(self, g: int, b: int, send: torch.Tensor) -> tuple[torch.Tensor, comm.Handle | None]:
         if self.qgz is None:
             return super()._reduce_scatter(g, b, send)
