@@ -93,16 +93,7 @@ def test_zerospeed_bias_correction_warms_up_as_torch_adam_and_corrects_the_froze
     variance is divided by its bias correction at the freeze, 1 - b2^(freeze_step - 1)."""
     ps, ref = params(), params()
     opt = OnebitAdam(ps, lr=0.01, freeze_step=4, zerospeed_bias_correction=True)
-    adam = torch.optim.Adam(ref, lr=0.01)
-    grads(0, ps)
-    opt.step()
-    for step in range(1, 4):
-        grads(step, ps)
-        grads(step, ref)
-        opt.step()
-        adam.step()
-    for p, q in zip(ps, ref):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    _steps_like_torch_adam(opt, ps, ref, 4)
     assert opt.adam_freeze_key
     before = [p.detach().clone() for p in ps]
     grads(4, ps)
@@ -213,16 +204,7 @@ def test_zero_one_adam_bias_correction_is_torch_adam_while_every_step_updates_th
 
     ps, ref = params(), params()
     opt = ZeroOneAdam(ps, lr=0.01, var_update_scaler=100, zerospeed_bias_correction=True)
-    adam = torch.optim.Adam(ref, lr=0.01)
-    grads(0, ps)
-    opt.step()  # initialises only
-    for step in range(1, 6):
-        grads(step, ps)
-        grads(step, ref)
-        opt.step()
-        adam.step()
-    for p, q in zip(ps, ref):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    _steps_like_torch_adam(opt, ps, ref, 6)
 
 
 def zero_one_adam_bias_corrected(ps: list[torch.nn.Parameter], steps: int, lr: float, scaler: int,
@@ -341,3 +323,17 @@ def test_onebit_lamb_compression_phase_freezes_ratio_and_clamps_factor() -> None
     assert all(torch.equal(opt.state[p]["exp_avg_sq"], v_) for p, v_ in zip(ps, v)), "variance frozen"
     assert not any(torch.equal(opt.state[p]["exp_avg_sq_fresh"], v_) for p, v_ in zip(ps, v)), "fresh one moves"
     assert all(opt.state[p]["scaling_coeff"] > 0 for p in ps)
+
+
+def _steps_like_torch_adam(opt, ps, ref, steps: int) -> None:
+    """After a first (initialising) step, ``opt`` over ``ps`` moves like torch Adam (lr 0.01) over ``ref``."""
+    adam = torch.optim.Adam(ref, lr=0.01)
+    grads(0, ps)
+    opt.step()
+    for step in range(1, steps):
+        grads(step, ps)
+        grads(step, ref)
+        opt.step()
+        adam.step()
+    for p, q in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)

@@ -52,8 +52,9 @@ class CutParameterWrites(TorchFunctionMode):
         s = shard_of(t)
         if s is None and t.numel() == 0:
             s = self._placeholders.get(_storage_key(t) or -1)
-            if s is not None and _storage_key(s.param) != _storage_key(t):
-                s = None  # a stale entry (storage address reused)
+            owner = s._param() if s is not None else None
+            if owner is None or _storage_key(owner) != _storage_key(t):
+                s = None  # a stale entry (its parameter is gone, or the storage address was reused)
         if s is not None and s.state is ShardState.SHARDED and s.local is not None:
             return s
         return None
