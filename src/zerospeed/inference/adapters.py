@@ -22,6 +22,8 @@ from zerospeed.config.errors import NotSupportedYetError
 
 from .compiled import CompiledRegion
 from .fused_weights import FusedLinears
+from .gemm import linear as _gemm
+from .gemm import linear_add as _gemm_add
 
 __all__ = ["Attend", "DecoderAdapter", "adapter_for"]
 
@@ -215,11 +217,19 @@ def _is_silu(act: nn.Module) -> bool:
     return t is nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")
 
 
+def _plain(mod: nn.Module) -> bool:
+    return type(mod) is nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks)
+
+
 def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``mod(x)``; a plain hook-free ``nn.Linear`` calls ``F.linear`` directly (no module dispatch per layer)."""
-    if type(mod) is nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks):
-        return F.linear(x, mod.weight, mod.bias)
-    return mod(x)
+    """``mod(x)``; a plain hook-free ``nn.Linear`` runs as a bare matmul (no module dispatch per layer; through
+    oneDNN where that is faster, see ``gemm``)."""
+    return _gemm(x, mod.weight, mod.bias) if _plain(mod) else mod(x)
+
+
+def _residual_linear(x: torch.Tensor, mod: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """``x + mod(y)``, the add folded into the matmul where ``gemm`` can."""
+    return _gemm_add(x, y, mod.weight, mod.bias) if _plain(mod) else x + mod(y)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -290,7 +300,7 @@ class LlamaAdapter(DecoderAdapter):
         return block.self_attn.scaling
 
     def post_attention(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = x + _linear(block.self_attn.o_proj, y.reshape(y.shape[0], -1))
+        x = _residual_linear(x, block.self_attn.o_proj, y.reshape(y.shape[0], -1))
         m = block.mlp
         if type(m).__name__ != "LlamaMLP":
             return x + m(block.post_attention_layernorm(x))
@@ -303,10 +313,10 @@ class LlamaAdapter(DecoderAdapter):
         else:
             gate, up = mods[0](h), mods[1](h)
         act = F.silu(gate) if _is_silu(m.act_fn) else m.act_fn(gate)
-        return x + _linear(m.down_proj, act.mul_(up) if act is not gate else act * up)
+        return _residual_linear(x, m.down_proj, act.mul_(up) if act is not gate else act * up)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_rms_norm(self.model.model.norm, x))
+        return _linear(self.model.lm_head, _rms_norm(self.model.model.norm, x))
 
     def tp_plan(self) -> tuple[tuple[str, str], ...]:
         return (("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
