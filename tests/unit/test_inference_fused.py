@@ -104,9 +104,10 @@ def test_rotary_in_three_ops_equals_rotate_half_form():
 
 
 def test_decode_attention_matches_per_sequence_sdpa_in_every_layout():
-    """Decodes attend in one scaled ``baddbmm`` per length group, its mask one row per (kv head, sequence):
-    equal to plain per-sequence attention whether the decodes fill the whole batch, come first (copied into
-    place through a slice) or sit between prompt chunks (an index), with one or two length groups."""
+    """Decodes attend in one scaled ``baddbmm`` per length group after one gather for all groups, the mask one
+    row per (sequence, kv head): equal to plain per-sequence attention whether the decodes fill the whole
+    batch sorted by length (written in place through a slice) or not, come first, or sit between prompt chunks
+    (an index), with one, two or many length groups."""
     import torch.nn.functional as F
 
     from zerospeed.inference.kv_cache import PagedKVCache, RaggedBatch, SeqChunk
@@ -122,11 +123,13 @@ def test_decode_attention_matches_per_sequence_sdpa_in_every_layout():
     cache.attention(prefill)(0, q0, k0[:sum(lens)], v0[:sum(lens)], 0.3)
     layouts = {
         "decodes only": [SeqChunk(t, n, 1) for t, n in zip(tables, lens)],
+        "decodes sorted": sorted([SeqChunk(t, n, 1) for t, n in zip(tables, lens)], key=lambda c: c.start),
         "decodes first": [SeqChunk(t, n, 1) for t, n in zip(tables[:4], lens[:4])] + [SeqChunk(tables[4], 2, 3)],
         "decodes between": [SeqChunk(tables[4], 2, 3)] + [SeqChunk(t, n, 1) for t, n in zip(tables[:4], lens[:4])],
     }
     assert len(cache._decode_groups(layouts["decodes only"], list(range(5)))) == 2
-    for name, chunks in layouts.items():
+    for cost, name, chunks in [(c, n, x) for c in (1, 16, 10**6) for n, x in layouts.items()]:
+        cache.GROUP_COST = cost  # 1: a group per distinct length; 10**6: one group
         total = sum(c.length for c in chunks)
         q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv, dim), torch.randn(total, kv, dim)
         got = cache.attention(RaggedBatch(torch.zeros(total, dtype=torch.long), chunks))(0, q, k, v, 0.3)
@@ -140,8 +143,13 @@ def test_decode_attention_matches_per_sequence_sdpa_in_every_layout():
             torch.testing.assert_close(got[at:at + c.length], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{name}: {m}")
             at += c.length
-    mask = cache._decode_reads(layouts["decodes only"][:2], 31)[1]
-    assert mask.shape == (kv * 2, 1, 32)  # one row per (kv head, sequence): broadcast over the query heads
+    cache.GROUP_COST = 1
+    chunks = layouts["decodes only"]
+    groups = cache._decode_groups(chunks, list(range(5)))
+    assert [m for m, _ in groups] == [[4, 0], [2], [3], [1]] and [n for _, n in groups] == [4, 6, 28, 31]
+    ids, mask, plan = cache._decode_plan(chunks, groups)
+    assert mask.shape == (5 * kv, 1, 32)  # one row per (sequence, kv head): broadcast over the query heads
+    assert ids.numel() == kv * (2 * 1 + 2 + 7 + 8) and plan[1] == (4, 6, 4, 4, 8)  # each group at its width
 
 
 def test_hooked_or_replaced_projections_still_run_as_modules():

@@ -84,3 +84,18 @@ def test_kv_reservation_admits_only_what_fits_and_cancel_frees():
     assert s.idle and s.allocator.num_free == 5
     with pytest.raises(KeyError):
         s.finish(1)
+
+
+def test_decodes_come_first_sorted_by_length():
+    """The decodes of a step are ordered by cached length (the attention's length groups are then consecutive
+    rows), before the prompt chunks."""
+    s = Scheduler(Limits(max_ragged_batch_size=40, max_ragged_sequence_count=3), BlockAllocator(64), block_size=4)
+    for uid, n in enumerate((9, 3, 6, 2)):
+        s.add(uid, prompt_len=n, max_new_tokens=4)
+    s.commit(s.schedule())  # prompts 0-2 (the sequence count limit)
+    work = s.schedule()  # decodes of 0, 1, 2 by length: 1 (3), 2 (6), 0 (9)
+    assert [(w.uid, w.start, w.length) for w in work] == [(1, 3, 1), (2, 6, 1), (0, 9, 1)]
+    s.commit(work)
+    s.finish(1)
+    work = s.schedule()  # seq 1 gone: the decodes of 2 and 0, then seq 3's prompt
+    assert [(w.uid, w.start, w.length) for w in work] == [(2, 7, 1), (0, 10, 1), (3, 0, 2)]

@@ -106,10 +106,10 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.workspace = Workspace(dtype, device)  # the decode gathers' buffers, reused every forward
-        # per layer, made once: its keys/values [kv heads, slots, dim] and the same as [kv heads, blocks,
-        # block_size * dim] (decode gathers copy whole blocks); views, so no per-forward indexing
-        self._layers = [(self.k[i], self.v[i], self.k[i].view(kv_heads, num_blocks, -1),
-                         self.v[i].view(kv_heads, num_blocks, -1)) for i in range(num_layers)]
+        # per layer, made once: its keys/values [kv heads, slots, dim] and the same as [kv heads * blocks,
+        # block_size * dim] (decode gathers copy whole blocks of every head); views, no per-forward indexing
+        self._layers = [(self.k[i], self.v[i], self.k[i].view(kv_heads * num_blocks, -1),
+                         self.v[i].view(kv_heads * num_blocks, -1)) for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -130,33 +130,57 @@ class PagedKVCache:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {c.start + c.length} positions")
         return [table[p // size] * size + p % size for p in range(c.start, c.start + c.length)]
 
-    def _decode_groups(self, chunks: list[SeqChunk], idx: list[int]) -> list[tuple[list[int], int]]:
-        """One-token chunks ``idx`` cut into at most two groups by cached length (each read padded to its
-        group's longest), when the cut saves at least a quarter of the padded reads; ``[(members, longest)]``."""
-        order = sorted(idx, key=lambda i: chunks[i].start)
-        lens = [chunks[i].start + 1 for i in order]
-        n, whole = len(order), len(order) * lens[-1]
-        best, cut = whole, n
-        for j in range(1, n):
-            area = j * lens[j - 1] + (n - j) * lens[-1]
-            if area < best:
-                best, cut = area, j
-        if best > 0.75 * whole:
-            return [(order, lens[-1])]
-        return [(order[:cut], lens[cut - 1]), (order[cut:], lens[-1])]
+    GROUP_COST = 16
+    """What one more decode length group costs per layer (a few ops), in padded blocks read per kv head:
+    a cut into two groups is made where it saves at least this many."""
 
-    def _decode_reads(self, chunks: list[SeqChunk], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block ids of one-token chunks, each table padded to the blocks of ``longest`` (``[N * width]``), and
-        the additive mask ``[kv_heads * N, 1, width * block_size]`` (0 for cached positions ``<=`` the chunk's
-        own, ``-inf`` for the rest of the last block and the padding blocks; one row per (kv head, chunk))."""
+    def _decode_groups(self, chunks: list[SeqChunk], idx: list[int]) -> list[tuple[list[int], int]]:
+        """One-token chunks ``idx`` sorted by cached length and cut into length groups, each read padded to
+        its longest (``[(members, longest)]``, shortest group first): a group is cut in two at the point that
+        saves the most padded block reads, while that saves at least ``GROUP_COST`` (recursively)."""
+        order = sorted(idx, key=lambda i: chunks[i].start)
         size = self.block_size
-        width = blocks_needed(longest, size)
-        tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
-        keep = torch.arange(width * size)[None, :] <= torch.tensor([c.start for c in chunks])[:, None]
+        widths = [chunks[i].start // size + 1 for i in order]  # blocks read: positions 0..start
+        cuts: list[tuple[int, int]] = []
+        todo = [(0, len(order))]
+        while todo:
+            lo, hi = todo.pop()
+            top, best, at = widths[hi - 1], self.GROUP_COST - 1, 0
+            for j in range(lo + 1, hi):  # members lo..j-1 read widths[j-1] blocks instead of top
+                save = (j - lo) * (top - widths[j - 1])
+                if save > best:
+                    best, at = save, j
+            if at:
+                todo += [(lo, at), (at, hi)]
+            else:
+                cuts.append((lo, hi))
+        cuts.sort()
+        return [(order[lo:hi], chunks[order[hi - 1]].start + 1) for lo, hi in cuts]
+
+    def _decode_plan(self, chunks: list[SeqChunk], groups: list[tuple[list[int], int]]
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
+        """For decode ``groups`` (of indices into ``chunks``): the block ids to gather, in one index for all
+        groups (per sequence, per kv head, its table padded to its group's width: ``[kv * blocks]`` view
+        rows), the additive mask ``[sequences * kv, 1, longest span]`` (0 for cached positions ``<=`` the
+        chunk's own, ``-inf`` past them; one row per (sequence, kv head)) and per group ``(first row, last
+        row, first gathered block, blocks, span)`` in those (sequence, kv head) rows."""
+        size, kv, nb = self.block_size, self.k.shape[1], self.num_blocks
+        heads = torch.arange(kv, dtype=torch.long)[None, :, None] * nb  # kv head h's blocks: h * nb + id
+        ids, plan, row, at = [], [], 0, 0
+        for members, longest in groups:
+            width = blocks_needed(longest, size)
+            tables = [list(chunks[i].block_table[:width]) + [0] * (width - len(chunks[i].block_table[:width]))
+                      for i in members]
+            ids.append((torch.tensor(tables, dtype=torch.long)[:, None, :] + heads).flatten())
+            n = len(members) * kv
+            plan.append((row, row + n, at, n * width, width * size))
+            row, at = row + n, at + n * width
+        starts = torch.tensor([chunks[i].start for members, _ in groups for i in members])
+        span = plan[-1][4]
+        keep = torch.arange(span)[None, :] <= starts[:, None]
         mask = torch.zeros(keep.shape, dtype=self.k.dtype).masked_fill_(~keep, float("-inf"))
-        ids = torch.tensor(tables, dtype=torch.long).flatten()
-        kv, n, span = self.k.shape[1], len(chunks), keep.shape[1]
-        return ids.to(self.k.device), mask.expand(kv, n, span).reshape(kv * n, 1, span).to(self.k.device)
+        mask = mask.repeat_interleave(kv, 0)[:, None, :]
+        return torch.cat(ids).to(self.k.device), mask.to(self.k.device), plan
 
     def attention(self, batch: RaggedBatch):  # -> Attend
         """The ``attend`` callable for ``batch`` (see ``adapters.Attend``).
@@ -184,22 +208,22 @@ class PagedKVCache:
         multi = [i for i, c in enumerate(bs) if c.length > 1]
         reads = {i: self.slots(bs[i].block_table, 0, bs[i].start + bs[i].length) for i in multi if bs[i].start > 0}
         masks = {i: _chunk_mask(bs[i], self.k.dtype, device) for i in reads}
-        groups = []
-        kv, dim = self.k.shape[1], self.k.shape[3]
-        bsd = self.block_size * dim
-        if single:
-            for members, longest in self._decode_groups(bs, single):
-                ids, mask = self._decode_reads([bs[i] for i in members], longest)
-                at = [offsets[i] for i in members]
-                n = len(members)
-                # the chunks' rows in the flat batch: a slice when they are consecutive (decodes come first)
-                consecutive = at == list(range(at[0], at[0] + n))
-                rows = slice(at[0], at[0] + n) if consecutive else torch.tensor(at, device=device)
-                bufs = tuple(self.workspace.view(name, (kv, ids.numel(), bsd)) for name in ("k", "v"))
-                groups.append((rows, ids, mask, n, mask.shape[-1], bufs))
+        kv, dim, bsd = self.k.shape[1], self.k.shape[3], self.block_size * self.k.shape[3]
+        decode = None
+        if single:  # one plan for all decodes: sorted by length, one gather, then one matmul pair per group
+            groups = self._decode_groups(bs, single)
+            order = [i for members, _ in groups for i in members]
+            at = [offsets[i] for i in order]
+            n = len(order)
+            # the rows of the sorted decodes in the flat batch: a slice when consecutive (the scheduler puts
+            # decodes first, sorted by length), else an index
+            rows = slice(at[0], at[0] + n) if at == list(range(at[0], at[0] + n)) else torch.tensor(at, device=device)
+            ids, mask, plan = self._decode_plan(bs, groups)
+            bufs = tuple(self.workspace.view(name, (ids.numel(), bsd)) for name in ("k", "v"))
+            decode = (rows, n, ids, mask, plan, bufs)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            kl, vl, kb, vb = self._layers[layer]  # vb, kb: [Hkv, blocks, size*D]
+            kl, vl, kb, vb = self._layers[layer]  # kb, vb: [Hkv * blocks, size * D]
             if k.dtype == kl.dtype:
                 kl.index_copy_(1, write, k.transpose(0, 1))
                 vl.index_copy_(1, write, v.transpose(0, 1))
@@ -208,23 +232,32 @@ class PagedKVCache:
                 vl.index_copy_(1, write, v.transpose(0, 1).to(vl.dtype))
             heads = q.shape[1]
             gqa = heads != kv
-            out = torch.empty_like(q)  # never a view: compiled regions downstream see one kind of input
-            for rows, ids, mask, n, span, (kbuf, vbuf) in groups:  # one after the other: they share the buffers
-                qr = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
-                qg = qr.view(n, kv, heads // kv, dim).transpose(0, 1).reshape(kv * n, heads // kv, dim)
-                # whole blocks into persistent buffers: 16x fewer indices than per slot, no fresh megabytes
-                ks = torch.index_select(kb, 1, ids, out=kbuf).view(kv * n, span, dim)  # [Hkv*N, S, D]
-                vs = torch.index_select(vb, 1, ids, out=vbuf).view(kv * n, span, dim)
-                if qg.dtype == torch.float32:  # scale, scores and mask in one call
-                    p = torch.baddbmm(mask, qg, ks.transpose(1, 2), alpha=scale).softmax(-1)
-                else:
-                    p = torch.baddbmm(mask, qg, ks.transpose(1, 2), alpha=scale).softmax(-1, dtype=torch.float32)
-                    p = p.to(vs.dtype)
-                y = torch.bmm(p, vs).view(kv, n, heads // kv, dim).transpose(0, 1)  # [N, Hkv, g, D]
-                if isinstance(rows, slice):  # straight into place, no reshape copy
-                    out[rows].view(n, kv, heads // kv, dim).copy_(y)
-                else:
-                    out.index_copy_(0, rows, y.reshape(n, heads, dim).to(q.dtype))
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # never a view (compiled regions)
+            if decode is not None:
+                rows, n, ids, mask, plan, (kbuf, vbuf) = decode
+                g = heads // kv
+                # whole blocks of every kv head into persistent buffers: 16x fewer indices than per slot
+                torch.index_select(kb, 0, ids, out=kbuf)
+                torch.index_select(vb, 0, ids, out=vbuf)
+                qd = (q[rows] if isinstance(rows, slice) else q.index_select(0, rows)).to(kl.dtype)
+                qd = qd.reshape(n * kv, g, dim)  # one row per (sequence, kv head): its g query heads
+                direct = isinstance(rows, slice) and q.dtype == kl.dtype
+                od = out[rows].view(n * kv, g, dim) if direct else qd.new_empty(qd.shape)
+                for r0, r1, b0, nblk, span in plan:
+                    ks = kbuf[b0:b0 + nblk].view(r1 - r0, span, dim)
+                    vs = vbuf[b0:b0 + nblk].view(r1 - r0, span, dim)
+                    p = torch.baddbmm(mask[r0:r1, :, :span], qd[r0:r1], ks.transpose(1, 2), alpha=scale)
+                    if qd.dtype == torch.float32:  # scale, scores and mask in one call
+                        p = p.softmax(-1)
+                    else:
+                        p = p.softmax(-1, dtype=torch.float32).to(vs.dtype)
+                    torch.bmm(p, vs, out=od[r0:r1])  # straight into the output rows when they are a slice
+                if not direct:
+                    od = od.view(n, heads, dim).to(q.dtype)
+                    if isinstance(rows, slice):
+                        out[rows] = od
+                    else:
+                        out.index_copy_(0, rows, od)
             for i in multi:
                 a, b = offsets[i], offsets[i + 1]
                 qs = q[a:b].transpose(0, 1)[None]  # [1, H, n, D]: 4-d, so CPU takes the flash kernel, not math

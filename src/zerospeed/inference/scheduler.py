@@ -125,6 +125,8 @@ class Scheduler:
                 seq.blocks.extend(self.allocator.allocate(need))  # covered by the admission reservation
             work.append(Work(seq.uid, seq.computed, length, tuple(seq.blocks), seq.computed + length == seq.known))
             tokens -= length
+        k = min(len(decodes), len(work))  # the decodes, sorted by length: the attention's length groups are
+        work[:k] = sorted(work[:k], key=lambda w: w.start)  # then consecutive rows of the batch (no index)
         return work
 
     def commit(self, work: list[Work]) -> None:
