@@ -238,6 +238,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
+def _cos_signed_sin(rotary: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary ``cos`` and ``sin`` at positions ``pos`` (``[T, D]``), the first half of ``sin``
+    negated (see ``_rotate``)."""
+    cos, sin = rotary(x[None], pos[None])
+    half = sin.shape[-1] // 2
+    return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+
 class LlamaAdapter(DecoderAdapter):
     """Hugging Face ``LlamaForCausalLM``: RMSNorm, rotary positions (the model's own rotary module), GQA."""
 
@@ -248,6 +256,7 @@ class LlamaAdapter(DecoderAdapter):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size, self.max_positions = cfg.vocab_size, None
+        self._rope: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (inv_freq key, cos, signed sin)
 
     def embedding(self) -> nn.Embedding:
         return self.model.model.embed_tokens
@@ -256,12 +265,18 @@ class LlamaAdapter(DecoderAdapter):
         return self.model.model.layers
 
     def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        body = self.model.model
-        x = body.embed_tokens(ids)
-        cos, sin = body.rotary_emb(x[None], pos[None])
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # once per forward, not per layer
-        return x, (cos[0][:, None, :], signed_sin[:, None, :])  # [T, 1, D]: broadcast over heads
+        x = self.model.model.embed_tokens(ids)
+        rot = self.model.model.rotary_emb
+        if getattr(rot, "rope_type", "default") != "default" or not isinstance(rot.inv_freq, torch.Tensor):
+            cos, signed_sin = _cos_signed_sin(rot, x, pos)  # e.g. dynamic scaling: the module every forward
+        else:  # rows of a table made by the model's own module (per position, so the same values), 2 ops
+            key = (rot.inv_freq.data_ptr(), rot.inv_freq._version, x.dtype, x.device)
+            top = int(pos.max()) + 1
+            if self._rope is None or self._rope[0] != key or self._rope[1].shape[0] < top:
+                n = max(256, 1 << (top - 1).bit_length())
+                self._rope = (key, *_cos_signed_sin(rot, x, torch.arange(n, device=pos.device)))
+            cos, signed_sin = self._rope[1].index_select(0, pos), self._rope[2].index_select(0, pos)
+        return x, (cos[:, None, :], signed_sin[:, None, :])  # [T, 1, D]: broadcast over heads
 
     def fuse(self) -> int:
         """q/k/v and gate/up of every block as one matmul each (weights re-pointed into one buffer, no copy)."""

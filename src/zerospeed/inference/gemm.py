@@ -25,12 +25,14 @@ __all__ = ["MIN_MACS", "ROWS", "linear", "linear_add"]
 MIN_MACS = 5 << 18  # ~1.3 M multiply-adds: where oneDNN's fixed cost is paid back (measured, see docstring)
 ROWS = 8
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
+_AVAILABLE = _X86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_F32 = torch.float32
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.shape[0] * weight.shape[0] * weight.shape[1] >= MIN_MACS and _X86 and x.dtype == torch.float32
-            and x.device.type == "cpu" and weight.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
-            and weight.is_contiguous() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+    return (_AVAILABLE and x.dtype is _F32 and weight.dtype is _F32 and x.dim() == 2 and not x.is_cuda
+            and x.shape[0] * weight.shape[0] * weight.shape[1] >= MIN_MACS and x.device.type == "cpu"
+            and x.is_contiguous() and weight.is_contiguous() and torch._C._get_mkldnn_enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
