@@ -170,3 +170,25 @@ def test_hooked_or_replaced_projections_still_run_as_modules():
     eng = ServingEngine(model, cfg)
     assert eng.generate([prompt], SamplingParams(max_tokens=4))[0].output == want
     assert seen.count("o_proj") == 4 and seen.count("down_proj") == 4  # one forward per new token
+
+
+def test_llama_rotary_table_grows_follows_inv_freq_and_matches_hf():
+    """Llama's rotary cos/sin are rows of a table made by the model's own rotary module: the table grows past
+    its first 256 positions, is rebuilt when ``inv_freq`` changes in place, and the tokens equal Hugging Face's."""
+    pytest.importorskip("transformers")
+    from zerospeed.inference import SamplingParams, ServingEngine
+
+    model = llama()
+    prompt = torch.randint(0, V, (250,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 250:].tolist()
+    cfg = {"state_manager": {"max_ragged_batch_size": 128, "max_ragged_sequence_count": 2, "max_context": 512,
+                             "kv_block_size": 16, "memory_config": {"mode": "allocate", "size": 32}}}
+    eng = ServingEngine(model, cfg)
+    assert eng.generate([prompt], SamplingParams(max_tokens=12))[0].output == want  # positions 0..261
+    table = eng.adapter._rope
+    assert table is not None and table[1].shape[0] == 512
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(2.0)  # in place: the table must follow
+    want = model.generate(torch.tensor([prompt[:20]]), max_new_tokens=5, do_sample=False)[0, 20:].tolist()
+    assert eng.generate([prompt[:20]], SamplingParams(max_tokens=5))[0].output == want
+    assert eng.adapter._rope is not table
