@@ -219,8 +219,11 @@ class PagedKVCache:
             # decodes first, sorted by length), else an index
             rows = slice(at[0], at[0] + n) if at == list(range(at[0], at[0] + n)) else torch.tensor(at, device=device)
             ids, mask, plan = self._decode_plan(bs, groups)
-            bufs = tuple(self.workspace.view(name, (ids.numel(), bsd)) for name in ("k", "v"))
-            decode = (rows, n, ids, mask, plan, bufs)
+            kbuf, vbuf = (self.workspace.view(name, (ids.numel(), bsd)) for name in ("k", "v"))
+            # per group, made once for all layers: its rows, mask, and keys^T / values in the gather buffers
+            views = [(r0, r1, mask[r0:r1, :, :span], kbuf[b0:b0 + nblk].view(r1 - r0, span, dim).transpose(1, 2),
+                      vbuf[b0:b0 + nblk].view(r1 - r0, span, dim)) for r0, r1, b0, nblk, span in plan]
+            decode = (rows, n, ids, kbuf, vbuf, views)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             kl, vl, kb, vb = self._layers[layer]  # kb, vb: [Hkv * blocks, size * D]
@@ -234,19 +237,19 @@ class PagedKVCache:
             gqa = heads != kv
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # never a view (compiled regions)
             if decode is not None:
-                rows, n, ids, mask, plan, (kbuf, vbuf) = decode
+                rows, n, ids, kbuf, vbuf, views = decode
                 g = heads // kv
                 # whole blocks of every kv head into persistent buffers: 16x fewer indices than per slot
                 torch.index_select(kb, 0, ids, out=kbuf)
                 torch.index_select(vb, 0, ids, out=vbuf)
-                qd = (q[rows] if isinstance(rows, slice) else q.index_select(0, rows)).to(kl.dtype)
+                qd = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
+                if qd.dtype != kl.dtype:
+                    qd = qd.to(kl.dtype)
                 qd = qd.reshape(n * kv, g, dim)  # one row per (sequence, kv head): its g query heads
                 direct = isinstance(rows, slice) and q.dtype == kl.dtype
                 od = out[rows].view(n * kv, g, dim) if direct else qd.new_empty(qd.shape)
-                for r0, r1, b0, nblk, span in plan:
-                    ks = kbuf[b0:b0 + nblk].view(r1 - r0, span, dim)
-                    vs = vbuf[b0:b0 + nblk].view(r1 - r0, span, dim)
-                    p = torch.baddbmm(mask[r0:r1, :, :span], qd[r0:r1], ks.transpose(1, 2), alpha=scale)
+                for r0, r1, mask, kt, vs in views:
+                    p = torch.baddbmm(mask, qd[r0:r1], kt, alpha=scale)
                     if qd.dtype == torch.float32:  # scale, scores and mask in one call
                         p = p.softmax(-1)
                     else:
