@@ -99,3 +99,20 @@ def test_decodes_come_first_sorted_by_length():
     s.finish(1)
     work = s.schedule()  # seq 1 gone: the decodes of 2 and 0, then seq 3's prompt
     assert [(w.uid, w.start, w.length) for w in work] == [(2, 7, 1), (0, 10, 1), (3, 0, 2)]
+
+
+def test_slot_runs_and_long_tensor_match_the_plain_forms():
+    import torch
+
+    from zerospeed.inference.kv_cache import SeqChunk, long_tensor
+
+    cache = PagedKVCache(1, 12, 4, 1, 2, dtype=torch.float32)
+    table = (7, 2, 9, 0, 5)
+    for start, length in ((0, 17), (3, 1), (3, 9), (4, 4), (6, 13), (19, 1)):
+        want = cache.slots(table, start, start + length).tolist()
+        assert cache._slot_list(SeqChunk(table, start, length)) == want
+    with pytest.raises(ValueError, match="cannot hold"):
+        cache._slot_list(SeqChunk(table[:2], 6, 3))
+    xs = [5, -1, 2**40, 0]
+    assert torch.equal(long_tensor(xs), torch.tensor(xs)) and long_tensor(xs).dtype == torch.long
+    assert long_tensor([]).shape == (0,)

@@ -13,6 +13,7 @@ keys/values into their slots, then lets each sequence's queries see its cached p
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -21,11 +22,19 @@ import torch.nn.functional as F
 
 from .workspace import Workspace
 
-__all__ = ["BlockAllocator", "KVCacheOutOfBlocks", "PagedKVCache", "RaggedBatch", "SeqChunk", "blocks_needed"]
+__all__ = ["BlockAllocator", "KVCacheOutOfBlocks", "PagedKVCache", "RaggedBatch", "SeqChunk", "blocks_needed",
+           "long_tensor"]
 
 
 class KVCacheOutOfBlocks(RuntimeError):
     """The allocator cannot hand out the blocks asked for."""
+
+
+def long_tensor(values: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long)`` for a flat list of ints, ~3x faster (through a C array:
+    ``torch.tensor`` converts a list element by element; 768 ints: ~17 us against ~56 us)."""
+    t = torch.frombuffer(array.array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+    return t if torch.device(device).type == "cpu" else t.to(device)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -84,8 +93,10 @@ class RaggedBatch:
         total = sum(c.length for c in self.chunks)
         if total != self.token_ids.numel():
             raise ValueError(f"{self.token_ids.numel()} tokens but the chunks cover {total}")
-        pos = [p for c in self.chunks for p in range(c.start, c.start + c.length)]
-        self.positions = torch.tensor(pos, dtype=torch.long, device=self.token_ids.device)
+        pos: list[int] = []
+        for c in self.chunks:
+            pos += range(c.start, c.start + c.length)
+        self.positions = long_tensor(pos, self.token_ids.device)
 
     def last_token_rows(self) -> torch.Tensor:
         """Row of each chunk's last token in the flat batch."""
@@ -105,6 +116,7 @@ class PagedKVCache:
         shape = (num_layers, kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._head_rows = torch.arange(kv_heads, dtype=torch.long)[None, :, None] * num_blocks
         self.workspace = Workspace(dtype, device)  # the decode gathers' buffers, reused every forward
         # per layer, made once: its keys/values [kv heads, slots, dim] and the same as [kv heads * blocks,
         # block_size * dim] (decode gathers copy whole blocks of every head); views, no per-forward indexing
@@ -128,7 +140,15 @@ class PagedKVCache:
         size, table = self.block_size, c.block_table
         if blocks_needed(c.start + c.length, size) > len(table):
             raise ValueError(f"block table of {len(table)} blocks cannot hold {c.start + c.length} positions")
-        return [table[p // size] * size + p % size for p in range(c.start, c.start + c.length)]
+        out: list[int] = []
+        p, stop = c.start, c.start + c.length
+        while p < stop:  # a run of consecutive slots per block, not a Python step per token
+            b = p // size
+            end = min(stop, (b + 1) * size)
+            base = (table[b] - b) * size
+            out += range(base + p, base + end)
+            p = end
+        return out
 
     GROUP_COST = 16
     """What one more decode length group costs per layer (a few ops), in padded blocks read per kv head:
@@ -164,23 +184,29 @@ class PagedKVCache:
         rows), the additive mask ``[sequences * kv, 1, longest span]`` (0 for cached positions ``<=`` the
         chunk's own, ``-inf`` past them; one row per (sequence, kv head)) and per group ``(first row, last
         row, first gathered block, blocks, span)`` in those (sequence, kv head) rows."""
-        size, kv, nb = self.block_size, self.k.shape[1], self.num_blocks
-        heads = torch.arange(kv, dtype=torch.long)[None, :, None] * nb  # kv head h's blocks: h * nb + id
-        ids, plan, row, at = [], [], 0, 0
+        size, kv = self.block_size, self.k.shape[1]
+        heads = self._head_rows  # kv head h's blocks are rows h * num_blocks + id
+        tables: list[int] = []  # every member's table padded to its group's width, one flat list
+        plan, widths, row, at = [], [], 0, 0
         for members, longest in groups:
             width = blocks_needed(longest, size)
-            tables = [list(chunks[i].block_table[:width]) + [0] * (width - len(chunks[i].block_table[:width]))
-                      for i in members]
-            ids.append((torch.tensor(tables, dtype=torch.long)[:, None, :] + heads).flatten())
+            for i in members:
+                t = chunks[i].block_table[:width]
+                tables += t if len(t) == width else t + (0,) * (width - len(t))
             n = len(members) * kv
             plan.append((row, row + n, at, n * width, width * size))
+            widths.append((len(members), width))
             row, at = row + n, at + n * width
-        starts = torch.tensor([chunks[i].start for members, _ in groups for i in members])
-        span = plan[-1][4]
-        keep = torch.arange(span)[None, :] <= starts[:, None]
-        mask = torch.zeros(keep.shape, dtype=self.k.dtype).masked_fill_(~keep, float("-inf"))
-        mask = mask.repeat_interleave(kv, 0)[:, None, :]
-        return torch.cat(ids).to(self.k.device), mask.to(self.k.device), plan
+        flat, ids, k = long_tensor(tables), [], 0
+        for m, width in widths:  # per group: [members, kv heads, width] block ids of the [kv * blocks] rows
+            ids.append((flat[k:k + m * width].view(m, 1, width) + heads).view(-1))
+            k += m * width
+        starts = long_tensor([chunks[i].start for members, _ in groups for i in members for _ in range(kv)])
+        keep = torch.arange(plan[-1][4])[None, :] <= starts[:, None]
+        mask = torch.where(keep, 0.0, float("-inf")).to(self.k.dtype)[:, None, :]
+        device = self.k.device
+        ids_t = ids[0] if len(ids) == 1 else torch.cat(ids)
+        return (ids_t, mask, plan) if device.type == "cpu" else (ids_t.to(device), mask.to(device), plan)
 
     def attention(self, batch: RaggedBatch):  # -> Attend
         """The ``attend`` callable for ``batch`` (see ``adapters.Attend``).
@@ -200,7 +226,7 @@ class PagedKVCache:
                 slots.append(c.block_table[c.start // size] * size + c.start % size)
             else:
                 slots += self._slot_list(c)
-        write = torch.tensor(slots, dtype=torch.long, device=device)
+        write = long_tensor(slots, device)
         offsets = [0]
         for c in bs:
             offsets.append(offsets[-1] + c.length)
@@ -217,7 +243,7 @@ class PagedKVCache:
             n = len(order)
             # the rows of the sorted decodes in the flat batch: a slice when consecutive (the scheduler puts
             # decodes first, sorted by length), else an index
-            rows = slice(at[0], at[0] + n) if at == list(range(at[0], at[0] + n)) else torch.tensor(at, device=device)
+            rows = slice(at[0], at[0] + n) if at == list(range(at[0], at[0] + n)) else long_tensor(at, device)
             ids, mask, plan = self._decode_plan(bs, groups)
             kbuf, vbuf = (self.workspace.view(name, (ids.numel(), bsd)) for name in ("k", "v"))
             # per group, made once for all layers: its rows, mask, and keys^T / values in the gather buffers

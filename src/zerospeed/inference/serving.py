@@ -28,7 +28,7 @@ from .adapters import DecoderAdapter, adapter_for
 from .config import RaggedInferenceEngineConfig
 from .engine import InferenceEngine
 from .tensor_parallel import resolve_tp_group
-from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk
+from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler
 from .serving_tp import FORWARD, STOP, PlanChannel
@@ -151,7 +151,7 @@ class ServingEngine:
         chunks = [SeqChunk(w.block_table, w.start, w.length) for w in work]
         if self.channel is not None:
             self.channel.send_batch(ids, chunks)
-        batch = RaggedBatch(torch.tensor(ids, device=self.adapter.device), chunks)
+        batch = RaggedBatch(long_tensor(ids, self.adapter.device), chunks)
         hidden = self.adapter.hidden(batch.token_ids, batch.positions, self.cache.attention(batch))
         rows = [i for i, w in enumerate(work) if w.samples]
         if len(rows) == hidden.shape[0]:  # every chunk is one token and samples (all decodes): every row
