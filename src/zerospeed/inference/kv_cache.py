@@ -211,10 +211,11 @@ class PagedKVCache:
     def attention(self, batch: RaggedBatch):  # -> Attend
         """The ``attend`` callable for ``batch`` (see ``adapters.Attend``).
 
-        One-token chunks (decodes) attend together: their cached keys/values are gathered whole blocks at a
-        time, padded to the longest (in up to two length groups, to cut the padding), into the cache's reused
-        ``workspace`` buffers, and each query-head group multiplies its own key/value head (grouped-query heads
-        are never copied), with an additive mask for the padding. Longer chunks (prompt pieces) attend one by
+        One-token chunks (decodes) attend together: sorted by length and cut into length groups (each padded to
+        its longest, ``_decode_groups``), their cached keys/values are gathered whole blocks at a time, for all
+        groups in one index per layer, into the cache's reused ``workspace`` buffers, one row per (sequence, kv
+        head), and each query-head group multiplies its own key/value head (grouped-query heads are never
+        copied), with an additive mask for the padding. Longer chunks (prompt pieces) attend one by
         one with PyTorch's fused causal attention (4-d inputs, float mask: the CPU flash kernel); a chunk that
         starts a sequence uses its own new keys/values directly, without reading the cache back.
         """
