@@ -18,8 +18,14 @@ once (by storage, so views and flat buffers are never counted twice):
 
 On the host, ``heap_free`` is what glibc's heap holds free at each phase's accounted peak (``mallinfo2``,
 measured by the allocator, above its value at the start): freed tensors' memory the allocator keeps and that
-the RSS still counts. ``other`` is measured minus accounted minus ``heap_free``: memory nothing explains
-(kernel scratch space, the Python heap, pages the allocator returned late). The baseline of the host measurement is the RSS at the start of
+the RSS still counts. ``op_scratch`` is memory an operator used *inside* itself and gave back before it
+returned (a kernel's workspace, a loss's internal buffer): the op tracker sees outputs, not that, so around
+every operator the timeline reads the measured counter (host: RSS and its high-water mark, reset before the
+op; CUDA: the allocator's) and takes ``peak during the op - measured after it`` as the op's scratch. It is
+*measured*, not accounted: a phase's peak moment is the one where accounted + op scratch is highest, and the
+op is named (``scratch_op``; ``op_scratch_by_op``: the largest per op). ``other`` is measured minus
+accounted minus ``heap_free`` minus ``op_scratch``: memory nothing explains (the Python heap, runtime
+memory, pages the allocator returned late). The baseline of the host measurement is the RSS at the start of
 recording minus the bytes accounted at that moment (interpreter, libraries, data; ``malloc_trim`` is called
 first so freed heap the allocator kept does not hide in it); on CUDA it is ``memory_allocated`` minus the
 accounted bytes. "The timeline accounts for the peak" means: at the step's measured peak (the highest
@@ -44,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..accelerator.host_malloc import heap_free_bytes
-from .memory import _hwm_from_proc, _reset_hwm, rss_bytes
+from .memory import ProcMemory, _hwm_from_proc, _reset_hwm, rss_bytes
 
 PHASES = ("forward", "backward", "reduce", "step", "write_back")
 LIBRARY_OWNERS = ("master", "optimizer_state", "parameters", "gathered_params", "grad_buckets", "grad_partitions",
@@ -71,7 +77,8 @@ def _key(t: torch.Tensor) -> tuple[int, int] | None:
 
 @dataclass
 class PhaseRecord:
-    """One phase's peaks. ``measured_peak``: above the baseline; ``owners``: accounted bytes at its accounted peak."""
+    """One phase's peaks. ``measured_peak``: above the baseline; ``owners``: accounted bytes at its accounted peak
+    (the moment where accounted + ``op_scratch`` is highest)."""
 
     phase: str
     entries: int = 0
@@ -79,6 +86,8 @@ class PhaseRecord:
     accounted_peak: int = 0
     owners: dict[str, int] = field(default_factory=dict)
     heap_free: int = 0  # host: glibc's free heap bytes at the accounted peak, above the start's
+    op_scratch: int = 0  # measured: memory the op running at the peak used inside itself (peak - after)
+    scratch_op: str = ""  # that op's name
 
 
 @dataclass
@@ -99,18 +108,19 @@ def _dead(timeline: weakref.ref[MemoryTimeline], key: int) -> None:
 
 
 class _Tracker(TorchDispatchMode):
-    """Records the storages operators allocate while active; calls ``on_change`` after each op."""
+    """Records the storages operators allocate while active and the memory each op used inside itself."""
 
     def __init__(self, timeline: MemoryTimeline) -> None:
         super().__init__()
         self.tl = timeline
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.tl._op_begin()
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.tl._track(t)
-        self.tl._changed()
+        self.tl._op_end(str(func))
         return out
 
 
@@ -140,6 +150,8 @@ class MemoryTimeline:
         self._t0 = 0.0
         self._restore: list[Callable[[], None]] = []
         self._heap_free0 = 0
+        self._proc: ProcMemory | None = None  # host: per-op RSS reads, open while recording
+        self.op_scratch_by_op: dict[str, int] = {}  # op name -> largest scratch seen (>= resolution)
 
     # --- owners of the library's buffers -----------------------------------------------------------
     def _library_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -253,6 +265,42 @@ class MemoryTimeline:
         else:
             _reset_hwm()
 
+    def _now_and_peak(self) -> tuple[int, int] | None:
+        """(measured now, peak since the last reset), above the baseline; None when not readable cheaply."""
+        if self.on_cuda:
+            return (int(torch.cuda.memory_allocated(self.device)) - self.baseline,
+                    int(torch.cuda.max_memory_allocated(self.device)) - self.baseline)
+        pair = self._proc.rss_and_peak() if self._proc is not None else None
+        return None if pair is None else (pair[0] - self.baseline, pair[1] - self.baseline)
+
+    def _op_begin(self) -> None:
+        """Fold the peak since the last reset into the phase and restart it, so the next op's peak is its own."""
+        read = self._now_and_peak()
+        if read is None:
+            return
+        if self._stack:
+            rec = self.phases[self._stack[-1]]
+            rec.measured_peak = max(rec.measured_peak, read[1])
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            assert self._proc is not None
+            self._proc.reset_peak()
+
+    def _op_end(self, op: str) -> None:
+        """After an op: its scratch is how far the measured peak during it rose above what it left behind."""
+        read = self._now_and_peak()
+        scratch = 0
+        if read is not None:
+            now, peak = read
+            if self._stack:
+                rec = self.phases[self._stack[-1]]
+                rec.measured_peak = max(rec.measured_peak, peak)
+            scratch = max(0, peak - now)
+            if scratch >= self.resolution and scratch > self.op_scratch_by_op.get(op, 0):
+                self.op_scratch_by_op[op] = scratch
+        self._changed(scratch, op)
+
     def owners_now(self) -> dict[str, int]:
         out = dict(self._library_bytes)
         for owner in ("activations", "temporaries"):
@@ -261,12 +309,13 @@ class MemoryTimeline:
             out[owner] = out.get(owner, 0) + n
         return out
 
-    def _changed(self) -> None:
+    def _changed(self, scratch: int = 0, op: str = "") -> None:
         owners = self.owners_now()
         total = sum(owners.values())
         rec = self.phases[self._phase]
-        if total > rec.accounted_peak:
+        if total + scratch > rec.accounted_peak + rec.op_scratch:
             rec.accounted_peak, rec.owners = total, owners
+            rec.op_scratch, rec.scratch_op = scratch, (op if scratch else "")
             if not self.on_cuda:
                 free = heap_free_bytes()
                 rec.heap_free = max(0, free - self._heap_free0) if free is not None else 0
@@ -346,6 +395,7 @@ class MemoryTimeline:
         if not self.on_cuda:
             malloc_trim()
             self._heap_free0 = heap_free_bytes() or 0
+            self._proc = ProcMemory()
         self._refresh()
         self.baseline = 0
         start = self._measured_now()
@@ -359,6 +409,9 @@ class MemoryTimeline:
                 yield self
         finally:
             self._close_phase()
+            if self._proc is not None:
+                self._proc.close()
+                self._proc = None
             for undo in reversed(self._restore):
                 undo()
             self._restore.clear()
@@ -369,10 +422,11 @@ class MemoryTimeline:
         return max(self.phases.values(), key=lambda r: r.measured_peak)
 
     def coverage(self) -> float:
-        """Accounted (with the host heap's free bytes) over measured at the step's measured peak (1.0: every
-        byte above the baseline named)."""
+        """Accounted, with the host heap's free bytes and the running op's scratch (both measured), over measured
+        at the step's measured peak (1.0: every byte above the baseline named)."""
         rec = self.peak_phase()
-        return (rec.accounted_peak + rec.heap_free) / rec.measured_peak if rec.measured_peak > 0 else float("nan")
+        named = rec.accounted_peak + rec.heap_free + rec.op_scratch
+        return named / rec.measured_peak if rec.measured_peak > 0 else float("nan")
 
     def tensor_coverage(self) -> float:
         """Accounted tensor bytes alone over measured at the step's measured peak."""
@@ -386,6 +440,8 @@ class MemoryTimeline:
             "source": "cuda allocator" if self.on_cuda else "process RSS",
             "peak_phase": rec.phase, "measured_peak_bytes": rec.measured_peak,
             "accounted_peak_bytes": rec.accounted_peak, "heap_free_bytes": rec.heap_free,
+            "op_scratch_bytes": rec.op_scratch, "scratch_op": rec.scratch_op,
+            "op_scratch_by_op": dict(sorted(self.op_scratch_by_op.items(), key=lambda kv: -kv[1])[:10]),
             "coverage": self.coverage(), "tensor_coverage": self.tensor_coverage(),
             "phases": [vars(r) for r in self.phases.values() if r.entries],
             "samples": [vars(s) for s in self.samples],
@@ -396,11 +452,11 @@ class MemoryTimeline:
         rows = [r for r in self.phases.values() if r.entries]
         owners = [o for o in OWNERS if any(r.owners.get(o, 0) for r in rows)]
         heap = [] if self.on_cuda else ["heap_free"]
-        cols = ["phase", "measured", "accounted", *owners, *heap, "other"]
+        cols = ["phase", "measured", "accounted", *owners, *heap, "op_scratch", "other"]
         body = [[r.phase, f"{r.measured_peak / unit:.1f}", f"{r.accounted_peak / unit:.1f}",
                  *(f"{r.owners.get(o, 0) / unit:.1f}" for o in owners),
-                 *([] if self.on_cuda else [f"{r.heap_free / unit:.1f}"]),
-                 f"{(r.measured_peak - r.accounted_peak - r.heap_free) / unit:.1f}"] for r in rows]
+                 *([] if self.on_cuda else [f"{r.heap_free / unit:.1f}"]), f"{r.op_scratch / unit:.1f}",
+                 f"{(r.measured_peak - r.accounted_peak - r.heap_free - r.op_scratch) / unit:.1f}"] for r in rows]
         widths = [max(len(x) for x in col) for col in zip(cols, *body)]
         line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
         sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -409,4 +465,6 @@ class MemoryTimeline:
                 f"measured: {src} peak; accounted at the peak: {self.coverage():.1%} of measured "
                 f"in {self.peak_phase().phase}" + ("" if self.on_cuda else
                                                    f", tensors alone {self.tensor_coverage():.1%}") + ")")
-        return "\n".join([head, line(cols), sep, *(line(b) for b in body)])
+        ops = [f"{r.phase}: {r.scratch_op}" for r in rows if r.op_scratch >= self.resolution]
+        tail = ["op scratch at the peak (measured inside the op): " + "; ".join(ops)] if ops else []
+        return "\n".join([head, line(cols), sep, *(line(b) for b in body), *tail])
