@@ -129,6 +129,6 @@ def test_timeline_measures_scratch_inside_an_op() -> None:
         assert r["tensor_coverage"] < 0.2, r["table"]  # the tensors alone do not explain it
         assert 0.9 <= r["coverage"] <= 1.1, r["table"]  # with the op's scratch they do
         assert r["op_scratch_bytes"] >= SCRATCH_MB * MB * 0.9, r["table"]
-        assert "with_scratch" in r["scratch_op"], r["table"]
+        assert "with_scratch" in r["peak_op"], r["table"]
         assert any("with_scratch" in op for op in r["op_scratch_by_op"]), r["op_scratch_by_op"]
         assert "op_scratch" in r["table"] and "with_scratch" in r["table"], r["table"]

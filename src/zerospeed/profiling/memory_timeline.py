@@ -16,20 +16,25 @@ once (by storage, so views and flat buffers are never counted twice):
   ``activations`` once autograd saves it for backward (saved-tensor hooks) and ``temporaries`` otherwise
   (activation gradients, intermediate results).
 
-On the host, ``heap_free`` is what glibc's heap holds free at each phase's accounted peak (``mallinfo2``,
-measured by the allocator, above its value at the start): freed tensors' memory the allocator keeps and that
-the RSS still counts. ``op_scratch`` is memory an operator used *inside* itself and gave back before it
-returned (a kernel's workspace, a loss's internal buffer): the op tracker sees outputs, not that, so around
-every operator the timeline reads the measured counter (host: RSS and its high-water mark, reset before the
-op; CUDA: the allocator's) and takes ``peak during the op - measured after it`` as the op's scratch. It is
-*measured*, not accounted: a phase's peak moment is the one where accounted + op scratch is highest, and the
-op is named (``scratch_op``; ``op_scratch_by_op``: the largest per op). ``other`` is measured minus
-accounted minus ``heap_free`` minus ``op_scratch``: memory nothing explains (the Python heap, runtime
-memory, pages the allocator returned late). The baseline of the host measurement is the RSS at the start of
-recording minus the bytes accounted at that moment (interpreter, libraries, data; ``malloc_trim`` is called
-first so freed heap the allocator kept does not hide in it); on CUDA it is ``memory_allocated`` minus the
-accounted bytes. "The timeline accounts for the peak" means: at the step's measured peak (the highest
-phase peak, above the baseline), ``accounted / measured`` is close to 1 (``MemoryTimeline.coverage``).
+On the host, ``heap_free`` is what glibc's heap holds free (``mallinfo2``, measured by the allocator, above
+its value at the start): freed tensors' memory the allocator keeps and that the RSS still counts.
+``op_scratch`` is memory an operator used *inside* itself and gave back before it returned (a kernel's
+workspace): the op tracker sees outputs, not that, so around every operator the timeline reads the measured
+counter (host: RSS and its high-water mark, reset before the op; CUDA: the allocator's) and takes ``peak
+during the op - measured after it`` as the op's scratch, named by op (``op_scratch_by_op``: the largest).
+Both are *measured*, not accounted.
+
+Two moments per phase: the *accounted peak* (most tensor bytes named: ``accounted_peak``, ``owners``,
+``heap_free``) and the *measured peak* (the op during which the measured counter peaked: ``peak_accounted``,
+``peak_owners``, ``peak_heap_free``, ``peak_op_scratch``, ``peak_op``). They differ: on a CPU backward the RSS
+may peak on the last gradients while the tensors peaked at its start, the difference being freed activations
+the allocator kept. ``other`` is measured minus what is named at the measured peak: memory nothing explains
+(the Python heap, runtime memory, pages returned late). The baseline of the host measurement is the RSS at
+the start of recording minus the bytes accounted at that moment (interpreter, libraries, data;
+``malloc_trim`` is called first so freed heap the allocator kept does not hide in it); on CUDA it is
+``memory_allocated`` minus the accounted bytes. "The timeline accounts for the peak" means: at the step's
+measured peak (the highest phase peak, above the baseline), accounted + ``heap_free`` + ``op_scratch`` at that
+moment is close to the measured bytes (``MemoryTimeline.coverage``).
 
 Phases: ``forward``, ``backward``, ``reduce`` (the reducer's collectives inside backward and at the step),
 ``step`` (norm, clipping, the optimizer update), ``write_back`` (rebuilding parameters from the masters).
@@ -77,8 +82,8 @@ def _key(t: torch.Tensor) -> tuple[int, int] | None:
 
 @dataclass
 class PhaseRecord:
-    """One phase's peaks. ``measured_peak``: above the baseline; ``owners``: accounted bytes at its accounted peak
-    (the moment where accounted + ``op_scratch`` is highest)."""
+    """One phase's peaks. ``measured_peak``: above the baseline; ``owners``: accounted bytes at its accounted peak;
+    ``peak_*``: what is named at its measured peak."""
 
     phase: str
     entries: int = 0
@@ -86,8 +91,12 @@ class PhaseRecord:
     accounted_peak: int = 0
     owners: dict[str, int] = field(default_factory=dict)
     heap_free: int = 0  # host: glibc's free heap bytes at the accounted peak, above the start's
-    op_scratch: int = 0  # measured: memory the op running at the peak used inside itself (peak - after)
-    scratch_op: str = ""  # that op's name
+    # at the measured peak (the op during which the measured counter peaked; zero when no op was read):
+    peak_accounted: int = 0  # accounted tensor bytes
+    peak_owners: dict[str, int] = field(default_factory=dict)
+    peak_heap_free: int = 0  # glibc's free heap (host), above the start's
+    peak_op_scratch: int = 0  # measured: memory that op used inside itself (its peak minus what it left)
+    peak_op: str = ""
 
 
 @dataclass
@@ -152,6 +161,7 @@ class MemoryTimeline:
         self._heap_free0 = 0
         self._proc: ProcMemory | None = None  # host: per-op RSS reads, open while recording
         self.op_scratch_by_op: dict[str, int] = {}  # op name -> largest scratch seen (>= resolution)
+        self._peak_seen: dict[str, int] = {}  # phase -> measured peak at its last snapshot
 
     # --- owners of the library's buffers -----------------------------------------------------------
     def _library_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -299,7 +309,22 @@ class MemoryTimeline:
             scratch = max(0, peak - now)
             if scratch >= self.resolution and scratch > self.op_scratch_by_op.get(op, 0):
                 self.op_scratch_by_op[op] = scratch
-        self._changed(scratch, op)
+            if self._stack:
+                self._at_peak(self.phases[self._stack[-1]], peak, scratch, op)
+        self._changed()
+
+    def _at_peak(self, rec: PhaseRecord, peak: int, scratch: int, op: str) -> None:
+        """Name what is there when ``rec``'s measured peak rises by the resolution (so few snapshots are taken)."""
+        seen = self._peak_seen.get(rec.phase)
+        if seen is not None and peak < seen + self.resolution:
+            return
+        self._peak_seen[rec.phase] = peak
+        owners = self.owners_now()
+        rec.peak_accounted, rec.peak_owners = sum(owners.values()), owners
+        rec.peak_op_scratch, rec.peak_op = scratch, op
+        if not self.on_cuda:
+            free = heap_free_bytes()
+            rec.peak_heap_free = max(0, free - self._heap_free0) if free is not None else 0
 
     def owners_now(self) -> dict[str, int]:
         out = dict(self._library_bytes)
@@ -309,13 +334,12 @@ class MemoryTimeline:
             out[owner] = out.get(owner, 0) + n
         return out
 
-    def _changed(self, scratch: int = 0, op: str = "") -> None:
+    def _changed(self) -> None:
         owners = self.owners_now()
         total = sum(owners.values())
         rec = self.phases[self._phase]
-        if total + scratch > rec.accounted_peak + rec.op_scratch:
+        if total > rec.accounted_peak:
             rec.accounted_peak, rec.owners = total, owners
-            rec.op_scratch, rec.scratch_op = scratch, (op if scratch else "")
             if not self.on_cuda:
                 free = heap_free_bytes()
                 rec.heap_free = max(0, free - self._heap_free0) if free is not None else 0
@@ -421,26 +445,35 @@ class MemoryTimeline:
         """The phase with the highest measured peak."""
         return max(self.phases.values(), key=lambda r: r.measured_peak)
 
+    @staticmethod
+    def _named(rec: PhaseRecord) -> tuple[int, int, int, dict[str, int]]:
+        """(accounted, heap_free, op_scratch, owners) at ``rec``'s measured peak; the accounted peak's where no
+        op was read around (no ``/proc``)."""
+        if rec.peak_op:
+            return rec.peak_accounted, rec.peak_heap_free, rec.peak_op_scratch, rec.peak_owners
+        return rec.accounted_peak, rec.heap_free, 0, rec.owners
+
     def coverage(self) -> float:
-        """Accounted, with the host heap's free bytes and the running op's scratch (both measured), over measured
-        at the step's measured peak (1.0: every byte above the baseline named)."""
+        """What is named at the step's measured peak (accounted tensors, the host heap's free bytes, the running
+        op's scratch; the last two measured) over the measured peak (1.0: every byte above the baseline named)."""
         rec = self.peak_phase()
-        named = rec.accounted_peak + rec.heap_free + rec.op_scratch
-        return named / rec.measured_peak if rec.measured_peak > 0 else float("nan")
+        acc, free, scratch, _ = self._named(rec)
+        return (acc + free + scratch) / rec.measured_peak if rec.measured_peak > 0 else float("nan")
 
     def tensor_coverage(self) -> float:
-        """Accounted tensor bytes alone over measured at the step's measured peak."""
+        """Accounted tensor bytes alone at the step's measured peak over it."""
         rec = self.peak_phase()
-        return rec.accounted_peak / rec.measured_peak if rec.measured_peak > 0 else float("nan")
+        return self._named(rec)[0] / rec.measured_peak if rec.measured_peak > 0 else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         rec = self.peak_phase()
+        acc, free, scratch, _ = self._named(rec)
         return {
             "device": str(self.device), "baseline_bytes": self.baseline,
             "source": "cuda allocator" if self.on_cuda else "process RSS",
-            "peak_phase": rec.phase, "measured_peak_bytes": rec.measured_peak,
-            "accounted_peak_bytes": rec.accounted_peak, "heap_free_bytes": rec.heap_free,
-            "op_scratch_bytes": rec.op_scratch, "scratch_op": rec.scratch_op,
+            "peak_phase": rec.phase, "measured_peak_bytes": rec.measured_peak, "peak_op": rec.peak_op,
+            "accounted_at_peak_bytes": acc, "heap_free_bytes": free, "op_scratch_bytes": scratch,
+            "accounted_peak_bytes": rec.accounted_peak,
             "op_scratch_by_op": dict(sorted(self.op_scratch_by_op.items(), key=lambda kv: -kv[1])[:10]),
             "coverage": self.coverage(), "tensor_coverage": self.tensor_coverage(),
             "phases": [vars(r) for r in self.phases.values() if r.entries],
@@ -448,23 +481,29 @@ class MemoryTimeline:
         }
 
     def format_table(self, unit: int = 1 << 20) -> str:
-        """One row per phase: measured and accounted peaks, and the owners at the accounted peak (MiB)."""
+        """One row per phase (MiB): the measured peak; at it, the accounted bytes by owner, the free heap, the
+        running op's scratch and what nothing explains; last, the phase's accounted peak (another moment)."""
         rows = [r for r in self.phases.values() if r.entries]
-        owners = [o for o in OWNERS if any(r.owners.get(o, 0) for r in rows)]
+        named = {r.phase: self._named(r) for r in rows}
+        owners = [o for o in OWNERS if any(named[r.phase][3].get(o, 0) for r in rows)]
         heap = [] if self.on_cuda else ["heap_free"]
-        cols = ["phase", "measured", "accounted", *owners, *heap, "op_scratch", "other"]
-        body = [[r.phase, f"{r.measured_peak / unit:.1f}", f"{r.accounted_peak / unit:.1f}",
-                 *(f"{r.owners.get(o, 0) / unit:.1f}" for o in owners),
-                 *([] if self.on_cuda else [f"{r.heap_free / unit:.1f}"]), f"{r.op_scratch / unit:.1f}",
-                 f"{(r.measured_peak - r.accounted_peak - r.heap_free - r.op_scratch) / unit:.1f}"] for r in rows]
+        cols = ["phase", "measured", "accounted", *owners, *heap, "op_scratch", "other", "max accounted"]
+        body = []
+        for r in rows:
+            acc, free, scratch, own = named[r.phase]
+            body.append([r.phase, f"{r.measured_peak / unit:.1f}", f"{acc / unit:.1f}",
+                         *(f"{own.get(o, 0) / unit:.1f}" for o in owners),
+                         *([] if self.on_cuda else [f"{free / unit:.1f}"]), f"{scratch / unit:.1f}",
+                         f"{(r.measured_peak - acc - free - scratch) / unit:.1f}", f"{r.accounted_peak / unit:.1f}"])
         widths = [max(len(x) for x in col) for col in zip(cols, *body)]
         line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
         sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
         src = "CUDA allocator" if self.on_cuda else "RSS"
+        peak = self.peak_phase()
         head = (f"memory per phase on {self.device} (MiB above the baseline of {self.baseline / unit:.0f} MiB; "
-                f"measured: {src} peak; accounted at the peak: {self.coverage():.1%} of measured "
-                f"in {self.peak_phase().phase}" + ("" if self.on_cuda else
-                                                   f", tensors alone {self.tensor_coverage():.1%}") + ")")
-        ops = [f"{r.phase}: {r.scratch_op}" for r in rows if r.op_scratch >= self.resolution]
+                f"measured: {src} peak; named at the peak: {self.coverage():.1%} of measured "
+                f"in {peak.phase}" + ("" if self.on_cuda else f", tensors alone {self.tensor_coverage():.1%}")
+                + (f"; the peak was inside {peak.peak_op}" if peak.peak_op else "") + ")")
+        ops = [f"{r.phase}: {r.peak_op}" for r in rows if r.peak_op_scratch >= self.resolution]
         tail = ["op scratch at the peak (measured inside the op): " + "; ".join(ops)] if ops else []
         return "\n".join([head, line(cols), sep, *(line(b) for b in body), *tail])
