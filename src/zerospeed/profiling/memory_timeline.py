@@ -408,6 +408,16 @@ class MemoryTimeline:
             self._wrap(opt, "_collect_grads", context="grad_partitions")
             self._wrap(opt, "_write_back", phase="write_back", context="temporaries")
             self._wrap(opt.optimizer, "step", context="optimizer_state")
+        trimmer = getattr(eng, "heap_trimmer", None)
+        if trimmer is not None and not self.on_cuda:  # trimmed free heap is not resident: count from after it
+            original = trimmer.trim
+
+            def trim() -> None:
+                original()
+                self._heap_free0 = heap_free_bytes() or 0
+
+            trimmer.trim = trim
+            self._restore.append(lambda: delattr(trimmer, "trim"))
         zero3 = getattr(eng, "zero3", None)
         if zero3 is not None:
             for name in ("acquire", "release", "end_forward", "end_backward"):

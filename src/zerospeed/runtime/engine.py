@@ -31,6 +31,7 @@ from .observer import StepObserver
 
 
 class Engine(nn.Module):
+    heap_trimmer: Any = None  # host engines: accelerator/host_malloc.HeapTrimmer (set by build.py)
     zero3: Any = None  # ZeRO-3 runtime (zero.stage3.Stage3Runtime) when stage 3 is on; set by build.py
     data_efficiency: Any = None  # curriculum / PLD / random-LTD (data_pipeline.runtime.DataEfficiency); build.py
     def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes,
@@ -251,6 +252,8 @@ class Engine(nn.Module):
             self.observer.backward_start(loss)
             reducer = self.optimizer.reducer
             reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+            if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
+                self.heap_trimmer.trim()
             scaled.backward(retain_graph=retain_graph)
             reducer.end_micro_step()
             self.backwards_in_window += 1
