@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import comm
 from ..accelerator import get_accelerator
-from ..accelerator.host_malloc import HeapTrimmer, limit_heap_retention
+from ..accelerator.host_malloc import limit_heap_retention
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.errors import NotSupportedYetError
 from ..config.hints import log_accepted_hints
@@ -576,9 +576,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine_cls = PipelineEngine
     engine = engine_cls(model, cfg, batch, zero_opt, scheduler, dp_group, device, policy.compute, loader)
     engine.zero3 = stage3
-    engine.heap_trimmer = HeapTrimmer.for_device(device)  # host: freed heap given back in backward
-    if zero_opt is not None and hasattr(zero_opt, "reducer"):
-        zero_opt.reducer.heap_trimmer = engine.heap_trimmer
     engine.fp8_modules = fp8_modules  # names of the linears computing in FP8 (the fp8 section)
     engine.data_efficiency = _data_efficiency(cfg, batch.train_batch_size, pipelined)
     if seq_grid is not None:
