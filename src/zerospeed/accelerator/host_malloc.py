@@ -96,9 +96,11 @@ class HeapTrimmer:
     fresh mappings *on top of* them, so a rank's peak RSS is live tensors plus the heap freed before. Trimming
     (1) when backward starts (the forward's freed temporaries) and (2) during backward whenever the free heap
     grew by ``min_bytes`` since the last trim (the freed activations; checked at each gradient-bucket launch)
-    takes that memory out of the peak. Cost: the released pages are faulted in again when reused (mostly by
-    the next forward's activations), measured at about 1-3 % of a GPT-2-small CPU step; the fixed mmap
-    threshold (``ZEROSPEED_MMAP_THRESHOLD``) pays a fault per fresh page of every large tensor instead.
+    takes that memory out of the peak: GPT-2-small stage 3 at world 2, -543 MiB (-12.7 %) of peak RSS per rank
+    (docs/benchmarks.md). Cost: the released pages are faulted in again when reused (mostly by the next
+    forward's activations), about +2 % CPU time per step on a 2-layer GPT-2-width model
+    (``benchmarks/bench_heap_trim.py``); the fixed mmap threshold (``ZEROSPEED_MMAP_THRESHOLD``, ~20 %) pays
+    a fault per fresh page of every large tensor instead.
     ``ZEROSPEED_TRIM_HEAP=0`` turns it off. Only for engines whose tensors are on the host and only with glibc
     (``for_device`` returns None otherwise).
     """
