@@ -98,7 +98,7 @@ class HeapTrimmer:
     grew by ``min_bytes`` since the last trim (the freed activations; checked at each gradient-bucket launch)
     takes that memory out of the peak: GPT-2-small stage 3 at world 2, -543 MiB (-12.7 %) of peak RSS per rank
     (docs/benchmarks.md). Cost: the released pages are faulted in again when reused (mostly by the next
-    forward's activations), about +2 % CPU time per step on a 2-layer GPT-2-width model
+    forward's activations): +5 % CPU time per step on GPT-2-small, +2 % on a 2-layer model of its width
     (``benchmarks/bench_heap_trim.py``); the fixed mmap threshold (``ZEROSPEED_MMAP_THRESHOLD``, ~20 %) pays
     a fault per fresh page of every large tensor instead.
     ``ZEROSPEED_TRIM_HEAP=0`` turns it off. Only for engines whose tensors are on the host and only with glibc
