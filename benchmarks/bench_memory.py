@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -37,12 +38,24 @@ PRESETS.setdefault("gpt2s", gpt2s)  # the GPT-2-small shape; forked ranks inheri
 BASELINES = ("torch DDP", "torch FSDP2")
 
 
-def contenders(include_ds: bool) -> list[Contender]:
-    """In the order they run (most telling pairs first, so an interrupted run still answers the targets)."""
+def untrimmed(c: Contender) -> Contender:
+    """``c`` with the engine's heap trimming off (``ZEROSPEED_TRIM_HEAP=0`` in its ranks), for a paired before/after."""
+
+    def make(model: Any, spec: BenchSpec) -> Any:
+        os.environ["ZEROSPEED_TRIM_HEAP"] = "0"  # a forked rank's own environment
+        return c.make(model, spec)
+
+    return Contender(f"{c.name}, no heap trim", make, c.world_size, c.threads, c.skip)
+
+
+def contenders(include_ds: bool, trim_pairs: bool = False) -> list[Contender]:
+    """In the order they run (most telling pairs first, so an interrupted run still answers the targets);
+    ``trim_pairs``: each zerospeed contender also without the heap trimming (``accelerator/host_malloc.py``)."""
     ds = (lambda s: [deepspeed_stage(s)]) if include_ds else (lambda s: [])  # noqa: E731
-    return [zerospeed_stage(2), *ds(2),
-            zerospeed_stage(3, {"stage3_max_reuse_distance": 0}, name="zerospeed stage 3, reuse 0"),
-            fsdp2(reshard_after_forward=True), ddp(), zerospeed_stage(3), *ds(3)]
+    pair = (lambda c: [c, untrimmed(c)]) if trim_pairs else (lambda c: [c])  # noqa: E731
+    return [*pair(zerospeed_stage(2)), *ds(2),
+            *pair(zerospeed_stage(3, {"stage3_max_reuse_distance": 0}, name="zerospeed stage 3, reuse 0")),
+            fsdp2(reshard_after_forward=True), ddp(), *pair(zerospeed_stage(3)), *ds(3)]
 
 
 def run(spec: BenchSpec, cands: list[Contender], repeat: int) -> dict[str, list[Result]]:
@@ -108,10 +121,12 @@ def main() -> None:
     p.add_argument("--only", default="", help="semicolon-separated contender names to run (default: all)")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
     p.add_argument("--json", action="store_true", help="one JSON object per contender after the table")
+    p.add_argument("--trim-pairs", action="store_true",
+                   help="run each zerospeed contender also with ZEROSPEED_TRIM_HEAP=0 (the heap trimming off)")
     args = p.parse_args()
     spec = BenchSpec(preset=args.preset, micro_batch=args.micro_batch, grad_accum=args.grad_accum, world_size=2,
                      warmup=args.warmup, steps=args.steps, seed=args.seed)
-    cands = contenders(not args.no_deepspeed)
+    cands = contenders(not args.no_deepspeed, args.trim_pairs)
     if args.only:
         wanted = {w.strip() for w in args.only.split(";")}
         cands = [c for c in cands if c.name in wanted]

@@ -16,3 +16,33 @@ def test_heap_free_bytes_grows_when_heap_tensors_are_freed() -> None:
     del keep[::2]  # holes between live chunks cannot be trimmed away
     after = heap_free_bytes()
     assert after is not None and after - before >= 50 * 65_536
+
+
+def test_trimmer_trims_once_enough_heap_was_freed_and_rss_falls() -> None:
+    from zerospeed.accelerator.host_malloc import HeapTrimmer
+    from zerospeed.profiling.memory import rss_bytes
+
+    trimmer = HeapTrimmer.for_device(torch.device("cpu"), min_bytes=32 << 20)
+    if trimmer is None:
+        pytest.skip("no glibc malloc_trim/mallinfo2 here")
+    assert HeapTrimmer.for_device(torch.device("meta")) is None  # only host engines trim
+    trimmer.trim()
+    parts = [torch.ones(16_384) for _ in range(1600)]  # 100 MiB of 64 KiB heap chunks, touched
+    assert not trimmer.trim_if_freed()  # nothing freed yet
+    del parts[::2]  # 50 MiB of holes between live chunks: resident until trimmed
+    before = rss_bytes()
+    assert trimmer.trim_if_freed() and trimmer.trims == 2
+    assert before - rss_bytes() >= 30 << 20
+    assert not trimmer.trim_if_freed()  # nothing more freed since
+    del parts
+    trimmer.trim()  # leave no resident free heap behind for the next test's RSS readings
+
+
+def test_trim_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerospeed.accelerator.host_malloc import HeapTrimmer, heap_trim_setting
+
+    monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "0")
+    assert not heap_trim_setting() and HeapTrimmer.for_device(torch.device("cpu")) is None
+    monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "yes")
+    with pytest.raises(ValueError, match="ZEROSPEED_TRIM_HEAP"):
+        heap_trim_setting()

@@ -64,6 +64,49 @@ def peak_rss_bytes() -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS reports bytes, Linux kB
 
 
+class ProcMemory:
+    """Cheap per-operator reads of this process's RSS and its resettable high-water mark (Linux ``/proc``).
+
+    ``rss_and_peak()`` reads both from one ``/proc/self/status`` (about 10 us through a kept descriptor);
+    ``reset_peak()`` writes ``5`` to ``/proc/self/clear_refs``. Open it in the process that reads (a forked
+    child must not reuse its parent's descriptors) and ``close()`` it. ``available`` is False where ``/proc``
+    lacks either file; then nothing is read.
+    """
+
+    def __init__(self) -> None:
+        self._status = self._clear = -1
+        try:
+            self._status = os.open("/proc/self/status", os.O_RDONLY)
+            self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            self.available = self.rss_and_peak() is not None
+        except OSError:
+            self.available = False
+        if not self.available:
+            self.close()
+
+    def rss_and_peak(self) -> tuple[int, int] | None:
+        """(current RSS, high-water mark since the last reset) in bytes."""
+        try:
+            text = os.pread(self._status, 8192, 0)
+            i, j = text.index(b"VmRSS:"), text.index(b"VmHWM:")
+            return (int(text[i + 6:text.index(b"kB", i)]) * 1024, int(text[j + 6:text.index(b"kB", j)]) * 1024)
+        except (OSError, ValueError):
+            return None
+
+    def reset_peak(self) -> None:
+        try:
+            os.write(self._clear, b"5")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._status, self._clear):
+            if fd >= 0:
+                os.close(fd)
+        self._status = self._clear = -1
+        self.available = False
+
+
 class MemoryTracker:
     """Peak memory of this rank between :meth:`reset_peak` and :meth:`peak_bytes`.
 

@@ -16,14 +16,25 @@ once (by storage, so views and flat buffers are never counted twice):
   ``activations`` once autograd saves it for backward (saved-tensor hooks) and ``temporaries`` otherwise
   (activation gradients, intermediate results).
 
-On the host, ``heap_free`` is what glibc's heap holds free at each phase's accounted peak (``mallinfo2``,
-measured by the allocator, above its value at the start): freed tensors' memory the allocator keeps and that
-the RSS still counts. ``other`` is measured minus accounted minus ``heap_free``: memory nothing explains
-(kernel scratch space, the Python heap, pages the allocator returned late). The baseline of the host measurement is the RSS at the start of
-recording minus the bytes accounted at that moment (interpreter, libraries, data; ``malloc_trim`` is called
-first so freed heap the allocator kept does not hide in it); on CUDA it is ``memory_allocated`` minus the
-accounted bytes. "The timeline accounts for the peak" means: at the step's measured peak (the highest
-phase peak, above the baseline), ``accounted / measured`` is close to 1 (``MemoryTimeline.coverage``).
+On the host, ``heap_free`` is what glibc's heap holds free (``mallinfo2``, measured by the allocator, above
+its value at the start): freed tensors' memory the allocator keeps and that the RSS still counts.
+``op_scratch`` is memory an operator used *inside* itself and gave back before it returned (a kernel's
+workspace): the op tracker sees outputs, not that, so around every operator the timeline reads the measured
+counter (host: RSS and its high-water mark, reset before the op; CUDA: the allocator's) and takes ``peak
+during the op - measured after it`` as the op's scratch, named by op (``op_scratch_by_op``: the largest).
+Both are *measured*, not accounted.
+
+Two moments per phase: the *accounted peak* (most tensor bytes named: ``accounted_peak``, ``owners``,
+``heap_free``) and the *measured peak* (the op during which the measured counter peaked: ``peak_accounted``,
+``peak_owners``, ``peak_heap_free``, ``peak_op_scratch``, ``peak_op``). They differ: on a CPU backward the RSS
+may peak on the last gradients while the tensors peaked at its start, the difference being freed activations
+the allocator kept. ``other`` is measured minus what is named at the measured peak: memory nothing explains
+(the Python heap, runtime memory, pages returned late). The baseline of the host measurement is the RSS at
+the start of recording minus the bytes accounted at that moment (interpreter, libraries, data;
+``malloc_trim`` is called first so freed heap the allocator kept does not hide in it); on CUDA it is
+``memory_allocated`` minus the accounted bytes. "The timeline accounts for the peak" means: at the step's
+measured peak (the highest phase peak, above the baseline), accounted + ``heap_free`` + ``op_scratch`` at that
+moment is close to the measured bytes (``MemoryTimeline.coverage``).
 
 Phases: ``forward``, ``backward``, ``reduce`` (the reducer's collectives inside backward and at the step),
 ``step`` (norm, clipping, the optimizer update), ``write_back`` (rebuilding parameters from the masters).
@@ -44,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..accelerator.host_malloc import heap_free_bytes
-from .memory import _hwm_from_proc, _reset_hwm, rss_bytes
+from .memory import ProcMemory, _hwm_from_proc, _reset_hwm, rss_bytes
 
 PHASES = ("forward", "backward", "reduce", "step", "write_back")
 LIBRARY_OWNERS = ("master", "optimizer_state", "parameters", "gathered_params", "grad_buckets", "grad_partitions",
@@ -71,7 +82,8 @@ def _key(t: torch.Tensor) -> tuple[int, int] | None:
 
 @dataclass
 class PhaseRecord:
-    """One phase's peaks. ``measured_peak``: above the baseline; ``owners``: accounted bytes at its accounted peak."""
+    """One phase's peaks. ``measured_peak``: above the baseline; ``owners``: accounted bytes at its accounted peak;
+    ``peak_*``: what is named at its measured peak."""
 
     phase: str
     entries: int = 0
@@ -79,6 +91,12 @@ class PhaseRecord:
     accounted_peak: int = 0
     owners: dict[str, int] = field(default_factory=dict)
     heap_free: int = 0  # host: glibc's free heap bytes at the accounted peak, above the start's
+    # at the measured peak (the op during which the measured counter peaked; zero when no op was read):
+    peak_accounted: int = 0  # accounted tensor bytes
+    peak_owners: dict[str, int] = field(default_factory=dict)
+    peak_heap_free: int = 0  # glibc's free heap (host), above the start's
+    peak_op_scratch: int = 0  # measured: memory that op used inside itself (its peak minus what it left)
+    peak_op: str = ""
 
 
 @dataclass
@@ -99,18 +117,19 @@ def _dead(timeline: weakref.ref[MemoryTimeline], key: int) -> None:
 
 
 class _Tracker(TorchDispatchMode):
-    """Records the storages operators allocate while active; calls ``on_change`` after each op."""
+    """Records the storages operators allocate while active and the memory each op used inside itself."""
 
     def __init__(self, timeline: MemoryTimeline) -> None:
         super().__init__()
         self.tl = timeline
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.tl._op_begin()
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.tl._track(t)
-        self.tl._changed()
+        self.tl._op_end(str(func))
         return out
 
 
@@ -140,6 +159,9 @@ class MemoryTimeline:
         self._t0 = 0.0
         self._restore: list[Callable[[], None]] = []
         self._heap_free0 = 0
+        self._proc: ProcMemory | None = None  # host: per-op RSS reads, open while recording
+        self.op_scratch_by_op: dict[str, int] = {}  # op name -> largest scratch seen (>= resolution)
+        self._peak_seen: dict[str, int] = {}  # phase -> measured peak at its last snapshot
 
     # --- owners of the library's buffers -----------------------------------------------------------
     def _library_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -253,6 +275,57 @@ class MemoryTimeline:
         else:
             _reset_hwm()
 
+    def _now_and_peak(self) -> tuple[int, int] | None:
+        """(measured now, peak since the last reset), above the baseline; None when not readable cheaply."""
+        if self.on_cuda:
+            return (int(torch.cuda.memory_allocated(self.device)) - self.baseline,
+                    int(torch.cuda.max_memory_allocated(self.device)) - self.baseline)
+        pair = self._proc.rss_and_peak() if self._proc is not None else None
+        return None if pair is None else (pair[0] - self.baseline, pair[1] - self.baseline)
+
+    def _op_begin(self) -> None:
+        """Fold the peak since the last reset into the phase and restart it, so the next op's peak is its own."""
+        read = self._now_and_peak()
+        if read is None:
+            return
+        if self._stack:
+            rec = self.phases[self._stack[-1]]
+            rec.measured_peak = max(rec.measured_peak, read[1])
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            assert self._proc is not None
+            self._proc.reset_peak()
+
+    def _op_end(self, op: str) -> None:
+        """After an op: its scratch is how far the measured peak during it rose above what it left behind."""
+        read = self._now_and_peak()
+        scratch = 0
+        if read is not None:
+            now, peak = read
+            if self._stack:
+                rec = self.phases[self._stack[-1]]
+                rec.measured_peak = max(rec.measured_peak, peak)
+            scratch = max(0, peak - now)
+            if scratch >= self.resolution and scratch > self.op_scratch_by_op.get(op, 0):
+                self.op_scratch_by_op[op] = scratch
+            if self._stack:
+                self._at_peak(self.phases[self._stack[-1]], peak, scratch, op)
+        self._changed()
+
+    def _at_peak(self, rec: PhaseRecord, peak: int, scratch: int, op: str) -> None:
+        """Name what is there when ``rec``'s measured peak rises by the resolution (so few snapshots are taken)."""
+        seen = self._peak_seen.get(rec.phase)
+        if seen is not None and peak < seen + self.resolution:
+            return
+        self._peak_seen[rec.phase] = peak
+        owners = self.owners_now()
+        rec.peak_accounted, rec.peak_owners = sum(owners.values()), owners
+        rec.peak_op_scratch, rec.peak_op = scratch, op
+        if not self.on_cuda:
+            free = heap_free_bytes()
+            rec.peak_heap_free = max(0, free - self._heap_free0) if free is not None else 0
+
     def owners_now(self) -> dict[str, int]:
         out = dict(self._library_bytes)
         for owner in ("activations", "temporaries"):
@@ -335,6 +408,16 @@ class MemoryTimeline:
             self._wrap(opt, "_collect_grads", context="grad_partitions")
             self._wrap(opt, "_write_back", phase="write_back", context="temporaries")
             self._wrap(opt.optimizer, "step", context="optimizer_state")
+        trimmer = getattr(eng, "heap_trimmer", None)
+        if trimmer is not None and not self.on_cuda:  # trimmed free heap is not resident: count from after it
+            original = trimmer.trim
+
+            def trim() -> None:
+                original()
+                self._heap_free0 = heap_free_bytes() or 0
+
+            trimmer.trim = trim
+            self._restore.append(lambda: delattr(trimmer, "trim"))
         zero3 = getattr(eng, "zero3", None)
         if zero3 is not None:
             for name in ("acquire", "release", "end_forward", "end_backward"):
@@ -346,6 +429,7 @@ class MemoryTimeline:
         if not self.on_cuda:
             malloc_trim()
             self._heap_free0 = heap_free_bytes() or 0
+            self._proc = ProcMemory()
         self._refresh()
         self.baseline = 0
         start = self._measured_now()
@@ -359,6 +443,9 @@ class MemoryTimeline:
                 yield self
         finally:
             self._close_phase()
+            if self._proc is not None:
+                self._proc.close()
+                self._proc = None
             for undo in reversed(self._restore):
                 undo()
             self._restore.clear()
@@ -368,45 +455,65 @@ class MemoryTimeline:
         """The phase with the highest measured peak."""
         return max(self.phases.values(), key=lambda r: r.measured_peak)
 
+    @staticmethod
+    def _named(rec: PhaseRecord) -> tuple[int, int, int, dict[str, int]]:
+        """(accounted, heap_free, op_scratch, owners) at ``rec``'s measured peak; the accounted peak's where no
+        op was read around (no ``/proc``)."""
+        if rec.peak_op:
+            return rec.peak_accounted, rec.peak_heap_free, rec.peak_op_scratch, rec.peak_owners
+        return rec.accounted_peak, rec.heap_free, 0, rec.owners
+
     def coverage(self) -> float:
-        """Accounted (with the host heap's free bytes) over measured at the step's measured peak (1.0: every
-        byte above the baseline named)."""
+        """What is named at the step's measured peak (accounted tensors, the host heap's free bytes, the running
+        op's scratch; the last two measured) over the measured peak (1.0: every byte above the baseline named)."""
         rec = self.peak_phase()
-        return (rec.accounted_peak + rec.heap_free) / rec.measured_peak if rec.measured_peak > 0 else float("nan")
+        acc, free, scratch, _ = self._named(rec)
+        return (acc + free + scratch) / rec.measured_peak if rec.measured_peak > 0 else float("nan")
 
     def tensor_coverage(self) -> float:
-        """Accounted tensor bytes alone over measured at the step's measured peak."""
+        """Accounted tensor bytes alone at the step's measured peak over it."""
         rec = self.peak_phase()
-        return rec.accounted_peak / rec.measured_peak if rec.measured_peak > 0 else float("nan")
+        return self._named(rec)[0] / rec.measured_peak if rec.measured_peak > 0 else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         rec = self.peak_phase()
+        acc, free, scratch, _ = self._named(rec)
         return {
             "device": str(self.device), "baseline_bytes": self.baseline,
             "source": "cuda allocator" if self.on_cuda else "process RSS",
-            "peak_phase": rec.phase, "measured_peak_bytes": rec.measured_peak,
-            "accounted_peak_bytes": rec.accounted_peak, "heap_free_bytes": rec.heap_free,
+            "peak_phase": rec.phase, "measured_peak_bytes": rec.measured_peak, "peak_op": rec.peak_op,
+            "accounted_at_peak_bytes": acc, "heap_free_bytes": free, "op_scratch_bytes": scratch,
+            "accounted_peak_bytes": rec.accounted_peak,
+            "op_scratch_by_op": dict(sorted(self.op_scratch_by_op.items(), key=lambda kv: -kv[1])[:10]),
             "coverage": self.coverage(), "tensor_coverage": self.tensor_coverage(),
             "phases": [vars(r) for r in self.phases.values() if r.entries],
             "samples": [vars(s) for s in self.samples],
         }
 
     def format_table(self, unit: int = 1 << 20) -> str:
-        """One row per phase: measured and accounted peaks, and the owners at the accounted peak (MiB)."""
+        """One row per phase (MiB): the measured peak; at it, the accounted bytes by owner, the free heap, the
+        running op's scratch and what nothing explains; last, the phase's accounted peak (another moment)."""
         rows = [r for r in self.phases.values() if r.entries]
-        owners = [o for o in OWNERS if any(r.owners.get(o, 0) for r in rows)]
+        named = {r.phase: self._named(r) for r in rows}
+        owners = [o for o in OWNERS if any(named[r.phase][3].get(o, 0) for r in rows)]
         heap = [] if self.on_cuda else ["heap_free"]
-        cols = ["phase", "measured", "accounted", *owners, *heap, "other"]
-        body = [[r.phase, f"{r.measured_peak / unit:.1f}", f"{r.accounted_peak / unit:.1f}",
-                 *(f"{r.owners.get(o, 0) / unit:.1f}" for o in owners),
-                 *([] if self.on_cuda else [f"{r.heap_free / unit:.1f}"]),
-                 f"{(r.measured_peak - r.accounted_peak - r.heap_free) / unit:.1f}"] for r in rows]
+        cols = ["phase", "measured", "accounted", *owners, *heap, "op_scratch", "other", "max accounted"]
+        body = []
+        for r in rows:
+            acc, free, scratch, own = named[r.phase]
+            body.append([r.phase, f"{r.measured_peak / unit:.1f}", f"{acc / unit:.1f}",
+                         *(f"{own.get(o, 0) / unit:.1f}" for o in owners),
+                         *([] if self.on_cuda else [f"{free / unit:.1f}"]), f"{scratch / unit:.1f}",
+                         f"{(r.measured_peak - acc - free - scratch) / unit:.1f}", f"{r.accounted_peak / unit:.1f}"])
         widths = [max(len(x) for x in col) for col in zip(cols, *body)]
         line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
         sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
         src = "CUDA allocator" if self.on_cuda else "RSS"
+        peak = self.peak_phase()
         head = (f"memory per phase on {self.device} (MiB above the baseline of {self.baseline / unit:.0f} MiB; "
-                f"measured: {src} peak; accounted at the peak: {self.coverage():.1%} of measured "
-                f"in {self.peak_phase().phase}" + ("" if self.on_cuda else
-                                                   f", tensors alone {self.tensor_coverage():.1%}") + ")")
-        return "\n".join([head, line(cols), sep, *(line(b) for b in body)])
+                f"measured: {src} peak; named at the peak: {self.coverage():.1%} of measured "
+                f"in {peak.phase}" + ("" if self.on_cuda else f", tensors alone {self.tensor_coverage():.1%}")
+                + (f"; the peak was inside {peak.peak_op}" if peak.peak_op else "") + ")")
+        ops = [f"{r.phase}: {r.peak_op}" for r in rows if r.peak_op_scratch >= self.resolution]
+        tail = ["op scratch at the peak (measured inside the op): " + "; ".join(ops)] if ops else []
+        return "\n".join([head, line(cols), sep, *(line(b) for b in body), *tail])

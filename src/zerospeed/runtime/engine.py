@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..accelerator.host_malloc import HeapTrimmer
 from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
 from ..precision.cast import cast_inputs_half
@@ -31,6 +32,7 @@ from .observer import StepObserver
 
 
 class Engine(nn.Module):
+    heap_trimmer: HeapTrimmer | None = None  # host engines: give glibc's freed heap back in backward
     zero3: Any = None  # ZeRO-3 runtime (zero.stage3.Stage3Runtime) when stage 3 is on; set by build.py
     data_efficiency: Any = None  # curriculum / PLD / random-LTD (data_pipeline.runtime.DataEfficiency); build.py
     def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes,
@@ -76,8 +78,11 @@ class Engine(nn.Module):
         self._checked_generation = 0
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
+        self.heap_trimmer = HeapTrimmer.for_device(device)  # host: freed heap given back in backward
         if optimizer is not None:
             from ..zero import fragments
+
+            optimizer.reducer.heap_trimmer = self.heap_trimmer
 
             fragments.bind(optimizer)  # zerospeed.utils.safe_get_full_fp32_param & co. find each parameter's shard
         from .autotuning_probe import AutotuningProbe
@@ -251,6 +256,8 @@ class Engine(nn.Module):
             self.observer.backward_start(loss)
             reducer = self.optimizer.reducer
             reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+            if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
+                self.heap_trimmer.trim()
             scaled.backward(retain_graph=retain_graph)
             reducer.end_micro_step()
             self.backwards_in_window += 1

@@ -86,6 +86,9 @@ class GradReducer:
     # Where reduced slices go under ``settings.partition_sink`` (``add(g, partition_offset, values)``,
     # ``end_micro_step()``, ``zero()``); set before the first backward.
     sink: Any = None
+    # Host engines: a HeapTrimmer (accelerator/host_malloc.py) asked at each bucket launch to give back the
+    # activations' freed heap; set by build.py.
+    heap_trimmer: Any = None
 
     def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None) -> None:
         self.groups = groups
@@ -339,6 +342,8 @@ class GradReducer:
         return 1.0 / f, f / n
 
     def _launch(self, k: int) -> None:
+        if self.heap_trimmer is not None and self.active:
+            self.heap_trimmer.trim_if_freed()
         while len(self.pending) >= MAX_IN_FLIGHT:  # bound the buffers held by collectives in flight
             self._complete(self.pending.pop(0))
         g, b = self.order[k]
