@@ -22,10 +22,10 @@ def test_trimmer_trims_once_enough_heap_was_freed_and_rss_falls() -> None:
     from zerospeed.accelerator.host_malloc import HeapTrimmer
     from zerospeed.profiling.memory import rss_bytes
 
-    trimmer = HeapTrimmer.for_device(torch.device("cpu"), min_bytes=32 << 20)
+    trimmer = HeapTrimmer.for_device(torch.device("cpu"), 3, min_bytes=32 << 20)
     if trimmer is None:
         pytest.skip("no glibc malloc_trim/mallinfo2 here")
-    assert HeapTrimmer.for_device(torch.device("meta")) is None  # only host engines trim
+    assert HeapTrimmer.for_device(torch.device("meta"), 3) is None  # only host engines trim
     trimmer.trim()
     parts = [torch.ones(16_384) for _ in range(1600)]  # 100 MiB of 64 KiB heap chunks, touched
     assert not trimmer.trim_if_freed()  # nothing freed yet
@@ -42,7 +42,13 @@ def test_trim_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from zerospeed.accelerator.host_malloc import HeapTrimmer, heap_trim_setting
 
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "0")
-    assert not heap_trim_setting() and HeapTrimmer.for_device(torch.device("cpu")) is None
+    assert not heap_trim_setting(3) and HeapTrimmer.for_device(torch.device("cpu"), 3) is None
+    monkeypatch.delenv("ZEROSPEED_TRIM_HEAP")  # auto: stage 3 only (stages 0-2 would pay its faults for nothing)
+    assert heap_trim_setting(3) and not any(heap_trim_setting(s) for s in (0, 1, 2))
+    assert HeapTrimmer.for_device(torch.device("cpu"), 2) is None
+    assert HeapTrimmer.for_device(torch.device("meta"), 3) is None
+    monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "1")
+    assert all(heap_trim_setting(s) for s in (0, 1, 2, 3))
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "yes")
     with pytest.raises(ValueError, match="ZEROSPEED_TRIM_HEAP"):
         heap_trim_setting()

@@ -78,7 +78,7 @@ class Engine(nn.Module):
         self._checked_generation = 0
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
-        self.heap_trimmer = HeapTrimmer.for_device(device)  # host: freed heap given back in backward
+        self.heap_trimmer = HeapTrimmer.for_device(device, config.zero_stage)  # host: freed heap back in backward
         if optimizer is not None:
             from ..zero import fragments
 
