@@ -189,6 +189,30 @@ def test_adam_step_temporaries_follow_the_largest_master_tensor() -> None:
     assert predict(BIG, replace(BASE, stage=0, offload_optimizer=True)).owners["buckets"] == 0  # not torch's step
 
 
+def test_heap_trim_caps_the_fragmented_heap_and_frees_heap_for_any_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # factor 2.0 on 300 MiB of saved activations: 300 MiB of fragmented heap above them without the trim; with
+    # it, at most TRIM_MIN_BYTES (the trimmer's own step) stays resident
+    from zerospeed.accelerator.host_malloc import TRIM_MIN_BYTES
+
+    spec = replace(SPEC, activation_bytes=lambda s, b, t, e: 300 * M, backward_factor=2.0)
+    assert predict(spec, replace(BASE, stage=3)).owners["activations"] == 600 * M
+    assert predict(spec, replace(BASE, stage=3, trim_heap=True)).owners["activations"] == 300 * M + TRIM_MIN_BYTES
+    # BIG at stage 2, 100 MB of heap-sized activations freed by backward: the reduce holds 168 MB of buffers
+    # (16 + 16 + 16 + 64 + the 56 MB partition); without the trim the mapped ones (64, 56) cannot use the freed
+    # heap and add whole; with it the freed heap went back to the OS and any buffer reuses it: 168 - 100 add
+    freed = replace(BIG, activation_bytes=lambda s, b, t, e: 100 * M)
+    stage2 = replace(BASE, stage=2, allgather_bucket=1)
+    assert predict(freed, stage2).owners["buckets"] == 120 * M
+    assert predict(freed, replace(stage2, trim_heap=True)).owners["buckets"] == 68 * M
+    # the config's stage decides, as in the engine (``ZEROSPEED_TRIM_HEAP``: auto = stage 3 only)
+    monkeypatch.delenv("ZEROSPEED_TRIM_HEAP", raising=False)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    assert inputs_from_config(load_config(cfg), 2).trim_heap
+    assert not inputs_from_config(load_config(cfg), 2, stage=2).trim_heap
+    monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "0")
+    assert not inputs_from_config(load_config(cfg), 2).trim_heap
+
+
 def test_inputs_from_config() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True},
                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

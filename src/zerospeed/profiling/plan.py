@@ -30,6 +30,9 @@ tensor that torch's per-tensor Adam/AdamW makes on CPU). Which memory a buffer c
 (``MMAP_CEILING``): one below 32 MiB comes from the heap, where what backward freed stays resident, so it
 adds only beyond the freed heap; a larger one is mmapped, so it adds only beyond the mapped memory backward
 unmapped (the vocabulary-wide tensors). The stage-1/2 write-back gathers in place on Gloo host tensors (no buffer).
+Under the engine's heap trim (``ZEROSPEED_TRIM_HEAP``; stage 3 by default) freed heap goes back to the OS: at
+most ``TRIM_MIN_BYTES`` of the fragmented heap is resident at the peak, and a buffer of any size reuses what
+backward freed.
 
 Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks, glibc's default
 heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot: ``FRAMEWORK_BYTES``, what the first
@@ -46,6 +49,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..accelerator.host_malloc import TRIM_MIN_BYTES, heap_trim_setting
 from ..zero.grad_reducer import MAX_IN_FLIGHT
 from ..zero.partition import reduce_bucket_numel
 from .plan_models import ModelSpec
@@ -86,6 +90,7 @@ class PlanInputs:
     offload_param: bool = False
     staged_gathers: bool = False  # zero_quantized_weights or zero_hpz_partition_size > 1: buffered stage-3 gathers
     accumulation: int = 1  # gradient_accumulation_steps
+    trim_heap: bool = False  # the engine's heap trim in backward (``accelerator/host_malloc.py``; stage 3 by default)
 
 
 @dataclass
@@ -160,7 +165,7 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
                       momentum=float(params.get("momentum", 0.0)) > 0, offload_optimizer=z.offload_optimizer.enabled,
                       offload_param=z.offload_param.enabled,
                       staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1,
-                      accumulation=gas)
+                      accumulation=gas, trim_heap=heap_trim_setting(z.stage if stage is None else stage))
 
 
 def _shard(n: int, world: int) -> int:
@@ -233,12 +238,17 @@ def _backward_peak(model: ModelSpec, i: PlanInputs) -> tuple[int, int]:
     leave fragmented), except the vocabulary-wide fp32 tensors when they are mmap-sized (``b·t·V·4`` each: the
     saved log-softmax, the gradient ``nll_loss`` writes and the logits' gradient): counted once each, not scaled
     (a mapped chunk is unmapped at free and leaves no fragment), and given back once backward has passed the loss.
+    Under the heap trim (``i.trim_heap``) the fragmented heap above the saved activations (the factor's part
+    beyond 1) is given back at the start of backward and whenever ``TRIM_MIN_BYTES`` more is free, so at most
+    that much of it is resident at the peak.
     """
     saved = model.activations(i.micro_batch, i.seq, i.compute_bytes)
     one = i.micro_batch * i.seq * model.shape.vocab_size * 4
-    if one < MMAP_CEILING:
-        return int(saved * model.backward_factor), 0
-    return int((saved - one) * model.backward_factor) + 3 * one, 3 * one
+    scaled, mapped = (saved, 0) if one < MMAP_CEILING else (saved - one, 3 * one)
+    extra = scaled * (model.backward_factor - 1.0)
+    if i.trim_heap:
+        extra = min(extra, TRIM_MIN_BYTES)
+    return int(scaled + extra) + mapped, mapped
 
 
 def _head_grad(model: ModelSpec, i: PlanInputs) -> int:
@@ -338,8 +348,11 @@ def predict(model: ModelSpec, i: PlanInputs) -> MemoryPlan:
     o["master"] = 0 if parts == 1 and i.compute_bytes == 4 else partition * 4  # an fp32 model is its own master
     o["optimizer_state"] = _state_tensors(i) * partition * 4
     o["activations"], freed_mapped = _backward_peak(model, i)
-    o["buckets"] = max(_after_peak(sizes, o["activations"] - freed_mapped, freed_mapped)
-                       for sizes in _after_phases(numels, buckets, 0 if held else partition, i))
+    phases = _after_phases(numels, buckets, 0 if held else partition, i)
+    if i.trim_heap:  # the trimmed heap went back to the OS too: a buffer of any size reuses what backward freed
+        o["buckets"] = max(max(0, sum(sizes) - o["activations"]) for sizes in phases)
+    else:
+        o["buckets"] = max(_after_peak(sizes, o["activations"] - freed_mapped, freed_mapped) for sizes in phases)
     o["framework"] = FRAMEWORK_BYTES
     host = ("master", "optimizer_state") if i.offload_optimizer else ()
     return MemoryPlan(i, model.name, model.num_params, o, host_owners=host + (("params",) if i.offload_param else ()))
