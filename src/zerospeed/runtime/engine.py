@@ -473,13 +473,15 @@ class Engine(nn.Module):
     # --- checkpoints (runtime/checkpoint/) ---------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
-                        async_save: bool | None = None) -> bool:
-        """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's)."""
+                        async_save: bool | None = None, overwrite: bool | None = None) -> bool:
+        """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's;
+        ``overwrite``: docs/checkpointing.md, "Existing tags")."""
         from .checkpoint import save_checkpoint
 
         use_async = self.config.checkpoint.async_save if async_save is None else async_save
         self.last_checkpoint_stats = save_checkpoint(self, save_dir, tag, client_state, save_latest, use_async,
-                                                     self.config.comms_timeout_s, exclude_frozen_parameters)
+                                                     self.config.comms_timeout_s, exclude_frozen_parameters,
+                                                     overwrite)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from . import layout
-from .deepspeed_read import DeepSpeedState, read_deepspeed_checkpoint
+from .deepspeed_read import DeepSpeedState, read_deepspeed_checkpoint, tag_dir
 from .errors import CheckpointError
 from .state import to_json
+from .save import CLIENT_FILE
 from .tensor_file import write_tensors
 
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "lamb": "Lamb"}
@@ -48,13 +49,43 @@ def _loss_scaler(ds: DeepSpeedState) -> dict[str, Any]:
             "cur_hysteresis": int(s.get("cur_hys", s.get("delayed_shift", 1)))}
 
 
-def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None, out_tag: str | None = None
-                      ) -> dict[str, Any]:
-    """Write the zerospeed checkpoint; returns ``{"path", "tensors", "stage", "world_size", "deepspeed"}``."""
+def _check_target(ds_dir: str, tag: str | None, out_dir: str, out_tag: str, overwrite: bool) -> None:
+    """The source is never touched: the output tag may not be the DeepSpeed tag directory (nor hold it), and an
+    existing output tag is refused unless ``overwrite`` (then only zerospeed's own files in it are replaced)."""
+    source = os.path.realpath(tag_dir(ds_dir, tag))
+    target = os.path.realpath(os.path.join(out_dir, out_tag))
+    if target == source or source.startswith(target + os.sep):
+        raise CheckpointError(f"convert-deepspeed: the output {os.path.join(out_dir, out_tag)} is the DeepSpeed "
+                              f"checkpoint being converted ({source}); the source is never modified: pass another "
+                              "OUT_DIR or --out-tag")
+    layout.check_overwrite(out_dir, out_tag, overwrite)
+
+
+def _carried_state(ds: DeepSpeedState, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What DeepSpeed stored beside the model and optimizer, as zerospeed metadata: the client state (its
+    tensors into ``tensors``), the curriculum sampler's state (the loader's) and random-LTD's."""
+    try:
+        client = to_json(ds.client_state, "client_state", tensors)
+        data = None if ds.data_sampler is None else to_json(ds.data_sampler, "data_sampler")
+        ltd = None if ds.random_ltd is None else {"random_ltd": to_json(ds.random_ltd, "random_ltd")}
+    except ValueError as exc:
+        raise CheckpointError(f"convert-deepspeed: {exc}") from None
+    return {"client_state": client, "data": data, "data_efficiency": ltd}
+
+
+def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None, out_tag: str | None = None,
+                      overwrite: bool = False) -> dict[str, Any]:
+    """Write the zerospeed checkpoint; returns ``{"path", "tensors", "stage", "world_size", "deepspeed"}``.
+
+    ``ds_dir`` is only read. An existing ``out_dir/out_tag`` is refused unless ``overwrite``; then only
+    zerospeed's own files are replaced and every other file in it is kept."""
     ds_dir, out_dir = os.fspath(ds_dir), os.fspath(out_dir)
     ds = read_deepspeed_checkpoint(ds_dir, tag)
     order = ds.order
     out_tag = layout.check_tag(out_tag or f"global_step{ds.counters['global_steps']}")
+    _check_target(ds_dir, tag, out_dir, out_tag, overwrite)
+    client_tensors: dict[str, torch.Tensor] = {}
+    carried = _carried_state(ds, client_tensors)
     entries: dict[str, Any] = {}
     shard: dict[str, torch.Tensor] = {}
     index: dict[str, list[int]] = {}
@@ -100,7 +131,7 @@ def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None, out_tag
                       "layout": opt_layout, "loss_scaler": _loss_scaler(ds)},
         "lr_scheduler": to_json(ds.lr_scheduler, "lr_scheduler") if ds.lr_scheduler else None,
         "engine": {**ds.counters, "micro_steps": ds.counters["global_steps"] * gas, "gradient_accumulation_steps": gas},
-        "data": None, "client_state": {},
+        **carried,
         "converted_from": {"deepspeed": ds.version, "path": os.path.abspath(ds_dir), "zero_stage": ds.stage,
                            "world_size": ds.world_size},
     }
@@ -109,14 +140,18 @@ def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None, out_tag
     try:
         os.makedirs(os.path.join(staging, "shards"), exist_ok=True)
         files: dict[str, dict[str, Any]] = {}
-        for rel, tensors in ((layout.shard_file(0), shard), (layout.MODULE_FILE, module_tensors)):
+        outputs = [(layout.shard_file(0), shard), (layout.MODULE_FILE, module_tensors)]
+        if client_tensors:
+            outputs.append((CLIENT_FILE, client_tensors))
+        for rel, tensors in outputs:
             size, digest = write_tensors(os.path.join(staging, rel), tensors, {"format": "pt"})
             files[rel] = {"bytes": size, "sha256": digest}
         size, digest = layout.write_json(os.path.join(staging, layout.META), meta)
         files[layout.META] = {"bytes": size, "sha256": digest}
         layout.fsync_dir(os.path.join(staging, "shards"))
         layout.publish_marker(staging, 0, files, index)
-        final = layout.commit(out_dir, out_tag, staging, layout.wait_markers(staging, 1, 60.0), save_latest=True)
+        final = layout.commit(out_dir, out_tag, staging, layout.wait_markers(staging, 1, 60.0), save_latest=True,
+                              overwrite=overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

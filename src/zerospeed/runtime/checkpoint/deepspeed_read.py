@@ -90,7 +90,18 @@ class DeepSpeedState:
     counters: dict[str, int]
     config: dict[str, Any]
     version: str
+    client_state: dict[str, Any] = field(default_factory=dict)  # the keys DeepSpeed's client_state added
+    data_sampler: Any = None
+    random_ltd: Any = None
     order: list[tuple[str, torch.dtype]] = field(default_factory=list)  # state-dict keys, model's dtypes
+
+
+# the keys DeepSpeed's engine writes into mp_rank_00_model_states.pt; everything else is its client_state
+DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "ds_universal_checkpoint_info"})
 
 
 def tag_dir(ds_dir: str, tag: str | None) -> str:
@@ -98,8 +109,12 @@ def tag_dir(ds_dir: str, tag: str | None) -> str:
         latest = os.path.join(ds_dir, "latest")
         if not os.path.isfile(latest):
             raise CheckpointError(f"{ds_dir} has no 'latest' file: pass the tag (the checkpoint's sub-directory)")
-        with open(latest) as f:
-            tag = f.read().strip()
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        try:
+            tag = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{latest} is not a text file naming a tag") from None
     path = os.path.join(ds_dir, str(tag))
     if not os.path.isdir(path):
         raise CheckpointError(f"DeepSpeed checkpoint directory {path} does not exist")
@@ -133,8 +148,17 @@ def _flat_shapes(param_shapes: Any) -> list[dict[str, torch.Size]]:
 
 
 def read_deepspeed_checkpoint(ds_dir: str, tag: str | None = None) -> DeepSpeedState:
-    """Every parameter's fp32 master and optimizer state, whole, from a DeepSpeed ZeRO 1-3 checkpoint."""
+    """Every parameter's fp32 master and optimizer state, whole, from a DeepSpeed ZeRO 1-3 checkpoint.
+    Files that do not hold what DeepSpeed writes raise one ``CheckpointError`` naming the directory."""
     path = tag_dir(os.fspath(ds_dir), tag)
+    try:
+        return _read(path)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError, RuntimeError) as exc:
+        what = f"missing entry {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"{path} is not a DeepSpeed ZeRO checkpoint zerospeed can read ({what})") from None
+
+
+def _read(path: str) -> DeepSpeedState:
     optim_files = _rank_files(path, "optim")
     if not optim_files:
         raise CheckpointError(f"{path} has no zero_pp_rank_*_optim_states.pt: not a DeepSpeed ZeRO checkpoint "
@@ -168,7 +192,9 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: str | None = None) -> DeepSpeedS
         counters={"global_steps": int(head.get("global_steps", 0)), "global_samples": int(head.get("global_samples", 0)),
                   "skipped_steps": int(head.get("skipped_steps", 0))},
         config=dict(head.get("ds_config") or {}), version=str(head.get("ds_version", "?")),
-        order=[(k, v.dtype) for k, v in head["module"].items()])
+        order=[(k, v.dtype) for k, v in head["module"].items()],
+        client_state={k: v for k, v in head.items() if k not in DEEPSPEED_KEYS},
+        data_sampler=head.get("data_sampler"), random_ltd=head.get("random_ltd"))
 
 
 def _split(flat: torch.Tensor, shapes: dict[str, torch.Size], what: str, pads: list[int] | None = None

@@ -128,6 +128,7 @@ def begin(save_dir: str, tag: str) -> str:
         elif name.startswith(".old-"):
             original = name[len(".old-"):].rsplit("-", 1)[0]
             if os.path.isfile(os.path.join(save_dir, original, MANIFEST)):
+                carry_foreign(path, os.path.join(save_dir, original))  # a crash interrupted the carry
                 shutil.rmtree(path, ignore_errors=True)
     staging = os.path.join(save_dir, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
     os.makedirs(os.path.join(staging, "shards"))
@@ -207,8 +208,59 @@ def wait_outcome(staging: str, timeout_s: float, poll_s: float = 0.02) -> None:
                               f"{outcome.get('error')}")
 
 
-def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]], save_latest: bool) -> str:
-    """Rank 0: index + manifest, rename into place, then move ``latest``. Returns the final path."""
+# files of a tag directory that zerospeed writes (besides the ones an old manifest lists)
+OWN_NAMES = frozenset({MANIFEST, META, INDEX, MODULE_FILE, "client_state.safetensors", "shards", "rng"})
+
+
+def own_names(tag_dir: str) -> set[str]:
+    """The top-level entries of ``tag_dir`` that are zerospeed's: the fixed names and what its manifest lists."""
+    names = set(OWN_NAMES)
+    try:
+        with open(os.path.join(tag_dir, MANIFEST), "rb") as f:
+            files = json.loads(f.read()).get("files")
+        if isinstance(files, dict):
+            names.update(str(n).split("/", 1)[0] for n in files)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return names
+
+
+def carry_foreign(old: str, new: str) -> None:
+    """Move every entry of ``old`` that is not zerospeed's (the user's files, a DeepSpeed checkpoint's ``.pt``
+    files) into ``new``, so overwriting a tag replaces only zerospeed's own files."""
+    try:
+        entries = os.listdir(old)
+    except OSError:
+        return
+    own = own_names(old)
+    for name in entries:
+        if name not in own and not os.path.lexists(os.path.join(new, name)):
+            os.rename(os.path.join(old, name), os.path.join(new, name))
+    fsync_dir(new)
+
+
+def check_overwrite(save_dir: str, tag: str, overwrite: bool | None) -> None:
+    """Refuse to replace an existing tag: ``overwrite=False`` refuses any; ``None`` (the engine's default,
+    DeepSpeed's repeated saves under one tag) refuses a directory that is not a zerospeed checkpoint;
+    ``True`` allows it. Whatever replaces a tag keeps the files that are not zerospeed's."""
+    final = os.path.join(save_dir, tag)
+    if overwrite or not os.path.lexists(final):
+        return
+    if overwrite is None and os.path.isfile(os.path.join(final, MANIFEST)):
+        return
+    what = "a zerospeed checkpoint" if os.path.isfile(os.path.join(final, MANIFEST)) else "a directory that is not a zerospeed checkpoint"
+    raise CheckpointError(f"checkpoint tag {tag!r} already exists in {save_dir} ({what}): refusing to replace it; "
+                          "pass another tag, or overwrite=True (zerospeed convert-deepspeed --overwrite) to replace "
+                          "zerospeed's files in it (other files are kept)")
+
+
+def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]], save_latest: bool,
+           overwrite: bool | None = None) -> str:
+    """Rank 0: index + manifest, rename into place, then move ``latest``. Returns the final path.
+
+    An existing ``<tag>`` (allowed by ``check_overwrite``) is renamed aside; after the new one is in place,
+    the files of the old one that are not zerospeed's are moved into it, and only then is the old one removed."""
+    check_overwrite(save_dir, tag, overwrite)
     files: dict[str, dict[str, Any]] = {}
     index: dict[str, list[list[Any]]] = {}
     for m in markers:
@@ -230,6 +282,7 @@ def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]],
     os.rename(staging, final)
     fsync_dir(save_dir)
     if aside is not None:
+        carry_foreign(aside, final)
         shutil.rmtree(aside, ignore_errors=True)
     if save_latest:
         tmp = os.path.join(save_dir, f".latest.{uuid.uuid4().hex[:8]}")

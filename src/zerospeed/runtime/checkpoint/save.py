@@ -142,9 +142,10 @@ def _check_accumulation(engine: Any) -> None:
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                     save_latest: bool = True, async_save: bool = False, commit_timeout_s: float | None = None,
-                    exclude_frozen: bool = False) -> SaveStats:
+                    exclude_frozen: bool = False, overwrite: bool | None = None) -> SaveStats:
     """Collective over the engine's data-parallel group; see ``layout`` for the commit protocol and
-    ``agree`` for what the ranks must agree on. A failure on any rank fails the save on every rank."""
+    ``agree`` for what the ranks must agree on. A failure on any rank fails the save on every rank.
+    ``overwrite``: see ``layout.check_overwrite`` (an existing tag keeps the files that are not zerospeed's)."""
     writer = writer_of(engine)
     writer.wait()
     _check_accumulation(engine)
@@ -157,8 +158,9 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     begun: str | Exception = ""
     if rank == 0:
         try:
+            layout.check_overwrite(save_dir, tag, overwrite)
             begun = os.path.basename(layout.begin(save_dir, tag))
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             begun = exc
     name = comm.broadcast_object(begun if isinstance(begun, str) else "", src=0, group=group)
     if not name:
@@ -175,7 +177,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     final = os.path.join(save_dir, tag)
     if async_save:
         return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0,
-                           exclude_frozen)
+                           exclude_frozen, overwrite)
     error, nbytes, t1 = "", 0, time.perf_counter()
     try:
         snap = snapshot(engine, rank, world, client_state or {}, copy=False, exclude_frozen=exclude_frozen)
@@ -193,7 +195,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     commit_error = ""
     if rank == 0:
         try:
-            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest)
+            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest,
+                          overwrite)
         except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank below
             commit_error = f"{type(exc).__name__}: {exc}"
     commit_error = comm.broadcast_object(commit_error, src=0, group=group)
@@ -206,7 +209,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
 def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, client_state: dict[str, Any] | None,
                 save_dir: str, tag: str, staging: str, save_latest: bool, timeout: float, t0: float,
-                exclude_frozen: bool = False) -> SaveStats:
+                exclude_frozen: bool = False, overwrite: bool | None = None) -> SaveStats:
     """Snapshot now; write, then (rank 0) commit or (others) wait for the outcome, in the writer thread.
 
     A failure on any rank is published into the staging directory, so every rank's save fails within a
@@ -235,7 +238,8 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
             layout.wait_outcome(staging, timeout)
             return nbytes
         try:
-            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest)
+            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest,
+                          overwrite)
         except Exception as exc:
             layout.write_outcome(staging, f"{type(exc).__name__}: {exc}")
             raise
