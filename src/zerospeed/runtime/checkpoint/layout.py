@@ -104,6 +104,8 @@ def read_json(path: str) -> Any:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint file {path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def sha256_file(path: str) -> str:
@@ -304,10 +306,20 @@ def resolve(load_dir: str, tag: str | None) -> str | None:
     """
     if tag is None:
         pointer = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(pointer):
+        if not os.path.lexists(pointer):
             return None
-        with open(pointer) as f:
-            tag = f.read().strip()
+        if not os.path.isfile(pointer):
+            raise CheckpointError(f"{pointer} is not a file naming a tag (a directory?); pass tag= or remove it")
+        with open(pointer, "rb") as f:
+            raw = f.read(4096)
+        try:
+            tag = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{pointer} is not a text file naming a tag (binary content)") from None
+        try:
+            check_tag(tag)
+        except ValueError as exc:
+            raise CheckpointError(f"{pointer}: {exc}") from None
     tag = check_tag(tag)
     path = os.path.join(load_dir, tag)
     if os.path.isdir(path):
@@ -320,12 +332,10 @@ def resolve(load_dir: str, tag: str | None) -> str | None:
 
 
 def read_manifest(ckpt: str) -> dict[str, Any]:
-    m = read_json(os.path.join(ckpt, MANIFEST))
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)} is not a zerospeed checkpoint manifest")
-    if int(m.get("version", -1)) > VERSION:
-        raise CheckpointError(f"{ckpt} has format version {m.get('version')}; this zerospeed reads up to {VERSION}")
-    return m
+    from .binding import check_manifest
+
+    path = os.path.join(ckpt, MANIFEST)
+    return check_manifest(read_json(path), path, FORMAT, VERSION)
 
 
 def verify_files(ckpt: str, manifest: dict[str, Any], names: list[str] | None = None, hash_: bool = True) -> None:

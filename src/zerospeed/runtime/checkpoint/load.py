@@ -15,13 +15,13 @@ import torch
 
 from ... import comm
 from ...precision import NoScaler
-from . import layout, module_state
+from . import binding, layout, module_state, staged
 from .agree import check_same_checkpoint
 from .errors import CheckpointError
 from .save import CLIENT_FILE, save_group, writer_of
-from .state import from_json, restore_param_group_options, set_rng_state
+from .state import check_rng_state, from_json, restore_param_group_options, set_rng_state
 from .tensor_file import TensorReader
-from .universal import CheckpointReader, load_optimizer_state, load_params, names_by_id
+from .universal import CheckpointReader, load_optimizer_state, load_params, names_by_id, owned_params
 
 
 def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
@@ -77,49 +77,116 @@ def open_checkpoint(load_dir: str, tag: Any, group: Any) -> tuple[str, dict, dic
         warnings.warn(f"no checkpoint to load: {os.path.join(load_dir, layout.LATEST)} does not exist "
                       "(pass tag= to pick one)", stacklevel=4)
         return None
-    manifest = layout.read_manifest(ckpt)
+    error = ""
+    try:
+        manifest = layout.read_manifest(ckpt)
+    except CheckpointError as exc:
+        error = str(exc)
+    staged.agree(error, group, "load_checkpoint", "")
     verify_shared(ckpt, manifest, group)
-    meta = layout.read_json(os.path.join(ckpt, layout.META))
-    index = layout.read_json(os.path.join(ckpt, layout.INDEX))
-    if meta.get("format") != layout.FORMAT:
-        raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata")
+    meta: Any = None
+    index: Any = None
+    try:
+        meta = layout.read_json(os.path.join(ckpt, layout.META))
+        index = layout.read_json(os.path.join(ckpt, layout.INDEX))
+        if not isinstance(meta, dict) or meta.get("format") != layout.FORMAT:
+            raise CheckpointError(f"{os.path.join(ckpt, layout.META)} is not zerospeed checkpoint metadata "
+                                  "(field 'format')")
+        binding.check_bound(ckpt, manifest, index, (layout.META, layout.INDEX), (layout.MODULE_FILE, CLIENT_FILE))
+    except CheckpointError as exc:
+        error = str(exc)
+    staged.agree(error, group, "load_checkpoint", "")
     return ckpt, manifest, meta, index
 
 
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
-    from ...parallel.tensor.checkpoint import TPReader, base_name
+    """Collective and atomic (``staged``): stage and check everything, agree, then apply."""
+    from ...parallel.tensor.checkpoint import TPReader
 
     writer_of(engine).wait()
     group = save_group(engine)
-    rank = comm.get_rank(group)
     opened = open_checkpoint(load_dir, tag, group)
     if opened is None:
         return None, None
-    ckpt, _, meta, index = opened
-    if load_optimizer_states and not load_module_only:
+    ckpt, manifest, meta, index = opened
+    what = f"load_checkpoint({ckpt!r})"
+    plan: dict[str, Any] = {}
+    error = ""
+    try:
+        plan = _stage(engine, ckpt, manifest, meta, index, group, load_module_strict,
+                      load_optimizer_states and not load_module_only, load_module_only)
+    except (CheckpointError, ValueError, KeyError, TypeError, IndexError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
+    try:
+        staged.agree(error, group, what, "; nothing was loaded, the engine is unchanged on every rank")
+    except CheckpointError:
+        if "reader" in plan:
+            plan["reader"].close()
+        raise
+    reader = TPReader(plan["reader"], meta["tensors"], engine.module)
+    client: dict[str, Any] | None = None
+    try:
+        load_params(plan["groups"], plan["names"], reader,
+                    from_fp32=engine.config.zero_optimization.load_from_fp32_weights)
+        module_state.load_rest(engine.module, plan["grouped"], meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE),
+                               reader)
+        if not load_module_only:
+            _load_training_state(engine, meta, reader, plan["names"], load_optimizer_states, load_lr_scheduler_states)
+            if plan["rng"] is not None:
+                set_rng_state(plan["rng"])
+        client = _client_state(ckpt, meta)
+        error = ""
+    except Exception as exc:  # noqa: BLE001 - agreed on and raised on every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        reader.inner.close()
+    staged.agree(error, group, what, "; the state may be partly loaded: build a new engine and load again")
+    return ckpt, client
+
+
+def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any], index: dict[str, Any],
+           group: Any, strict: bool, with_optimizer: bool, module_only: bool) -> dict[str, Any]:
+    """Everything that can be checked or read before the engine changes (``staged``, step 1)."""
+    from ...parallel.tensor.checkpoint import base_name, remap_layout
+
+    rank = comm.get_rank(group)
+    where = os.path.join(ckpt, layout.META)
+    if not isinstance(meta.get("tensors"), dict):
+        raise CheckpointError(f"{where}: field 'tensors' is not a mapping of name -> shape/dtype")
+    if with_optimizer:
         check_partitioning(engine, meta, ckpt)
-    module_state.check_names(engine.module, meta["tensors"], load_module_strict)
+    module_state.check_names(engine.module, meta["tensors"], strict)
     names = names_by_id(engine.module)
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
-    grouped = {base_name(names[id(p)]) for g in groups for p in g.params}
-    reader = TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module)
-    try:
-        load_params(groups, names, reader, from_fp32=engine.config.zero_optimization.load_from_fp32_weights)
-        module_state.load_rest(engine.module, grouped, meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE), reader)
-        if not load_module_only:
-            _load_training_state(engine, meta, reader, names, load_optimizer_states, load_lr_scheduler_states)
-            rng_path = os.path.join(ckpt, layout.rng_file(rank))
-            if os.path.isfile(rng_path):
-                set_rng_state(layout.read_json(rng_path))
-    finally:
-        reader.close()
+    plan: dict[str, Any] = {"names": names, "groups": groups, "rng": None,
+                            "grouped": {base_name(names[id(p)]) for g in groups for p in g.params}}
+    plan["reader"] = reader = staged.StagedReader(CheckpointReader(ckpt, index))
+    saved_opt = meta.get("optimizer")
+    lay = None
+    if not module_only:
+        staged.check_counters(meta.get("engine"), where)
+        if with_optimizer and engine.optimizer is not None and saved_opt is not None:
+            lay = remap_layout(saved_opt["layout"], names)
+            if len(saved_opt["param_groups"]) != len(engine.optimizer.optimizer.param_groups):
+                raise CheckpointError(f"{where}: field 'optimizer.param_groups' has {len(saved_opt['param_groups'])} "
+                                      f"groups, the engine's optimizer {len(engine.optimizer.optimizer.param_groups)}")
+        rng_path = binding.rng_to_load(ckpt, manifest, layout.rng_file(rank), rank, meta.get("world_size"))
+        if rng_path is not None:
+            plan["rng"] = layout.read_json(rng_path)
+            check_rng_state(plan["rng"], rng_path)
+    if int(getattr(engine, "mp_world_size", 1)) == 1:  # tensor parallelism reassembles keys: read when applied
+        staged.stage_tensors(reader, list(owned_params(groups, names)), lay, meta["tensors"])
+    return plan
+
+
+def _client_state(ckpt: str, meta: dict[str, Any]) -> dict[str, Any]:
     client_tensors: dict[str, torch.Tensor] = {}
     if os.path.isfile(os.path.join(ckpt, CLIENT_FILE)):
         with TensorReader(os.path.join(ckpt, CLIENT_FILE)) as cf:
             client_tensors = {k: cf.read(k) for k in cf.keys()}
-    return ckpt, from_json(meta.get("client_state") or {}, client_tensors)
+    return from_json(meta.get("client_state") or {}, client_tensors)
 
 
 def _load_training_state(engine: Any, meta: dict[str, Any], reader: Any, names: dict[int, str],

@@ -82,6 +82,39 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def check_rng_state(state: Any, where: str) -> None:
+    """Raise ``CheckpointError`` naming the field unless ``state`` is what ``rng_state`` writes, so a bad RNG
+    file fails while the load is staged, before anything is applied."""
+    from .errors import CheckpointError
+
+    def bad(field: str) -> CheckpointError:
+        return CheckpointError(f"{where}: field {field!r} is not an RNG state this process can restore")
+
+    if not isinstance(state, dict):
+        raise bad("(top level)")
+    try:
+        cpu = _unb64(state["torch_cpu"])
+    except (KeyError, TypeError, ValueError):
+        raise bad("torch_cpu") from None
+    if cpu is None or cpu.numel() != torch.get_rng_state().numel():
+        raise bad("torch_cpu")
+    try:
+        if state.get("device") is not None:
+            _unb64(state["device"])
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (KeyError, TypeError, ValueError):
+        raise bad("device" if "python" in state else "python") from None
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.RandomState().set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except (TypeError, ValueError, OverflowError):
+            raise bad("numpy") from None
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(_unb64(state["torch_cpu"]))
     if state.get("device") is not None:

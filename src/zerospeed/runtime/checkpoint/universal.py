@@ -183,6 +183,14 @@ class CheckpointReader:
         self._open.clear()
 
 
+def master_read_range(op: OwnedParam) -> tuple[int, int]:
+    """The elements of ``master/<name>`` ``load_params`` reads: the owned range under stage 3 (parameters
+    sharded), the whole parameter otherwise (the module keeps it whole)."""
+    if getattr(op.group, "params_sharded", False) and not op.group.alias:
+        return op.lo, op.hi
+    return 0, op.numel
+
+
 @torch.no_grad()
 def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: CheckpointReader,
                 from_fp32: bool = True) -> None:
@@ -196,13 +204,13 @@ def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: Check
         params_sharded = getattr(op.group, "params_sharded", False) and not op.group.alias
         lp_dtype = None if from_fp32 or op.param.dtype == torch.float32 else op.param.dtype
         if params_sharded:  # stage 3: read only the owned range; the group writes its local shards below
-            part = reader.read_range(f"master/{op.name}", op.lo, op.hi)
+            part = reader.read_range(f"master/{op.name}", *master_read_range(op))
             if lp_dtype is not None:
                 part = part.to(lp_dtype).float()
             if not sharded or sharded[-1] is not op.group:
                 sharded.append(op.group)
         else:
-            full = reader.read_range(f"master/{op.name}", 0, op.numel)
+            full = reader.read_range(f"master/{op.name}", *master_read_range(op))
             if lp_dtype is not None:
                 full = full.to(lp_dtype).float()
             op.param.data.copy_(full.view(op.shape))
