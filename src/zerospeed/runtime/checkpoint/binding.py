@@ -9,7 +9,7 @@ size and sha256, and verification hashes exactly those files. So:
   ``./``, no backslash, not absolute) and so stays inside the tag directory;
 - ``meta.json`` and ``index.json`` are always listed; ``model_states.safetensors`` and ``client_state.safetensors``
   are listed whenever they exist; the shard files the index names are listed; a rank's RNG file is listed
-  whenever the checkpoint was saved with that rank (see ``rng_to_load``).
+  whenever the checkpoint was saved with that rank and holds RNG states (see ``rng_to_load``).
 
 A file the manifest does not list is never opened: it could be anything (edited by hand, left by another tag).
 """
@@ -93,11 +93,12 @@ def check_bound(ckpt: str, manifest: dict[str, Any], index: Any, always: tuple[s
 
 def rng_to_load(ckpt: str, manifest: dict[str, Any], name: str, rank: int, saved_world: Any) -> str | None:
     """The RNG file this rank restores: listed when the checkpoint has this rank; None when it was saved
-    with fewer ranks (a new rank keeps its own RNG)."""
+    with fewer ranks (a new rank keeps its own RNG) or holds no RNG state at all (converted from DeepSpeed)."""
     if name in manifest["files"]:
         return os.path.join(ckpt, name)
     where = os.path.join(ckpt, "manifest.json")
-    if isinstance(saved_world, int) and rank < saved_world:
+    saved_rng = any(n.startswith("rng/") for n in manifest["files"])  # a converted checkpoint has none
+    if saved_rng and isinstance(saved_world, int) and rank < saved_world:
         raise CheckpointError(f"{where}: field 'files' does not list {name!r}: the checkpoint was saved with "
                               f"{saved_world} ranks, so rank {rank}'s RNG state is missing (refusing a silent "
                               "partial restore)")

@@ -103,8 +103,6 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
     """Collective and atomic (``staged``): stage and check everything, agree, then apply."""
-    from ...parallel.tensor.checkpoint import TPReader
-
     writer_of(engine).wait()
     group = save_group(engine)
     opened = open_checkpoint(load_dir, tag, group)
@@ -125,7 +123,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         if "reader" in plan:
             plan["reader"].close()
         raise
-    reader = TPReader(plan["reader"], meta["tensors"], engine.module)
+    reader = plan["reader"]
     client: dict[str, Any] | None = None
     try:
         load_params(plan["groups"], plan["names"], reader,
@@ -141,7 +139,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     except Exception as exc:  # noqa: BLE001 - agreed on and raised on every rank below
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        reader.inner.close()
+        reader.close()
     staged.agree(error, group, what, "; the state may be partly loaded: build a new engine and load again")
     return ckpt, client
 
@@ -149,7 +147,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
 def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any], index: dict[str, Any],
            group: Any, strict: bool, with_optimizer: bool, module_only: bool) -> dict[str, Any]:
     """Everything that can be checked or read before the engine changes (``staged``, step 1)."""
-    from ...parallel.tensor.checkpoint import base_name, remap_layout
+    from ...parallel.tensor.checkpoint import TPReader, base_name, remap_layout
 
     rank = comm.get_rank(group)
     where = os.path.join(ckpt, layout.META)
@@ -162,7 +160,8 @@ def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any
     groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
     plan: dict[str, Any] = {"names": names, "groups": groups, "rng": None,
                             "grouped": {base_name(names[id(p)]) for g in groups for p in g.params}}
-    plan["reader"] = reader = staged.StagedReader(CheckpointReader(ckpt, index))
+    plan["reader"] = reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"],
+                                                           engine.module), ckpt)
     saved_opt = meta.get("optimizer")
     lay = None
     if not module_only:
@@ -176,8 +175,7 @@ def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any
         if rng_path is not None:
             plan["rng"] = layout.read_json(rng_path)
             check_rng_state(plan["rng"], rng_path)
-    if int(getattr(engine, "mp_world_size", 1)) == 1:  # tensor parallelism reassembles keys: read when applied
-        staged.stage_tensors(reader, list(owned_params(groups, names)), lay, meta["tensors"])
+    staged.stage_tensors(reader, list(owned_params(groups, names)), lay)
     return plan
 
 

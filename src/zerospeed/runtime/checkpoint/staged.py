@@ -23,12 +23,12 @@ from .errors import CheckpointError
 
 
 class StagedReader:
-    """A ``CheckpointReader`` whose reads of staged ranges come from memory."""
+    """A checkpoint reader (``CheckpointReader``, or the tensor-parallel ``TPReader`` around one) whose reads of
+    staged ranges come from memory."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, ckpt: str) -> None:
         self.inner = inner
-        self.ckpt = inner.ckpt
-        self.index = inner.index
+        self.ckpt = ckpt
         self._ranges: dict[tuple[str, int, int], torch.Tensor] = {}
         self._scalars: dict[str, torch.Tensor] = {}
 
@@ -37,7 +37,7 @@ class StagedReader:
             self._ranges[(key, lo, hi)] = self.inner.read_range(key, lo, hi)
 
     def stage_scalar(self, key: str) -> None:
-        if key not in self.inner.index:
+        if not self.inner.has(key):
             raise CheckpointError(f"checkpoint {self.ckpt} has no tensor {key!r}")
         if key not in self._scalars:
             self._scalars[key] = self.inner.read_scalar(key)
@@ -62,17 +62,12 @@ class StagedReader:
         self.inner.close()
 
 
-def stage_tensors(reader: StagedReader, owned: list[Any], layout: dict[str, Any] | None,
-                  entries: dict[str, Any]) -> None:
-    """Read every range ``load_params`` / ``load_optimizer_state`` will ask for; check each parameter's shape
-    against ``meta.json`` and the element-wise state's length."""
+def stage_tensors(reader: StagedReader, owned: list[Any], layout: dict[str, Any] | None) -> None:
+    """Read every range ``load_params`` / ``load_optimizer_state`` will ask for (shapes were checked by
+    ``module_state.check_names``); a key or element range the checkpoint does not hold fails here."""
     from .universal import master_read_range
 
     for op in owned:
-        saved = entries.get(op.name, {}).get("shape")
-        if saved is not None and [int(d) for d in saved] != list(op.shape):
-            raise CheckpointError(f"checkpoint {reader.ckpt}: {op.name} has shape {saved} in meta.json, the model's "
-                                  f"is {list(op.shape)}")
         reader.stage(f"master/{op.name}", *master_read_range(op))
         lay = None if layout is None else layout.get(op.name)
         if lay is None:
