@@ -18,12 +18,12 @@ class Fp16Config(Section):
 
     enabled: bool = False
     auto_cast: bool = False
-    loss_scale: float = Field(0.0, ge=0)
+    loss_scale: float = Field(0.0, ge=0, le=2.0**32, allow_inf_nan=False)  # above 2^32 every fp16 step overflows
     initial_scale_power: int = Field(16, ge=0, le=64)
     loss_scale_window: int = Field(1000, ge=1)
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0)
+    min_loss_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = False
     raise_error_at_min_scale: bool = True
 

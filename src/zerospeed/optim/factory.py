@@ -20,6 +20,7 @@ from zerospeed.config.errors import ConfigError, NotSupportedYetError, did_you_m
 
 from .lamb import Lamb
 from .muon_groups import MuonParams, build_muon  # noqa: F401  (config/schema.py lists MuonParams' keys)
+from .hyper import check_hyperparameters
 from .validate import parse_params, reject_auto
 
 PATH = "optimizer.params"
@@ -158,6 +159,8 @@ def build_optimizer(
     canonical = resolve_optimizer_name(type_name)
     params = dict(params or {})
     reject_auto(params, PATH)
+    if canonical not in _TORCH_OPTIMIZERS.values():  # torch's classes first give their own range errors
+        check_hyperparameters(params, PATH)
     if "max_grad_norm" in params:
         raise ConfigError(
             f"{PATH}.max_grad_norm",
@@ -172,7 +175,9 @@ def build_optimizer(
         return build_muon(params, groups)
     if canonical in ONEBIT_NAMES:
         return _build_onebit(canonical, params, groups)
-    return _build_torch(getattr(torch.optim, canonical), params, groups)
+    built = _build_torch(getattr(torch.optim, canonical), params, groups)
+    check_hyperparameters(params, PATH)  # what torch accepts but cannot train on (inf momentum, lr 1e30, ...)
+    return built
 
 
 def resolve_optimizer_name(type_name: str) -> str:

@@ -10,6 +10,7 @@ from pydantic import Field
 from zerospeed.config.base import Section
 from zerospeed.config.errors import ConfigError, NotSupportedYetError, did_you_mean
 
+from ..hyper import check_hyperparameters
 from ..validate import parse_params, reject_auto
 from .base import LRSchedule
 from .one_cycle import OneCycle
@@ -82,6 +83,7 @@ def build_scheduler(type_name: str, params: dict[str, Any], optimizer: Any) -> L
     cls, model = _SCHEDULES[name]
     params = dict(params or {})
     reject_auto(params, PATH)
+    check_hyperparameters(params, PATH)
     if "last_batch_iteration" in params:
         raise NotSupportedYetError(
             f"{PATH}.last_batch_iteration",
