@@ -74,6 +74,14 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.ops.random_ltd.dropping_utils": "zerospeed.data_pipeline.random_ltd",
 }
 
+# --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
+ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
+    "zerospeed.runtime.utils": ("zerospeed.runtime.seed",),  # set_random_seed (the pipeline example)
+}
+for _path, _extra in ALIAS_ADDITIONS.items():
+    _base = ALIASES.get(_path, ())
+    ALIASES[_path] = (*((_base,) if isinstance(_base, str) else _base), *_extra)
+
 
 class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str | tuple[str, ...]) -> None:

@@ -106,3 +106,24 @@ def test_deepspeed_behaviour() -> None:
     assert "data_parallel_size 4 x sequence_parallel_size 1 = 4, but the world has 2 ranks" in r0["dp_bad"]
     assert "data_types.param_dtype" in r0["param_dtype"] and "conflicts" in r0["param_dtype"]
     assert "data_types.grad_accum_dtype" in r0["grad_accum"]
+
+
+def _pipe_progress() -> tuple[float, float]:
+    import contextlib
+    import io
+
+    from .pipe_fixtures import batches, gpt_pipe, rank_iter
+
+    engine, *_ = zerospeed.initialize(model=gpt_pipe(2), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-2}}})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        loss = engine.train_batch(rank_iter(batches(1, 2, 2), 0, 2))
+    line = [w for w in printed.getvalue().split(", ") if w.startswith("loss=")]
+    return float(loss), float(line[0][5:]) if line else float("nan")
+
+
+def test_pipeline_progress_line_shows_the_loss_on_rank_0() -> None:
+    (returned, printed), _ = run_distributed(_pipe_progress, 2, timeout=120)
+    assert printed == round(returned, 4) and returned > 0  # rank 0 is the first stage: it computes no loss

@@ -54,3 +54,12 @@ def test_a_rank_pins_itself_and_sets_omp_threads(monkeypatch: pytest.MonkeyPatch
 def test_multinode_node_command_keeps_no_local_rank() -> None:
     assert "--no_local_rank" not in multinode.node_launch_argv(multinode.NodeArgs(target="t.py"), "0")
     assert "--no_local_rank" in multinode.node_launch_argv(multinode.NodeArgs(target="t.py", pass_local_rank=False), "0")
+
+
+def test_a_missing_deepspeed_module_names_the_fix() -> None:
+    err = ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")
+    rank_entry._hint_deepspeed_import(err)
+    assert str(err).startswith("No module named 'deepspeed'. ") and "zerospeed alias install" in str(err)
+    other = ModuleNotFoundError("No module named 'foo'", name="foo")
+    rank_entry._hint_deepspeed_import(other)
+    assert str(other) == "No module named 'foo'"

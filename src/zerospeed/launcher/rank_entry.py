@@ -135,6 +135,21 @@ def _bind_cores(spec: str) -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(mine))
 
 
+DEEPSPEED_IMPORT_HINT = (
+    "zerospeed serves DeepSpeed's import paths under the name 'zerospeed' (`from zerospeed.runtime.utils import "
+    "...`); `import zerospeed as deepspeed` renames only that one name, so `from deepspeed.x import y` stays "
+    "unresolved. Run `zerospeed alias install` once to make `import deepspeed` and its submodules resolve to "
+    "zerospeed (docs/migration.md, step 1)")
+
+
+def _hint_deepspeed_import(e: BaseException) -> None:
+    """A script written for DeepSpeed failing on ``import deepspeed``: say what fixes it, under the error."""
+    name = getattr(e, "name", None) or ""
+    if isinstance(e, ModuleNotFoundError) and (name == "deepspeed" or name.startswith("deepspeed.")):
+        e.msg = f"{e.msg}. {DEEPSPEED_IMPORT_HINT}"  # in the headline the launcher prints, not only below it
+        e.args = (e.msg,)
+
+
 def main() -> int:
     """Run ``sys.argv[1]`` (a script, or a module when ``ZEROSPEED_RUN_MODULE=1``) as ``__main__``."""
     if len(sys.argv) < 2:
@@ -160,6 +175,7 @@ def main() -> int:
             _report_failure(launch_dir, rank, code, f"SystemExit({e.code!r}){message}", [])
         raise
     except BaseException as e:  # noqa: BLE001 - report every way the script can fail, then fail the same way
+        _hint_deepspeed_import(e)
         tb = _user_traceback(e.__traceback__)
         lines = traceback.format_exception(type(e), e, tb)
         error = traceback.format_exception_only(type(e), e)[-1].strip()
