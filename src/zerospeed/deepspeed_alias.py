@@ -52,10 +52,38 @@ class _Loader(importlib.abc.Loader):
         self.real = real
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.real)  # the zerospeed module itself: one object under two names
+        return lazy_submodules(importlib.import_module(self.real))  # the zerospeed module: one object, two names
 
     def exec_module(self, module: ModuleType) -> None:
         return None
+
+
+def lazy_submodules(module: Any) -> Any:
+    """Let ``module.sub`` import the submodule on first use, as DeepSpeed's eager imports make
+    ``deepspeed.runtime.lr_schedules`` reachable by attribute after ``import deepspeed`` (Accelerate does it)."""
+    if not isinstance(module, ModuleType) or not hasattr(module, "__path__") or \
+            getattr(module, "__zerospeed_lazy__", False):
+        return module
+    previous = module.__dict__.get("__getattr__")
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 - module attribute fallback
+        if previous is not None:
+            try:
+                return previous(name)
+            except AttributeError:
+                pass
+        if not name.startswith("__"):
+            try:
+                return lazy_submodules(importlib.import_module(f"{module.__name__}.{name}"))
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{module.__name__}.{name}":
+                    raise
+        raise AttributeError(f"module {module.__name__!r} has no attribute {name!r} (served for deepspeed by "
+                             "zerospeed alias: zerospeed does not have this DeepSpeed name yet)")
+
+    module.__getattr__ = __getattr__
+    module.__zerospeed_lazy__ = True
+    return module
 
 
 class DeepSpeedFinder(importlib.abc.MetaPathFinder):
@@ -82,7 +110,10 @@ def activate(namespace: dict[str, Any]) -> None:
         sys.meta_path.insert(0, DeepSpeedFinder())
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - module attribute fallback
-        return getattr(zerospeed, name)
+        try:
+            return lazy_submodules(getattr(zerospeed, name))
+        except AttributeError:
+            return lazy_submodules(importlib.import_module(f"deepspeed.{name}"))  # a submodule, by the finder
 
     namespace["__getattr__"] = __getattr__
     namespace["__version__"] = alias_version()
