@@ -104,3 +104,70 @@ def test_hf_trainer_deepspeed_argument_zero3(site: str, tmp_path: Path) -> None:
     assert r0["resumed"] == pytest.approx(r0["losses"], rel=1e-5) and r1["losses"] == r0["losses"]
     (loaded,) = run_distributed(_reload, 1, str(tmp_path / "zs"), timeout=120)  # a plain from_pretrained
     torch.testing.assert_close(loaded, ref["wte"], rtol=1e-5, atol=1e-6)
+
+
+def _tiny_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(24, 8, generator=g), torch.randn(24, 1, generator=g)
+
+
+def _tiny_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _tiny_reference(batch: int) -> list[float]:
+    model, (x, y) = _tiny_net(), _tiny_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i in range(len(x) // batch):
+        loss = torch.nn.functional.mse_loss(model(x[i * batch:(i + 1) * batch]), y[i * batch:(i + 1) * batch])
+        losses.append(loss.item())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _accelerate_zero2(site: str, config_file: str) -> dict:
+    """What `accelerate launch --use_deepspeed --deepspeed_config_file ds.json` sets up in each rank."""
+    import os
+
+    use_alias(site)
+    import zerospeed
+
+    rank, world = zerospeed.comm.get_rank(), zerospeed.comm.get_world_size()
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "ACCELERATE_USE_DEEPSPEED": "true",
+                       "ACCELERATE_DEEPSPEED_CONFIG_FILE": config_file, "ACCELERATE_MIXED_PRECISION": "no"})
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    model, (x, y) = _tiny_net(), _tiny_data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model, opt, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
+    losses = []
+    for xb, yb in loader:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        losses.append(loss.item())
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "engine": type(model).__name__, "stage": model.zero_optimization_stage(),
+            "processes": accelerator.num_processes}
+
+
+def test_accelerate_deepspeed_plugin_zero2(site: str, tmp_path: Path) -> None:
+    import json
+
+    pytest.importorskip("accelerate")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}))
+    r0, r1 = run_distributed(_accelerate_zero2, 2, site, str(config), timeout=180)
+    assert (r0["engine"], r0["stage"]) == ("Engine", 2)
+    # Without a GPU Accelerate picks no process-group backend and counts one process, so it shards no batches:
+    # both ranks train on the same micro-batches, whose averaged gradient is the one-process gradient.
+    assert r0["processes"] == 1
+    assert r0["losses"] == pytest.approx(_tiny_reference(4), rel=1e-5) and r1["losses"] == r0["losses"]
