@@ -107,6 +107,8 @@ class _AliasLoader(importlib.abc.Loader):
         module.__path__ = []  # type: ignore[attr-defined]  # may be the parent of other aliases
 
         def __getattr__(name: str) -> Any:  # noqa: N807 - module-level attribute fallback
+            if f"{module.__name__}.{name}" in ALIASES:  # a DeepSpeed submodule path wins over a target's own import
+                return importlib.import_module(f"{module.__name__}.{name}")  # (zerospeed.utils.logging: not stdlib)
             for real in reals:
                 if hasattr(real, name):
                     return getattr(real, name)

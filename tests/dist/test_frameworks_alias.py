@@ -171,3 +171,31 @@ def test_accelerate_deepspeed_plugin_zero2(site: str, tmp_path: Path) -> None:
     # both ranks train on the same micro-batches, whose averaged gradient is the one-process gradient.
     assert r0["processes"] == 1
     assert r0["losses"] == pytest.approx(_tiny_reference(4), rel=1e-5) and r1["losses"] == r0["losses"]
+
+
+def _lightning_deepspeed_stage_3(site: str) -> dict:
+    use_alias(site)
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    out: dict = {}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_stage_3", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = trainer.strategy
+    out["strategy"] = (type(strategy).__name__, isinstance(strategy, DeepSpeedStrategy),
+                       strategy.config["zero_optimization"]["stage"])
+    try:
+        strategy.setup_environment()
+    except RuntimeError as exc:
+        out["cpu"] = str(exc)
+    return out
+
+
+def test_lightning_deepspeed_stage_3_detects_zerospeed(site: str) -> None:
+    """Lightning finds DeepSpeed (its import and version checks pass) and builds its own stage-3 strategy; its
+    DeepSpeedStrategy then refuses a CPU accelerator by itself (as with the real DeepSpeed), which is why
+    zerospeed's ZeroSpeedStrategy (tests/dist/test_lightning.py) is the CPU route."""
+    pytest.importorskip("lightning")
+    (r,) = run_distributed(_lightning_deepspeed_stage_3, 1, site, timeout=120)
+    assert r["strategy"] == ("DeepSpeedStrategy", True, 3)
+    assert "only supported on CUDA GPUs" in r["cpu"]
