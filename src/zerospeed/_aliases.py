@@ -80,6 +80,8 @@ ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.runtime.lr_schedules": ("zerospeed.integrations.deepspeed_paths.lr_schedules",),  # Accelerate
     "zerospeed.runtime.zero.partition_parameters": (  # transformers' from_pretrained under zero.Init
         "zerospeed.integrations.deepspeed_paths.partition_parameters",),
+    "zerospeed.compression": ("zerospeed.integrations.deepspeed_paths.compression_helper",),  # DS-Chat LoRA
+    "zerospeed.compression.helper": ("zerospeed.integrations.deepspeed_paths.compression_helper",),
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

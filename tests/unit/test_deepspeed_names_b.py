@@ -50,3 +50,14 @@ def test_init_inference_with_tp_joins_the_process_group_under_a_launcher(monkeyp
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="needs the process group first"):  # no launcher: the clear error stays
         engine._tp_group(load_inference_config({"tensor_parallel": {"tp_size": 2}}, {}))
+
+
+def test_compression_helper_paths() -> None:
+    from torch import nn
+
+    from zerospeed.compression.helper import recursive_getattr, recursive_setattr
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
+    assert recursive_getattr(model, "0.0") is model[0][0]
+    recursive_setattr(model, "0.0", nn.Identity())
+    assert isinstance(model[0][0], nn.Identity)

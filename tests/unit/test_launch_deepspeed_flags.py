@@ -63,3 +63,15 @@ def test_a_missing_deepspeed_module_names_the_fix() -> None:
     other = ModuleNotFoundError("No module named 'foo'", name="foo")
     rank_entry._hint_deepspeed_import(other)
     assert str(other) == "No module named 'foo'"
+
+
+def test_with_the_alias_active_a_missing_path_is_named_as_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    alias = types.ModuleType("deepspeed")
+    alias.__zerospeed_alias__ = True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepspeed", alias)
+    err = ModuleNotFoundError("No module named 'deepspeed.foo'", name="deepspeed.foo")
+    rank_entry._hint_deepspeed_import(err)
+    assert "zerospeed does not serve DeepSpeed's module 'deepspeed.foo' yet" in str(err)

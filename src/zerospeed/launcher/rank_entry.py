@@ -145,9 +145,13 @@ DEEPSPEED_IMPORT_HINT = (
 def _hint_deepspeed_import(e: BaseException) -> None:
     """A script written for DeepSpeed failing on ``import deepspeed``: say what fixes it, under the error."""
     name = getattr(e, "name", None) or ""
-    if isinstance(e, ModuleNotFoundError) and (name == "deepspeed" or name.startswith("deepspeed.")):
+    if not isinstance(e, ModuleNotFoundError) or not (name == "deepspeed" or name.startswith("deepspeed.")):
+        return
+    if getattr(sys.modules.get("deepspeed"), "__zerospeed_alias__", False):  # the alias works; this path is missing
+        e.msg = f"{e.msg}: zerospeed does not serve DeepSpeed's module '{name}' yet (`zerospeed alias` is active)"
+    else:
         e.msg = f"{e.msg}. {DEEPSPEED_IMPORT_HINT}"  # in the headline the launcher prints, not only below it
-        e.args = (e.msg,)
+    e.args = (e.msg,)
 
 
 def main() -> int:
