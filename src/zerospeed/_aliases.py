@@ -76,7 +76,8 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
 ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
-    "zerospeed.runtime.utils": ("zerospeed.runtime.seed",),  # set_random_seed (the pipeline example)
+    "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
+                                "zerospeed.integrations.deepspeed_paths.runtime_utils"),  # see_memory_usage
     "zerospeed.runtime.lr_schedules": ("zerospeed.integrations.deepspeed_paths.lr_schedules",),  # Accelerate
     "zerospeed.runtime.zero.partition_parameters": (  # transformers' from_pretrained under zero.Init
         "zerospeed.integrations.deepspeed_paths.partition_parameters",),
