@@ -26,6 +26,7 @@ _LAZY = {
     "comm": ("zerospeed.comm", None),
     "checkpointing": ("zerospeed.checkpointing", None),
     "tp_model_init": ("zerospeed.parallel.tensor.model_init", "tp_model_init"),
+    "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),  # deepspeed.get_accelerator (DeepSpeed-Chat)
 }
 
 __all__ = ["__version__", *_LAZY]

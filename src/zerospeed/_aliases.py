@@ -74,6 +74,20 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.ops.random_ltd.dropping_utils": "zerospeed.data_pipeline.random_ltd",
 }
 
+# --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
+ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
+    "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
+                                "zerospeed.integrations.deepspeed_paths.runtime_utils"),  # see_memory_usage
+    "zerospeed.runtime.lr_schedules": ("zerospeed.integrations.deepspeed_paths.lr_schedules",),  # Accelerate
+    "zerospeed.runtime.zero.partition_parameters": (  # transformers' from_pretrained under zero.Init
+        "zerospeed.integrations.deepspeed_paths.partition_parameters",),
+    "zerospeed.compression": ("zerospeed.integrations.deepspeed_paths.compression_helper",),  # DS-Chat LoRA
+    "zerospeed.compression.helper": ("zerospeed.integrations.deepspeed_paths.compression_helper",),
+}
+for _path, _extra in ALIAS_ADDITIONS.items():
+    _base = ALIASES.get(_path, ())
+    ALIASES[_path] = (*((_base,) if isinstance(_base, str) else _base), *_extra)
+
 
 class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str | tuple[str, ...]) -> None:
@@ -96,6 +110,8 @@ class _AliasLoader(importlib.abc.Loader):
         module.__path__ = []  # type: ignore[attr-defined]  # may be the parent of other aliases
 
         def __getattr__(name: str) -> Any:  # noqa: N807 - module-level attribute fallback
+            if f"{module.__name__}.{name}" in ALIASES:  # a DeepSpeed submodule path wins over a target's own import
+                return importlib.import_module(f"{module.__name__}.{name}")  # (zerospeed.utils.logging: not stdlib)
             for real in reals:
                 if hasattr(real, name):
                     return getattr(real, name)

@@ -92,7 +92,6 @@ def _bad(case: str) -> str:
 @pytest.mark.parametrize(("case", "pattern"), [
     ("no_model", "needs model"),
     ("world", r"train_batch_size.*not divisible by the world size \(2\)"),
-    ("both_optimizers", "client optimizer and an 'optimizer'"),
     ("untested_zero", "zero_allow_untested_optimizer"),
     ("foreign_param", "not a parameter of the model"),
 ])

@@ -202,8 +202,8 @@ def test_deepspeed_top_level_form_and_typo(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["--autotuning", "tune", "--num_gpus", "2", str(PROBE)]) == 2  # runs the autotuner:
     err = capsys.readouterr().err
     assert "name no config" in err  # which needs the script's --deepspeed_config
-    assert cli.main(["--bind_cores_to_rank", "--num_gpus", "2", str(PROBE)]) == 2
-    assert "DeepSpeed's launcher flag --bind_cores_to_rank is not supported yet" in capsys.readouterr().err
+    assert cli.main(["--bind_core_list", "0-1", "--num_gpus", "2", str(PROBE)]) == 2  # core binding is built now
+    assert "--bind_core_list needs --bind_cores_to_rank" in capsys.readouterr().err
 
 
 # --- pure parts ---------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def test_script_args_after_the_script_are_not_launcher_flags() -> None:
     entry = argv.index(os.path.abspath(rank_entry.__file__))
     assert argv[entry + 1:] == [str(PROBE), "--nproc-per-node", "9", "--local_rank", "5"]
     env = launch.rank_env(plan, "/tmp/x", base={})
-    assert env[rank_entry.LAUNCH_DIR_ENV] == "/tmp/x" and env[rank_entry.PASS_LOCAL_RANK_ENV] == "0"
+    assert env[rank_entry.LAUNCH_DIR_ENV] == "/tmp/x" and env[rank_entry.PASS_LOCAL_RANK_ENV] == "1"  # DeepSpeed's default
 
 
 def test_default_nproc_counts_visible_cuda_devices(monkeypatch: pytest.MonkeyPatch) -> None:

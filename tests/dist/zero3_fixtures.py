@@ -29,7 +29,7 @@ class TiedNet(nn.Module):
         h = torch.tanh(self.shared(h))
         h = h + self.block(h)
         h = torch.tanh(self.shared(h))  # the shared layer again
-        h = self.norm(h) * self.scale + self.frozen
+        h = self.norm(h) * self.scale.to(h.dtype) + self.frozen  # buffers keep fp32 under bf16 (DeepSpeed)
         logits = self.head(h)
         if targets is None:
             return logits

@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from .base import Section, known_keys
 from .compression import GradientCompressionConfig
+from .data_types import DataTypesConfig
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
@@ -91,6 +92,9 @@ class ZeroSpeedConfig(Section):
     sequence_parallel_size: int = Field(1, ge=1)
     """Ulysses sequence parallelism: ranks per sequence group (1 = off). The world splits into
     world/sequence_parallel_size data-parallel replicas; batch sizes count those replicas."""
+    data_parallel_size: int | None = Field(None, ge=1)
+    """With ``sequence_parallel_size``: the data axis of DeepSpeed's (data, sequence) mesh; data x sequence
+    must be the world size (``runtime/deepspeed_rules.py``). Alone it has no effect, as in DeepSpeed."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP training (``zerospeed.tp_model_init``): degree, layer rules, presets."""
     use_data_before_expert_parallelism: bool = False
@@ -122,6 +126,8 @@ class ZeroSpeedConfig(Section):
     """``progressive_layer_drop=True, pld_theta=...`` into the model's forward."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """``engine.compile()``: torch.compile of the model; DeepCompile's keys are refused (config/compile.py)."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """DeepSpeed's dtype overrides of the module cast: buffers keep theirs unless ``buffer_dtype`` is set."""
     sparse_attention: SparseAttentionConfig | None = None
     """Block-sparse attention layout (DeepSpeed's section; None when absent): the model builds its
     ``SparsityConfig`` from ``engine.config.sparse_attention.sparsity_config(num_heads)``."""

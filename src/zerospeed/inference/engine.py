@@ -172,9 +172,15 @@ class InferenceEngine(nn.Module):
 
 
 def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
-    """The tensor-parallel group: ``tensor_parallel.tp_group``, the ``mpu``'s, or the world when it has tp ranks."""
+    """The tensor-parallel group: ``tensor_parallel.tp_group``, the ``mpu``'s, or the world when it has tp ranks.
+    Under a launcher (``WORLD_SIZE`` set) with no process group yet, it joins one first, as DeepSpeed does."""
+    import os
+
+    from .. import comm
     from .tensor_parallel import resolve_tp_group
 
+    if not comm.is_initialized() and "WORLD_SIZE" in os.environ:  # started by a launcher: join, as DeepSpeed does
+        comm.init_distributed()
     group = config.tensor_parallel.tp_group
     mpu = config.tensor_parallel.mpu or config.mpu
     if group is None and mpu is not None:

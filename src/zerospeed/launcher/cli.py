@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 
 import zerospeed
-from zerospeed.launcher import autotune, convert_accelerate, convert_deepspeed, launch, plan, report, serve, to_fp32
+from zerospeed.launcher import alias, autotune, convert_accelerate, convert_deepspeed, launch, plan, report, serve, to_fp32
 from zerospeed.launcher.command import Command, UsageError
 
 COMMANDS: tuple[Command, ...] = (launch.COMMAND, to_fp32.COMMAND, convert_deepspeed.COMMAND,
                                  convert_accelerate.COMMAND, report.COMMAND, serve.COMMAND, autotune.COMMAND,
-                                 plan.COMMAND)
+                                 plan.COMMAND, alias.COMMAND)
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
 

@@ -47,7 +47,8 @@ class LaunchPlan:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
-    pass_local_rank: bool = False
+    pass_local_rank: bool = True
+    bind_cores: str | None = None  # --bind_cores_to_rank: the --bind_core_list, "" for every core; None: off
     max_restarts: int = 0
     shutdown_timeout: int = 10
     elastic: tuple[int, int] | None = None  # (min_nodes, max_nodes): c10d rendezvous, --nnodes=MIN:MAX
@@ -75,9 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="PORT", help=f"port on node 0 (default: a free port on one node, "
                         f"{DEFAULT_MASTER_PORT} on several)")
     parser.add_argument("--pass-local-rank", "--pass_local_rank", action="store_true", dest="pass_local_rank",
-                        help="append --local_rank=<n> to the script's arguments, as DeepSpeed's launcher does")
+                        default=True, help="put --local_rank=<n> before the script's arguments (the default, as "
+                        "DeepSpeed's launcher does)")
     parser.add_argument("--no-local-rank", "--no_local_rank", action="store_false", dest="pass_local_rank",
-                        help="do not pass --local_rank (the default; accepted for DeepSpeed compatibility)")
+                        help="do not pass --local_rank (DeepSpeed's flag; the rank reads LOCAL_RANK instead)")
+    parser.add_argument("--bind_cores_to_rank", "--bind-cores-to-rank", action="store_true",
+                        help="pin each rank to its equal share of the cores and set OMP_NUM_THREADS to it")
+    parser.add_argument("--bind_core_list", "--bind-core-list", default=None, metavar="LIST",
+                        help="the cores to share with --bind_cores_to_rank, e.g. 0-3,8-11 (default: all)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name: run it like 'python -m SCRIPT'")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, dest="max_restarts", default=None,
@@ -97,7 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _UNSUPPORTED_DEEPSPEED_FLAGS: dict[tuple[str, ...], str] = {
-    ("--bind_cores_to_rank", "--bind_core_list"): "set OMP_NUM_THREADS / taskset in the script's environment",
     ("--no_python", "--no-python"): "launch a Python script or module (--module)",
     ("--save_pid", "--enable_each_rank_log"): "redirect the output yourself",
 }
@@ -185,8 +190,22 @@ def plan_from_args(args: argparse.Namespace, environ: dict[str, str] | None = No
         shutdown_timeout=args.shutdown_timeout, elastic=elastic,
         rdzv_id=env.get("ZEROSPEED_RDZV_ID", f"zerospeed-{port}"), rdzv_conf=args.rdzv_conf,
         visible_devices=",".join(map(str, node.slots)) if node.slots is not None else None,
-        host=node.host, join_timeout=args.node_join_timeout,
+        host=node.host, join_timeout=args.node_join_timeout, bind_cores=_bind_cores(args),
     )
+
+
+def _bind_cores(args: argparse.Namespace) -> str | None:
+    """``--bind_cores_to_rank`` [``--bind_core_list``]: the list each node's ranks share (checked here)."""
+    bind, spec = getattr(args, "bind_cores_to_rank", False), getattr(args, "bind_core_list", None)
+    if spec is not None and not bind:
+        raise UsageError("--bind_core_list needs --bind_cores_to_rank (as in DeepSpeed)")
+    if not bind:
+        return None
+    try:
+        rank_entry.parse_core_list(spec or "")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return spec or ""
 
 
 def torchrun_argv(plan: LaunchPlan, python: str = sys.executable) -> list[str]:
@@ -218,6 +237,8 @@ def rank_env(plan: LaunchPlan, launch_dir: str, base: dict[str, str] | None = No
     env[rank_entry.LAUNCH_DIR_ENV] = launch_dir
     env[rank_entry.PASS_LOCAL_RANK_ENV] = "1" if plan.pass_local_rank else "0"
     env[rank_entry.MODULE_ENV] = "1" if plan.module else "0"
+    if plan.bind_cores is not None:
+        env[rank_entry.BIND_CORES_ENV] = plan.bind_cores
     env[SHUTDOWN_TIMEOUT_ENV] = str(plan.shutdown_timeout)
     env[RANKS_PER_NODE_ENV] = str(plan.nproc_per_node)
     if plan.visible_devices is not None:

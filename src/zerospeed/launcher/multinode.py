@@ -46,7 +46,7 @@ class NodeArgs:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     module: bool = False
-    pass_local_rank: bool = False
+    pass_local_rank: bool = True
     max_restarts: int = 0
     elastic: tuple[int, int] | None = None  # (min_nodes, max_nodes) with --elastic_training
     python: str = "python"
@@ -108,8 +108,8 @@ def node_launch_argv(args: NodeArgs, node_rank: str) -> list[str]:
                  f"--max_elastic_nodes={args.elastic[1]}"]
     if args.module:
         argv.append("--module")
-    if args.pass_local_rank:
-        argv.append("--pass_local_rank")
+    if not args.pass_local_rank:  # passing it is the default (DeepSpeed's)
+        argv.append("--no_local_rank")
     return [*argv, args.target, *args.target_args]
 
 

@@ -18,6 +18,9 @@ writes into that directory:
 The script sees the same ``sys.argv``, ``sys.path[0]`` and ``__main__`` as under ``python script.py``
 (or ``python -m module`` with ``--module``). With ``ZEROSPEED_PASS_LOCAL_RANK=1`` the argument
 ``--local_rank=<LOCAL_RANK>`` is put before the script's own arguments, as DeepSpeed's launcher does.
+With ``ZEROSPEED_BIND_CORES`` set (``--bind_cores_to_rank``; its value is ``--bind_core_list`` or empty for
+every core this process may use) the rank pins itself to its equal share of the cores, in order, and sets
+``OMP_NUM_THREADS`` to that share before the script imports torch (DeepSpeed's numactl split).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from types import TracebackType
 LAUNCH_DIR_ENV = "ZEROSPEED_LAUNCH_DIR"
 PASS_LOCAL_RANK_ENV = "ZEROSPEED_PASS_LOCAL_RANK"
 MODULE_ENV = "ZEROSPEED_RUN_MODULE"
+BIND_CORES_ENV = "ZEROSPEED_BIND_CORES"
 TRACEBACK_LINES = 12
 
 
@@ -104,6 +108,52 @@ def _run_target(target: str, as_module: bool, args: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def parse_core_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (DeepSpeed's ``--bind_core_list`` syntax)."""
+    cores: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ValueError(f"--bind_core_list: bad range {part!r} (expected e.g. 0-3,8,10-11)")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def cores_for_rank(cores: list[int], local_rank: int, local_world: int) -> list[int]:
+    """This rank's equal, contiguous share of ``cores`` (the remainder stays unused, as in DeepSpeed)."""
+    share = len(cores) // local_world
+    if share < 1:
+        raise ValueError(f"--bind_cores_to_rank: {len(cores)} cores cannot be shared by {local_world} ranks per node")
+    return cores[share * local_rank:share * (local_rank + 1)]
+
+
+def _bind_cores(spec: str) -> None:
+    available = sorted(os.sched_getaffinity(0))
+    cores = parse_core_list(spec) if spec else available
+    mine = cores_for_rank(cores, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+
+
+DEEPSPEED_IMPORT_HINT = (
+    "zerospeed serves DeepSpeed's import paths under the name 'zerospeed' (`from zerospeed.runtime.utils import "
+    "...`); `import zerospeed as deepspeed` renames only that one name, so `from deepspeed.x import y` stays "
+    "unresolved. Run `zerospeed alias install` once to make `import deepspeed` and its submodules resolve to "
+    "zerospeed (docs/migration.md, step 1)")
+
+
+def _hint_deepspeed_import(e: BaseException) -> None:
+    """A script written for DeepSpeed failing on ``import deepspeed``: say what fixes it, under the error."""
+    name = getattr(e, "name", None) or ""
+    if not isinstance(e, ModuleNotFoundError) or not (name == "deepspeed" or name.startswith("deepspeed.")):
+        return
+    if getattr(sys.modules.get("deepspeed"), "__zerospeed_alias__", False):  # the alias works; this path is missing
+        e.msg = f"{e.msg}: zerospeed does not serve DeepSpeed's module '{name}' yet (`zerospeed alias` is active)"
+    else:
+        e.msg = f"{e.msg}. {DEEPSPEED_IMPORT_HINT}"  # in the headline the launcher prints, not only below it
+    e.args = (e.msg,)
+
+
 def main() -> int:
     """Run ``sys.argv[1]`` (a script, or a module when ``ZEROSPEED_RUN_MODULE=1``) as ``__main__``."""
     if len(sys.argv) < 2:
@@ -113,6 +163,8 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get(PASS_LOCAL_RANK_ENV) == "1":
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
+    if BIND_CORES_ENV in os.environ:
+        _bind_cores(os.environ[BIND_CORES_ENV])
     launch_dir = os.environ.get(LAUNCH_DIR_ENV, "")
     if launch_dir:
         info = {"pid": os.getpid(), "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
@@ -127,6 +179,7 @@ def main() -> int:
             _report_failure(launch_dir, rank, code, f"SystemExit({e.code!r}){message}", [])
         raise
     except BaseException as e:  # noqa: BLE001 - report every way the script can fail, then fail the same way
+        _hint_deepspeed_import(e)
         tb = _user_traceback(e.__traceback__)
         lines = traceback.format_exception(type(e), e, tb)
         error = traceback.format_exception_only(type(e), e)[-1].strip()

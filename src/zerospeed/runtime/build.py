@@ -22,6 +22,8 @@ from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.topk_momentum import install_momentum_exchange
 from .dataloader import build_dataloader
 from .engine import Engine
+from .deepspeed_rules import check_data_parallel_size, note_offload_param_below_stage3, prefer_client_objects
+from .module_cast import cast_buffers, cast_parameters
 from .state_dump import engine_state
 
 _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -80,8 +82,6 @@ def _build_base_optimizer(cfg: ZeroSpeedConfig, client: torch.optim.Optimizer | 
                           groups: list[ShardedGroup], options: list[dict[str, Any]]) -> torch.optim.Optimizer | None:
     masters = [{**opts, "params": g.master_params if g is not None else []} for g, opts in zip(groups, options)]
     if client is not None:
-        if cfg.optimizer is not None:
-            raise ConfigError("optimizer", "both a client optimizer and an 'optimizer' config section were given; keep one")
         _check_client_offload(cfg, client)
         # Keep the client's object (schedulers built on it keep working): point its groups at the masters.
         for group, new in zip(client.param_groups, masters):
@@ -145,8 +145,6 @@ def _muon_groups(cfg: ZeroSpeedConfig, model: nn.Module, raw_groups: list[dict[s
 
 def _build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimizer | None) -> Any:
     if client is not None:
-        if cfg.scheduler is not None:
-            raise ConfigError("scheduler", "both a client lr_scheduler and a 'scheduler' config section were given; keep one")
         return client(opt) if callable(client) and not hasattr(client, "step") else client
     if cfg.scheduler is None:
         return None
@@ -201,18 +199,17 @@ def _place_model(cfg: ZeroSpeedConfig, model: nn.Module, compute: torch.dtype, d
                  dp_group: comm.Group | None, dp_rank: int, moe: Any = None) -> Any:
     """Cast and place the module and give every rank rank 0's values; under stage 3 also cut it."""
     offload_param = cfg.zero_optimization.offload_param
-    if offload_param.enabled and cfg.zero_stage != 3:
-        raise ConfigError("zero_optimization.offload_param", f"parameter offload needs ZeRO stage 3 (parameters "
-                          f"partitioned), got stage {cfg.zero_stage}; set zero_optimization.stage to 3 or remove "
-                          "offload_param")
+    note_offload_param_below_stage3(cfg)  # accepted as DeepSpeed does, and said once in the log
     if cfg.zero_stage != 3:
-        model.to(device=device, dtype=compute)
+        cast_parameters(model, device, compute)  # buffers keep their dtype (runtime/module_cast.py)
+        cast_buffers(model, cfg.data_types, compute)
         _sync_module(model, dp_group)
         return None
     from ..zero.stage3 import setup_stage3  # parameters partitioned too: cut them, install module hooks
 
     home = _param_home(cfg, model, compute, dp_rank) if offload_param.enabled else None
     group_of = None if moe is None else moe.partition_groups(model)  # experts: over their expert-data group
+    cast_buffers(model, cfg.data_types, compute)
     return setup_stage3(model, cfg.zero_optimization, compute, device, dp_group, home, group_of)
 
 
@@ -474,6 +471,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     _join(dist_init_required, distributed_port, early.comms_timeout_s)
     if early.comms_timeout_s is not None:
         comm.set_timeout(early.comms_timeout_s, comm.world_group())
+    check_data_parallel_size(early, comm.get_world_size())
     seq_grid = _sequence_grid(early, model, mpu)
     grid = _parallel_grid(model, mpu) if seq_grid is None else None
     tp = _tensor_parallel(early, model, grid)
@@ -493,7 +491,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     # Samples: sequence peers share theirs, so batch sizes and the data loader count data-parallel replicas.
     data_size, data_rank = ((dp_size, dp_rank) if seq_grid is None else
                             (seq_grid.get_data_parallel_world_size(), seq_grid.get_data_parallel_rank()))
-    cfg = load_config(early, data_size)
+    cfg = prefer_client_objects(load_config(early, data_size), optimizer, lr_scheduler)  # DeepSpeed's rule
     from .autotuning_probe import profile_model_info
 
     profile_model_info(cfg, model)  # an autotuner's model-info run ends here

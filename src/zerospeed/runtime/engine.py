@@ -89,6 +89,26 @@ class Engine(nn.Module):
 
         self._autotuning = AutotuningProbe.create(config)  # an autotuning experiment: profile, report, end
 
+    def __getattr__(self, name: str) -> Any:
+        """As DeepSpeed: a name the engine lacks is looked up on the wrapped module (``engine.generate()``,
+        a model's own methods and attributes); the engine's own names, and nn.Module's, win."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its "
+                                     f"module, {type(module).__name__})") from None
+
+    @property
+    def tput_timer(self) -> Any:
+        """DeepSpeed's throughput timer (``avg_samples_per_sec()``, ``global_step_count``), fed each step."""
+        return self.observer.tput_timer
+
     # --- batch-size accessors (DeepSpeed names) ---------------------------------------------------
     def train_batch_size(self) -> int:
         return self._batch.train_batch_size
@@ -241,7 +261,8 @@ class Engine(nn.Module):
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale)."""
+        """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale); returns, as
+        DeepSpeed does, the loss divided by the accumulation steps (``scale_wrt_gas``), without the loss scale."""
         if self.optimizer is None:
             raise RuntimeError("engine.backward() needs an optimizer: set 'optimizer' in the config or pass one")
         if not torch.is_tensor(loss) or loss.numel() != 1:
@@ -263,7 +284,8 @@ class Engine(nn.Module):
             self.backwards_in_window += 1
             self._accumulating = True
             self.observer.backward_end()
-        return loss
+        gas = self.gradient_accumulation_steps()
+        return loss / gas if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at the accumulation boundary apply the optimizer and the schedule."""
@@ -477,6 +499,9 @@ class Engine(nn.Module):
         """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's;
         ``overwrite``: docs/checkpointing.md, "Existing tags")."""
         from .checkpoint import save_checkpoint
+
+        if not save_dir:  # DeepSpeed's ValueError (a None would otherwise fail deep inside os.path)
+            raise ValueError(f"save_checkpoint(save_dir) needs a non-empty directory path, got {save_dir!r}")
 
         use_async = self.config.checkpoint.async_save if async_save is None else async_save
         self.last_checkpoint_stats = save_checkpoint(self, save_dir, tag, client_state, save_latest, use_async,

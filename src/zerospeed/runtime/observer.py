@@ -17,6 +17,7 @@ from ..config import ZeroSpeedConfig
 from ..profiling.flops_profiler import FlopsProfiler
 from ..profiling.memory import PeakMeter, peak_rss_bytes
 from ..profiling.monitor import build_monitors
+from ..profiling.throughput import ThroughputTimer
 from ..profiling.timers import Timers
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class StepObserver:
         self._comm_seconds = 0.0
         # memory_breakdown: measure each step's real peak (transient buffers included) beside the accounting
         self.memory_meter = PeakMeter(engine.device) if config.memory_breakdown else None
+        self.tput_timer = ThroughputTimer(engine.train_batch_size(), steps_per_output=config.steps_per_print)
 
     # --- hooks ------------------------------------------------------------------------------------
     def forward_start(self) -> None:
@@ -83,6 +85,7 @@ class StepObserver:
         now = time.perf_counter()
         self.last_step_seconds = now - self.step_started
         self.step_started = now
+        self.tput_timer.record_step(self.last_step_seconds, eng.gradient_accumulation_steps())
         if self.flops_profiler is not None:
             self.flops_profiler.on_step_end(eng.global_steps)
         comm_total = sum(st.seconds for st in comm.COMMS_LOGGER.stats.values())

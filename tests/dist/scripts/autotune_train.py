@@ -9,6 +9,7 @@ import zerospeed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
+parser.add_argument("--local_rank", type=int, default=-1)  # zerospeed launch passes it (as DeepSpeed's)
 args = parser.parse_args()
 zerospeed.init_distributed()
 torch.manual_seed(0)

@@ -22,6 +22,6 @@ while True:
     engine.backward(loss)
     engine.step()
     step += 1
-    engine.save_checkpoint(sys.argv[1], tag=f"step{step}")
+    engine.save_checkpoint(sys.argv[-1], tag=f"step{step}")  # after the launcher's --local_rank
     if comm.get_rank() == 0:
         print(f"saved step{step}", flush=True)

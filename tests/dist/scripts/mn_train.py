@@ -98,5 +98,6 @@ if __name__ == "__main__":
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--fail_rank", type=int, default=-1)
     p.add_argument("--elastic", action="store_true")
+    p.add_argument("--local_rank", type=int, default=-1)  # zerospeed launch passes it (as DeepSpeed's)
     a = p.parse_args()
     train(a.out_dir, a.steps, a.ckpt, a.sleep, a.fail_rank, config=ELASTIC_CONFIG if a.elastic else None)

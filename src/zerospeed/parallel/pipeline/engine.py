@@ -214,9 +214,11 @@ class PipelineEngine(Engine):
         self._total_loss = None
         self._fwd_outputs = []
         self._compute_loss = True
-        self._run(self._train_schedule())
-        with torch.no_grad():
-            self.agg_train_loss = self._aggregate_loss()
+        self.agg_train_loss = None
+        self._run(self._train_schedule())  # its optimizer step aggregates the loss (for the progress line too)
+        if self.agg_train_loss is None:
+            with torch.no_grad():
+                self.agg_train_loss = self._aggregate_loss()
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
@@ -478,4 +480,7 @@ class PipelineEngine(Engine):
         total = comm.COMMS_LOGGER.total_volume()
         self.last_step_comm_volume = total - self._comm_volume_at_step_start
         self._comm_volume_at_step_start = total
+        with torch.no_grad():  # every stage learns the batch's loss: rank 0's progress line shows it, not 0
+            self.agg_train_loss = self._aggregate_loss()
+        self.observer.loss_sum = self.agg_train_loss
         self.observer.step_end(True)

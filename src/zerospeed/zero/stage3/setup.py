@@ -97,7 +97,7 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
                 home.adopt(state)
         shards.append(state)
     for b in module.buffers():
-        b.data = b.data.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+        b.data = b.data.to(device=device)  # its dtype kept, as in DeepSpeed 0.19.8 (data_types.buffer_dtype)
         comm.broadcast(b.data, src=0, group=group)
     return shards
 
