@@ -1,0 +1,113 @@
+"""pytest plugin for ``scripts/deepspeed-conformance``: rename hook, harness patch, outcome record.
+
+Loaded with ``-p deepspeed_conformance_plugin`` before DeepSpeed's conftest. Environment:
+- ``ZS_CONFORMANCE_MODE``: ``zerospeed`` (install the ``deepspeed`` -> ``zerospeed`` rename hook) or
+  ``deepspeed`` (import the installed DeepSpeed first, so the checkout's source tree cannot shadow it);
+- ``ZS_CONFORMANCE_OUT``: JSON file that receives ``{nodeid: "passed"|"failed"|"skipped"}``;
+- ``ZS_CONFORMANCE_TIMEOUT``: seconds one distributed test may run (default 180).
+
+The harness patch touches DeepSpeed's ``DistributedExec`` only, never a test body, and is the same in
+both modes: ranks are forked (warm imports, and the rename hook is inherited), and on a failing or hung
+rank the pool is terminated and the test fails, instead of a destroy barrier that waits on the stuck
+rank until Gloo's 30-minute timeout, or ``pytest.exit`` ending the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import pytest
+
+MODE = os.environ.get("ZS_CONFORMANCE_MODE", "zerospeed")
+TIMEOUT = float(os.environ.get("ZS_CONFORMANCE_TIMEOUT", "180"))
+
+if MODE == "zerospeed":
+    from zerospeed.testing import ds_rename
+
+    ds_rename.install()
+else:
+    import deepspeed  # noqa: F401  # the installed one, before conftest puts the checkout on sys.path
+
+_OUTCOMES: dict[str, str] = {}
+
+
+class _ForkMultiprocessing:
+    """``torch.multiprocessing`` as the harness sees it, with every start method read as ``fork``."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def set_start_method(self, method: str, force: bool = False) -> None:
+        self._real.set_start_method("fork", force=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _launch_daemonic_procs(self: Any, num_procs: int, init_method: str) -> None:
+    """DeepSpeed's pool launch, with a failing or hung rank ending only its own test."""
+    common = _common()
+    mp = common.mp
+    if self.reuse_dist_env:
+        if num_procs not in self._pool_cache:
+            self._pool_cache[num_procs] = mp.Pool(processes=num_procs)
+        pool, master_port = self._pool_cache[num_procs], common.get_master_port()
+    else:
+        pool, master_port = mp.Pool(processes=num_procs), common.get_master_port()
+    args = [(rank, num_procs, master_port, init_method) for rank in range(num_procs)]
+    pending = pool.starmap_async(self._dist_run, args)
+    try:
+        skip_msgs = pending.get(min(self.exec_timeout, TIMEOUT))
+    except BaseException as exc:
+        pool.terminate()
+        pool.join()
+        self._pool_cache.pop(num_procs, None)
+        if isinstance(exc, mp.TimeoutError):
+            pytest.fail(f"distributed test hung (> {min(self.exec_timeout, TIMEOUT):.0f} s)", pytrace=False)
+        raise
+    self._close_pool(pool, num_procs)
+    if any(skip_msgs):
+        pytest.skip(skip_msgs[0])
+
+
+def _common() -> Any:
+    return sys.modules["unit.common"]
+
+
+def patch_harness(common: Any) -> None:
+    """Apply the harness patch to DeepSpeed's ``tests/unit/common.py`` module object."""
+    if getattr(common, "_zs_patched", False):
+        return
+    common.mp = _ForkMultiprocessing(common.mp)
+    common.DistributedExec._launch_daemonic_procs = _launch_daemonic_procs
+    common._zs_patched = True
+
+
+def pytest_collection_modifyitems(session: Any, config: Any, items: list) -> None:
+    if "unit.common" in sys.modules:
+        patch_harness(sys.modules["unit.common"])
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    previous = _OUTCOMES.get(report.nodeid)
+    if report.failed:
+        _OUTCOMES[report.nodeid] = "failed"
+    elif report.skipped and previous != "failed":
+        _OUTCOMES[report.nodeid] = "skipped"
+    elif report.when == "call" and report.passed and previous is None:
+        _OUTCOMES[report.nodeid] = "passed"
+
+
+def pytest_collectreport(report: Any) -> None:
+    if report.failed:  # a module that does not even import: all its tests count as failed
+        _OUTCOMES[report.nodeid] = "collect-error"
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    out = os.environ.get("ZS_CONFORMANCE_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump(_OUTCOMES, f, indent=0, sort_keys=True)
