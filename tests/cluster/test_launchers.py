@@ -64,7 +64,7 @@ def test_pdsh_include(cluster: Cluster, cluster_env: dict[str, str], tmp_path: P
 def test_openmpi(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path, reference: list[float]) -> None:
     hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=2, hosts=[0, 1])
     out = tmp_path / "out"
-    argv = launch_argv(hostfile, "openmpi", out, STEPS, "--launcher_args", "--allow-run-as-root")
+    argv = launch_argv(hostfile, "openmpi", out, STEPS, "--launcher_args=--allow-run-as-root")
     done = launch(cluster, argv, tmp_path, cluster_env)
     assert done.returncode == 0, done.stderr[-4000:]
     _check(cluster, out, reference, ["node0", "node1"])
