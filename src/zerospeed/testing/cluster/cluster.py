@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import packages, ssh
-from .netns import Host, Network, kill_namespace, leftovers, sweep_stale
+from .netns import Host, Network, kill_namespace, leftovers, namespace_pids, sweep_stale
 
 
 class ClusterUnavailable(RuntimeError):
@@ -121,8 +121,14 @@ class Cluster:
             done = self.run(0, ["ssh", self.names[index], "true"], timeout=timeout_s)
             if done.returncode == 0:
                 return
+            if self.sshd[index].poll() is not None and time.monotonic() < deadline:
+                self.start_sshd(index)  # it could not bind yet (address still being set up): once more
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd on {self.names[index]} does not answer: {done.stderr.strip()}")
+                log = os.path.join(self.run_dir, f"sshd_{self.names[index]}.log")
+                with open(log, encoding="utf-8", errors="replace") as f:
+                    said = f.read()[-1000:]
+                raise RuntimeError(f"sshd on {self.names[index]} does not answer: {done.stderr.strip()} "
+                                   f"(sshd exit code {self.sshd[index].poll()}, its log: {said!r})")
             time.sleep(0.1)
 
     def write_hostfile(self, path: str | os.PathLike[str], slots: int = 2, hosts: Sequence[int] | None = None) -> str:
@@ -158,6 +164,12 @@ class Cluster:
         self.net.start_holder(h, self.binds)
         self.start_sshd(index)
         self.wait_sshd(index)
+
+    def busy_pids(self, index: int) -> list[int]:
+        """Processes on host ``index`` besides its holder and its sshd listener (what a job left behind)."""
+        assert self.net is not None
+        keep = {p.pid for p in (self.hosts[index].holder, self.sshd.get(index)) if p is not None}
+        return [pid for pid in namespace_pids(self.hosts[index].netns) if pid not in keep]
 
     def close(self) -> None:
         if self.net is not None:

@@ -133,7 +133,11 @@ class Network:
     def add_host(self, h: Host) -> None:
         _ip("netns", "add", h.netns)
         port = f"h{h.index}"
-        _ip("link", "add", "eth0", "netns", h.netns, "type", "veth", "peer", "name", port, "netns", self.switch)
+        # A fixed MAC per host: a host brought back (reset after a fault) is found at once, not after the
+        # peers' ARP entries for its address go stale.
+        mac = f"02:00:0a:e7:00:{FIRST_HOST_OCTET + h.index:02x}"
+        _ip("link", "add", "eth0", "address", mac, "netns", h.netns, "type", "veth", "peer", "name", port,
+            "netns", self.switch)
         _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", h.netns, "link", "set", "lo", "up")
         _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", "eth0")
@@ -157,6 +161,9 @@ class Network:
     def kill_host(self, h: Host) -> None:
         """The host dies: every process in it is SIGKILLed and its namespace (and veth) removed."""
         kill_namespace(h.netns)
+        # The kernel frees a deleted namespace (and the veth in it) asynchronously: delete the switch's end
+        # now, so that a host brought back can make its link again at once.
+        _ip("-n", self.switch, "link", "del", f"h{h.index}", check=False)
         if h.holder is not None:
             h.holder.wait(timeout=10)
             h.holder = None

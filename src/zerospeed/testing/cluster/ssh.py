@@ -59,6 +59,8 @@ def sshd_config(run_dir: str, h: Host) -> str:
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "UsePAM no\nStrictModes no\nPrintMotd no\nPrintLastLog no\nUseDNS no\nLogLevel ERROR\n"
             "MaxStartups 100\nMaxSessions 100\n"
+            # a session whose client was cut off ends after 6 s (the default keeps it for hours)
+            "ClientAliveInterval 2\nClientAliveCountMax 3\n"
         )
     return path
 
