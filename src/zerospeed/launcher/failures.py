@@ -167,7 +167,7 @@ def stopped_ranks(stderr_tail: str, launch_dir: str) -> set[int] | None:
 
 
 def _timed_out(failure: RankFailure) -> bool:
-    text = failure.error.lower()
+    text = " ".join([failure.error, *failure.traceback]).lower()
     return "timed out" in text or "timeout" in text or "did not join" in text
 
 
