@@ -68,3 +68,28 @@ def test_openmpi(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path, 
     done = launch(cluster, argv, tmp_path, cluster_env)
     assert done.returncode == 0, done.stderr[-4000:]
     _check(cluster, out, reference, ["node0", "node1"])
+
+
+def test_slurm_srun_inside_sbatch(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
+                                  reference: list[float]) -> None:
+    """``sbatch -N 2`` runs a batch script on node0 whose ``zerospeed launch --launcher slurm`` fans out
+    with ``srun`` inside the allocation (munge, slurmctld on node0, slurmd on every host)."""
+    from zerospeed.testing.cluster import ClusterUnavailable
+
+    try:
+        slurm_env = cluster.start_slurm()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no SLURM on the test cluster: {e}")
+    hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=2)
+    out = tmp_path / "out"
+    argv = launch_argv(hostfile, "slurm", out, STEPS, "--exclude", "node1", "--export", "CL_EXPORTED=via srun")
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nexec " + " ".join(f"'{a}'" for a in argv) + "\n")
+    script.chmod(0o755)
+    env = {**cluster_env, **slurm_env}
+    done = launch(cluster, ["sbatch", "--wait", "-N", "2", "-w", "node0,node2", "-o", str(tmp_path / "job.log"),
+                            str(script)], tmp_path, env)
+    log = (tmp_path / "job.log").read_text() if (tmp_path / "job.log").exists() else ""
+    assert done.returncode == 0, done.stderr[-2000:] + log[-4000:]
+    ranks = _check(cluster, out, reference, ["node0", "node2"])
+    assert {r["CL_EXPORTED"] for r in ranks} == {"via srun"}

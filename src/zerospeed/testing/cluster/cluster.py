@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import packages, ssh
+from . import packages, slurm, ssh
 from .netns import Host, Network, kill_namespace, leftovers, namespace_pids, sweep_stale
 
 
@@ -65,6 +65,8 @@ class Cluster:
         self.net: Network | None = None
         self.sshd: dict[int, subprocess.Popen[bytes]] = {}
         self.binds: dict[str, str] = {}
+        self.daemons: list[subprocess.Popen[bytes]] = []
+        self.slurm_env: dict[str, str] | None = None
 
     @property
     def hosts(self) -> list[Host]:
@@ -165,21 +167,40 @@ class Cluster:
         self.start_sshd(index)
         self.wait_sshd(index)
 
+    def start_slurm(self) -> dict[str, str]:
+        """munge, slurmctld on host 0, slurmd on each host (slurm.py); returns the environment for
+        ``sbatch`` / ``srun`` (``SLURM_CONF``). Started once; raises ``ClusterUnavailable`` if not installable."""
+        if self.slurm_env is not None:
+            return self.slurm_env
+        reason = packages.ensure(slurm.PROGRAMS)
+        if reason is not None:
+            raise ClusterUnavailable(reason)
+
+        def spawn(index: int, argv: list[str], name: str, env: dict[str, str]) -> None:
+            with open(os.path.join(self.run_dir, f"{name}.out"), "ab") as log:
+                self.daemons.append(self.popen(index, argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=log))
+
+        self.slurm_env = slurm.start(self.run_dir, self.hosts, spawn, self.run)
+        return self.slurm_env
+
     def busy_pids(self, index: int) -> list[int]:
-        """Processes on host ``index`` besides its holder and its sshd listener (what a job left behind)."""
+        """Processes on host ``index`` besides its holder, sshd listener and daemons (what a job left)."""
         assert self.net is not None
-        keep = {p.pid for p in (self.hosts[index].holder, self.sshd.get(index)) if p is not None}
+        keep = {p.pid for p in (self.hosts[index].holder, self.sshd.get(index), *self.daemons) if p is not None}
         return [pid for pid in namespace_pids(self.hosts[index].netns) if pid not in keep]
 
     def close(self) -> None:
         if self.net is not None:
             self.net.close()
             self.net = None
-        for proc in self.sshd.values():
+        for proc in [*self.sshd.values(), *self.daemons]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
         self.sshd.clear()
+        self.daemons.clear()
+        self.slurm_env = None
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = ""

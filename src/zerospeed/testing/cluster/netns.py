@@ -148,7 +148,8 @@ class Network:
         ready = os.path.join(self.run_dir, f"{h.name}.ready")
         mounts = "".join(f"mount --bind '{src}' '{dst}' && " for src, dst in binds.items())
         script = f"hostname '{h.name}' && {mounts}touch '{ready}' && exec sleep 2147483647"
-        h.holder = subprocess.Popen(["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount",
+        # nsenter --net, not `ip netns exec`: that one remounts /sys, hiding the cgroup tree slurmd needs.
+        h.holder = subprocess.Popen(["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--uts", "--mount",
                                      "--propagation", "private", "--", "sh", "-c", script],
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -156,7 +157,7 @@ class Network:
             if h.holder.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"host {h.name}: holder did not start (exit {h.holder.poll()})")
             time.sleep(0.02)
-        # `ip netns exec` execs unshare, which execs sh, which execs sleep: the holder's pid is the Popen pid.
+        # nsenter execs unshare, which execs sh, which execs sleep: the holder's pid is the Popen pid.
 
     def kill_host(self, h: Host) -> None:
         """The host dies: every process in it is SIGKILLed and its namespace (and veth) removed."""
