@@ -57,7 +57,9 @@ def _error(op: str, group: Group | None, exc: BaseException) -> CollectiveError:
     text = str(exc)
     hint = ""
     if "timed out" in text.lower() or "timeout" in text.lower():
-        hint = (" -- a peer rank did not join this collective within the timeout (config 'comms_timeout_s'): "
+        peers = [r for r in (_ranks(group) or ()) if r != get_rank()]
+        who = f"rank {peers[0]} (the only peer)" if len(peers) == 1 else "a peer rank"
+        hint = (f" -- {who} did not join this collective within the timeout (config 'comms_timeout_s'): "
                 "it is hung, dead, or running different code")
     elif "closed by peer" in text.lower() or "connection reset" in text.lower():
         hint = (" -- a peer rank closed its connections: it crashed, or it raised inside a training step and "

@@ -166,6 +166,29 @@ def stopped_ranks(stderr_tail: str, launch_dir: str) -> set[int] | None:
     return {rank for rank, pid in read_rank_pids(launch_dir).items() if pid in pids}
 
 
+def _timed_out(failure: RankFailure) -> bool:
+    text = " ".join([failure.error, *failure.traceback]).lower()
+    return "timed out" in text or "timeout" in text or "did not join" in text
+
+
+def blame_hung(failing: list[RankFailure], stopped: list[int], hung: list[tuple[int, str]],
+               shutdown_timeout: float) -> tuple[list[RankFailure], list[int]]:
+    """Ranks still alive ``shutdown_timeout`` s after the agent began stopping ranks (``hung``: (rank,
+    process state)) did not react to SIGTERM. When the first failure is a collective timeout, such a rank is
+    the one that never joined: it goes first. Otherwise it is listed after the others."""
+    if not hung:
+        return failing, stopped
+    ranks = {rank for rank, _ in hung}
+    named = [RankFailure(rank, exitcode=-int(signal.SIGKILL), error=(
+        f"never joined: hung (process {state}), it ignored SIGTERM for --shutdown-timeout {shutdown_timeout:g} s "
+        "and was killed")) for rank, state in hung]
+    rest = [f for f in failing if f.rank not in ranks]
+    left = [r for r in stopped if r not in ranks]
+    if rest and not _timed_out(rest[0]):
+        return rest + named, left
+    return named + rest, left
+
+
 def summarize(failing: list[RankFailure], stopped: list[int], agent_exitcode: int) -> str:
     """One headline naming the failing rank(s) and exit codes, then the first failure's traceback tail."""
     if not failing:

@@ -40,6 +40,15 @@ def node_args(args: argparse.Namespace, resources: Resources) -> multinode.NodeA
     )
 
 
+def backend_env(launcher: str, environ: "os._Environ[str] | dict[str, str]") -> dict[str, str]:
+    """The backend program's environment: pdsh connects with ssh (its Debian default is rsh), as DeepSpeed's
+    runner sets; a ``PDSH_RCMD_TYPE`` the user chose is kept."""
+    env = dict(environ)
+    if launcher == "pdsh":
+        env.setdefault("PDSH_RCMD_TYPE", "ssh")
+    return env
+
+
 def commands(args: argparse.Namespace, resources: Resources, environ: dict[str, str]) -> list[tuple[str, list[str]]]:
     """``(label, argv)`` of the processes to start for ``args.launcher``."""
     nargs = node_args(args, resources)
@@ -68,7 +77,8 @@ def run(args: argparse.Namespace, resources: Resources) -> int:
     if not args.module and not os.path.isfile(args.target):
         raise UsageError(f"training script '{args.target}' not found (looked for {os.path.abspath(args.target)})")
     todo = commands(args, resources, dict(os.environ))
-    procs = [(label, subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent()))
+    env = backend_env(args.launcher, os.environ)
+    procs = [(label, subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent()))
              for label, argv in todo]
     received: list[int] = []
 

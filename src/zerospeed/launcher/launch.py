@@ -306,8 +306,8 @@ def launch(plan: LaunchPlan, exports: dict[str, str] | None = None) -> int:
                                  f"(--master_port + 1, the node watch): {e}") from None
         env = rank_env(plan, launch_dir)
         env.update(exports or {})
-        result = supervise.run_agent(torchrun_argv(plan), env, launch_dir,
-                                     grace_s=plan.shutdown_timeout + 5.0, on_start=stopper.started)
+        result = supervise.run_agent(torchrun_argv(plan), env, launch_dir, grace_s=plan.shutdown_timeout + 5.0,
+                                     on_start=stopper.started, shutdown_timeout=plan.shutdown_timeout)
         if result.killed_leftovers:
             ranks = ", ".join(map(str, result.killed_leftovers))
             print(f"zerospeed launch: killed rank(s) {ranks}, still running after torchrun exited",
@@ -325,6 +325,8 @@ def launch(plan: LaunchPlan, exports: dict[str, str] | None = None) -> int:
         agent = failures.parse_torchrun_failures(result.stderr_tail)
         closed = failures.stopped_ranks(result.stderr_tail, launch_dir)
         failing, stopped = failures.merge_failures(failures.read_rank_reports(launch_dir), agent, closed)
+        failing, stopped = failures.blame_hung(failing, stopped, [(h.rank, h.state) for h in result.hung],
+                                               plan.shutdown_timeout)
         summary = failures.summarize(failing, stopped, result.exitcode)
         if watch is not None and watch.event is not None:
             summary = f"zerospeed launch: {watch.event}\n" + summary.replace("zerospeed launch: ", "  here: ", 1)

@@ -30,7 +30,9 @@ from zerospeed.launcher.hostfile import Resources
 
 LAUNCHERS = ("ssh", "pdsh", "slurm", "openmpi")
 PDSH_MAX_FAN_OUT = 1024
-EXPORT_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")  # DeepSpeed's EXPORT_ENVS + CUDA's export_envs
+# DeepSpeed's EXPORT_ENVS + CUDA's export_envs, and Gloo's (GLOO_SOCKET_IFNAME picks the interface the ranks
+# bind: on CPU it matters as NCCL_SOCKET_IFNAME does on GPU).
+EXPORT_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO")
 ENV_FILE_NAME_VAR = "DS_ENV_FILE"
 DEFAULT_ENV_FILE = ".deepspeed_env"
 NODE_RANK_ENV = {"slurm": "SLURM_NODEID", "openmpi": "OMPI_COMM_WORLD_RANK"}

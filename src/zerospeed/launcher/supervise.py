@@ -22,8 +22,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
+
+from zerospeed.launcher.shutdown import HungRank, ShutdownDeadline
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TAIL_BYTES = 64 * 1024
@@ -38,6 +40,7 @@ class AgentResult:
     received_signal: int | None
     stderr_tail: str
     killed_leftovers: list[int]
+    hung: list[HungRank] = field(default_factory=list)  # alive --shutdown-timeout after a failure: killed
 
 
 class _StderrPump(threading.Thread):
@@ -114,11 +117,13 @@ def kill_leftover_ranks(launch_dir: str, wait_s: float = 5.0) -> list[int]:
 
 
 def run_agent(argv: list[str], env: dict[str, str], launch_dir: str, grace_s: float,
-              on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> AgentResult:
+              on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+              shutdown_timeout: float | None = None) -> AgentResult:
     """Run ``argv`` (torchrun) to completion, forwarding signals; then kill any rank left alive.
 
     ``on_start(proc)`` is called once torchrun runs (the node watch keeps it, to stop torchrun when a
-    peer node fails)."""
+    peer node fails). ``shutdown_timeout``: once a rank failed, the others get that long to exit
+    (``shutdown.py``; torchrun's own wait is a fixed 30 s)."""
     proc = subprocess.Popen(
         argv, env=env, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent()
     )
@@ -137,24 +142,29 @@ def run_agent(argv: list[str], env: dict[str, str], launch_dir: str, grace_s: fl
             pass
 
     previous = _install_handlers(forward)
+    deadline = ShutdownDeadline(launch_dir, shutdown_timeout) if shutdown_timeout is not None else None
     try:
-        exitcode = _wait(proc, received, grace_s)
+        exitcode = _wait(proc, received, grace_s, lambda: deadline.poll(pump.tail()) if deadline else None)
     finally:
         _restore_handlers(previous)
     leftovers = kill_leftover_ranks(launch_dir)
     pump.join(timeout=2.0)
     proc.stderr.close()
-    return AgentResult(exitcode, received[0] if received else None, pump.tail(), leftovers)
+    return AgentResult(exitcode, received[0] if received else None, pump.tail(), leftovers,
+                       deadline.hung if deadline else [])
 
 
-def _wait(proc: subprocess.Popen[bytes], received: list[int], grace_s: float) -> int:
-    """Wait for ``proc``; after a received signal, SIGKILL its process group once ``grace_s`` has passed."""
+def _wait(proc: subprocess.Popen[bytes], received: list[int], grace_s: float,
+          tick: Callable[[], None] = lambda: None) -> int:
+    """Wait for ``proc`` (calling ``tick`` every 0.1 s); after a received signal, SIGKILL its process group
+    once ``grace_s`` has passed."""
     deadline: float | None = None
     while True:
         try:
             return proc.wait(timeout=0.1)
         except subprocess.TimeoutExpired:
             pass
+        tick()
         if received and deadline is None:
             deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() > deadline:

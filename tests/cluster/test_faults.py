@@ -1,0 +1,136 @@
+"""Faults on the wire of a real 2-host job (``--launcher ssh``, 2 ranks per host, ``comms_timeout_s`` 5).
+
+node1 fails while the job trains; the launcher on node0 must exit non-zero naming node1 within
+``comms_timeout_s`` + 5 s, and no process of the job may remain on either host afterwards:
+
+- node1's namespace killed (every process SIGKILLed, its link gone);
+- node1's link set down;
+- an iptables DROP on node1 (the link stays up, no RST ever comes);
+- node1 never answers ssh (DROP on port 22 before the launch).
+
+A slow link (netem delay 200 ms) and 10 % packet loss are not failures: the job finishes with the losses of
+the 4-rank run. After each test node1 is brought back fresh.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cluster.common import launch, launch_argv, losses, reference_losses
+from zerospeed.testing.cluster import Cluster, faults
+
+TIMEOUT_S = 5.0
+SETTLE_S = 20.0  # after the launcher exits: node1's cut-off ranks end by their own collective timeout
+
+
+@pytest.fixture
+def node1_reset(cluster: Cluster) -> Iterator[None]:
+    _CLUSTER[:] = [cluster]
+    yield
+    cluster.reset_host(1)
+
+
+_CLUSTER: list[Cluster] = []
+
+
+def _running() -> dict[int, list[str]]:
+    c = _CLUSTER[0]
+    return {i: [_cmdline(p) for p in c.busy_pids(i)] for i in (0, 1) if c.hosts[i].holder is not None}
+
+
+def _wait_training(out: Path, proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "losses.jsonl").exists() and len((out / "losses.jsonl").read_text().splitlines()) >= 1:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended before the fault: {log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"the job did not start training: {log.read_text()[-3000:]}; running: {_running()}")
+
+
+def _assert_nothing_left(cluster: Cluster) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        left = {i: cluster.busy_pids(i) for i in (0, 1) if cluster.hosts[i].holder is not None}
+        if not any(left.values()):
+            return
+        time.sleep(0.25)
+    named = {i: [_cmdline(p) for p in pids] for i, pids in left.items()}
+    raise AssertionError(f"processes left on the hosts {SETTLE_S} s after the job: {named}")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f"{pid}: " + f.read().replace(b"\0", b" ").decode("utf-8", "replace")[:200]
+    except OSError:
+        return f"{pid}: (gone)"
+
+
+def _fault_run(cluster: Cluster, env: dict[str, str], tmp: Path, fault: Callable[[], None]) -> tuple[int, str, float]:
+    hostfile = cluster.write_hostfile(tmp / "hostfile", slots=2, hosts=[0, 1])
+    out = tmp / "out"
+    argv = launch_argv(hostfile, "ssh", out, 200, "--shutdown-timeout", "3",
+                       script_args=("--timeout", str(TIMEOUT_S), "--sleep", "0.2"))
+    with open(tmp / "launcher.log", "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = cluster.popen(0, argv, cwd=str(tmp), env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_training(out, proc, tmp / "launcher.log")
+        fault()
+        start = time.monotonic()
+        proc.wait(timeout=60)
+        return proc.returncode, (tmp / "launcher.log").read_text(), time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("fault", ["kill_host", "link_down", "iptables_drop"])
+def test_host_lost_is_named(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path, node1_reset: None,
+                            fault: str) -> None:
+    act = {"kill_host": lambda: cluster.kill_host(1), "link_down": lambda: faults.link_down(cluster.hosts[1]),
+           "iptables_drop": lambda: faults.drop(cluster.hosts[1])}[fault]
+    code, err, elapsed = _fault_run(cluster, cluster_env, tmp_path, act)
+    assert code != 0
+    assert "host node1 (node 1) failed" in err, err[-3000:]
+    assert elapsed < TIMEOUT_S + 5, f"named after {elapsed:.1f} s"
+    _assert_nothing_left(cluster)
+
+
+def test_host_that_never_answers_ssh(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
+                                     node1_reset: None) -> None:
+    faults.block_ssh(cluster.hosts[1])
+    hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=2, hosts=[0, 1])
+    start = time.monotonic()
+    done = launch(cluster, launch_argv(hostfile, "ssh", tmp_path / "out", 2), tmp_path, cluster_env, timeout=60)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 255, done.stderr[-3000:]
+    assert "host node1 (node 1) failed with exit code 255" in done.stderr, done.stderr[-3000:]
+    assert elapsed < TIMEOUT_S + 5 + 5, f"named after {elapsed:.1f} s"  # + ssh's ConnectTimeout (5 s)
+    _assert_nothing_left(cluster)
+
+
+@pytest.mark.parametrize("how", ["delay 200ms", "loss 10%"])
+def test_slow_or_lossy_link_still_trains(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
+                                         node1_reset: None, how: str) -> None:
+    if how.startswith("delay"):
+        try:
+            faults.netem(cluster.hosts[1], how)
+        except faults.NetemUnavailable as e:
+            pytest.skip(str(e))
+    else:
+        faults.loss(cluster.hosts[1], 10)
+    hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=2, hosts=[0, 1])
+    out = tmp_path / "out"
+    done = launch(cluster, launch_argv(hostfile, "ssh", out, 2, script_args=("--timeout", "20")), tmp_path, cluster_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = reference_losses(tmp_path / "ref", 2)
+    torch.testing.assert_close(torch.tensor([g["loss"] for g in losses(out)]), torch.tensor(ref), rtol=1e-5, atol=0)
