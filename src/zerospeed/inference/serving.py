@@ -17,6 +17,7 @@ requests, the scheduler and sampling and broadcasts each forward's batch plan; t
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -30,10 +31,12 @@ from .engine import InferenceEngine
 from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
 from .sampling import SamplingParams, sample_next
-from .scheduler import Limits, Scheduler
+from .scheduler import Limits, Scheduler, Work
 from .serving_tp import FORWARD, STOP, PlanChannel
 
 __all__ = ["QueueFullError", "Request", "ServingEngine", "TokenEvent"]
+
+_log = logging.getLogger("zerospeed.serve")
 
 
 class QueueFullError(RuntimeError):
@@ -49,10 +52,15 @@ class Request:
     output: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None
 
 
 class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
-    """One new token of request ``uid``; ``finish_reason`` is set on its last event."""
+    """One new token of request ``uid``; ``finish_reason`` is set on its last event.
+
+    A request that failed (its sampling raised, or the forward it was part of) gets one last event with
+    token -1 and finish_reason ``"error"``; the message is in ``ServingEngine.errors[uid]``.
+    """
 
     uid: int
     token: int
@@ -96,6 +104,7 @@ class ServingEngine:
         self.decode = decode
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}
+        self.errors: dict[int, str] = {}  # uid -> why it failed (the server pops it)
         self._uids = itertools.count()
         self.forwards = 0
         self.tokens_forwarded = 0
@@ -115,9 +124,10 @@ class ServingEngine:
                                  f"{self.limits.max_tracked_sequences})")
         if any(not 0 <= t < self.adapter.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.adapter.vocab_size})")
+        generator = params.generator()  # before queueing: nothing is left behind if this fails
         uid = next(self._uids)
         self.scheduler.add(uid, len(prompt), params.max_tokens)
-        self.requests[uid] = Request(uid, list(prompt), params, params.generator())
+        self.requests[uid] = Request(uid, list(prompt), params, generator)
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -131,13 +141,31 @@ class ServingEngine:
     def has_work(self) -> bool:
         return not self.scheduler.idle
 
+    def fail(self, uid: int, message: str) -> TokenEvent:
+        """End ``uid`` because of an error (logged, kept in ``errors``); its last event."""
+        _log.error("request %s failed: %s", uid, message)
+        self.errors[uid] = message
+        self.cancel(uid)
+        return TokenEvent(uid, -1, "error")
+
     @torch.inference_mode()  # no autograd bookkeeping at all: ~10-20 % less CPU per step than no_grad here
     def step(self) -> list[TokenEvent]:
-        """One forward of continuous batching; the tokens it produced."""
+        """One forward of continuous batching; the tokens it produced.
+
+        A failure fails only what it touched: a sampling error its request, a forward error the requests in
+        that forward (``TokenEvent`` with token -1 and finish_reason ``"error"``); the engine keeps serving.
+        """
         self._rank0("step")
         work = self.scheduler.schedule()
         if not work:
             return []
+        try:
+            return self._step(work)
+        except Exception as exc:  # noqa: BLE001 - the forward failed: fail its requests, keep the engine
+            return [self.fail(w.uid, f"forward failed: {type(exc).__name__}: {exc}") for w in work
+                    if w.uid in self.requests]
+
+    def _step(self, work: list[Work]) -> list[TokenEvent]:
         ids: list[int] = []
         for w in work:
             req = self.requests[w.uid]
@@ -170,7 +198,14 @@ class ServingEngine:
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
             params = req.params
-            token = greedy[j] if params.temperature == 0.0 else sample_next(logits[j], params, req.generator)
+            if params.temperature == 0.0:
+                token = greedy[j]
+            else:
+                try:
+                    token = sample_next(logits[j], params, req.generator)
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    events.append(self.fail(req.uid, f"sampling failed: {exc}"))
+                    continue
             req.output.append(token)
             reason = None  # most tokens end nothing: the checks below run only when one could
             if token in eos or params.stop or params.stop_token_ids or len(req.output) >= params.max_tokens:
@@ -211,7 +246,7 @@ class ServingEngine:
             self.channel.stop()
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
-        if token in self.eos_token_ids or token in req.params.stop_token_ids:
+        if token in req.params.stop_token_ids or token in self.eos_token_ids and not req.params.ignore_eos:
             return "stop"
         if req.params.stop:
             assert self.decode is not None
