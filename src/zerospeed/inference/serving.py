@@ -5,7 +5,9 @@ the scheduler for a plan (decodes + prefill chunks within the token budget), run
 ragged batch, samples a token for every chunk that reached the end of its sequence, and reports the new
 tokens. A request ends on ``max_tokens`` ("length"), on an eos / stop token or a stop string ("stop"), or
 when cancelled; its KV blocks are freed at once. ``decode`` (token ids -> text) is needed for stop strings.
-``compile=True`` runs the model's regions through ``torch.compile`` (see ``compiled``).
+``compile=True`` runs the model's regions through ``torch.compile`` (see ``compiled``). ``seed``: requests
+without their own seed get one drawn from a generator seeded with it (vLLM's ``--seed``: runs reproduce).
+A request that fails (its sampling, or the forward it is in, raises) ends alone with an ``"error"`` event.
 
 Tensor parallelism (``tensor_parallel.tp_size`` > 1, or an ``InferenceEngine`` from ``init_inference`` that is
 already sharded, quantized or not): the model is cut as in ``tensor_parallel``; rank 0 of the group owns the
@@ -16,6 +18,7 @@ requests, the scheduler and sampling and broadcasts each forward's batch plan; t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -72,7 +75,7 @@ class ServingEngine:
 
     def __init__(self, model: nn.Module, config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
                  decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = (),
-                 compile: bool = False, tp_group: Any = None) -> None:
+                 compile: bool = False, tp_group: Any = None, seed: int | None = None) -> None:
         cfg = RaggedInferenceEngineConfig.parse_section(config, "")
         cfg.check_supported()
         sm = cfg.state_manager
@@ -105,6 +108,7 @@ class ServingEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}
         self.errors: dict[int, str] = {}  # uid -> why it failed (the server pops it)
+        self._seeder = None if seed is None else torch.Generator().manual_seed(seed)  # seeds unseeded requests
         self._uids = itertools.count()
         self.forwards = 0
         self.tokens_forwarded = 0
@@ -124,6 +128,8 @@ class ServingEngine:
                                  f"{self.limits.max_tracked_sequences})")
         if any(not 0 <= t < self.adapter.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.adapter.vocab_size})")
+        if self._seeder is not None and params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=int(torch.randint(2**62, (), generator=self._seeder)))
         generator = params.generator()  # before queueing: nothing is left behind if this fails
         uid = next(self._uids)
         self.scheduler.add(uid, len(prompt), params.max_tokens)
