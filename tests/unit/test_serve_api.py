@@ -216,3 +216,45 @@ def test_dead_engine_loop_reports_and_stops(tmp_path):
     assert r.status_code == 500 and "scheduler bug" in r.json()["error"]["message"]
     thread.join(timeout=30)
     assert result.get("rc") == 1
+
+
+def test_vllm_command_line(tmp_path, monkeypatch, capsys):
+    """vLLM's flags reach the engine and the app; an unknown flag is an error with a did-you-mean."""
+    from fastapi.testclient import TestClient
+
+    import zerospeed.launcher.serve as serve_cmd
+    from zerospeed.launcher.cli import main
+
+    d = save_gpt_dir(_model(), tmp_path / "tiny")
+    assert main(["serve", str(d), "--served-model-nam", "x"]) == 2
+    assert "Did you mean '--served-model-name'?" in capsys.readouterr().err
+    assert main(["serve", str(d), "--kv-cache-memory", "lots"]) == 2
+    assert "--kv-cache-memory" in capsys.readouterr().err
+    seen = {}
+
+    def fake_serve_app(make_app, host, port, options):
+        with TestClient(make_app(options)) as http:
+            seen["models"] = http.get("/v1/models", headers={"Authorization": "Bearer k1"}).json()
+            seen["nokey"] = http.get("/v1/models").status_code
+            r = http.post("/v1/completions", headers={"Authorization": "Bearer k1"},
+                          json={"model": "b", "prompt": "ab", "max_tokens": 3, "temperature": 1.0})
+            seen["text"] = r.json()["choices"][0]["text"]
+        return 0
+
+    monkeypatch.setattr(serve_cmd, "serve_app", fake_serve_app)
+    built = {}
+    real_build = serve_cmd.build_engine
+    monkeypatch.setattr(serve_cmd, "build_engine", lambda a, c: built.update(e=real_build(a, c)) or built["e"])
+    monkeypatch.setenv("ZEROSPEED_API_KEY", "k1")
+    argv = ["serve", str(d), "--served-model-name", "a", "b", "--max-model-len", "48", "--max-num-seqs", "3",
+            "--max-num-batched-tokens", "20", "--block-size", "4", "--kv-cache-memory", "64KiB", "--seed", "7",
+            "--tensor-parallel-size", "1"]
+    assert main(argv) == 0
+    first = seen["text"]
+    assert main(argv) == 0 and seen["text"] == first  # --seed: unseeded sampling reproduces across runs
+    assert [m["id"] for m in seen["models"]["data"]] == ["a", "b"] and seen["nokey"] == 401
+    engine = built["e"][1]
+    sm = engine.config.state_manager
+    assert (engine.limits.max_context, sm.max_ragged_sequence_count, sm.max_ragged_batch_size,
+            sm.kv_block_size) == (48, 3, 20, 4)
+    assert engine.cache.num_blocks == 64 * 1024 // (2 * 1 * 2 * 16 * 4 * 4)  # K+V, 1 layer, 2 heads of 16, fp32
