@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .logits_process import PLAIN, LogitsOptions
+
 __all__ = ["SEED_MAX", "SEED_MIN", "SamplingParams", "filter_logits", "sample_next"]
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -30,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # vLLM's: the model's eos tokens do not end the request (stop_token_ids still do)
+    process: LogitsOptions = PLAIN  # penalties, logit_bias, min_tokens, logprobs (see logits_process)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

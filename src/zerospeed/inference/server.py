@@ -216,7 +216,8 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
             p = p[0]
         ids = encode(p) if isinstance(p, str) else list(p)
         params = sampling_params(body, len(ids), 16, limit)
-        return await _respond(srv, ids, params, body, name, chat=False)
+        echo = (p if isinstance(p, str) else tok.decode(ids)) if body.echo else ""
+        return await _respond(srv, ids, params, body, name, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .logits_process import PLAIN, LogitsOptions
 from .sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "parse_body", "sampling_params"]
@@ -52,10 +53,17 @@ class _Body(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's and this many alternatives
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -65,15 +73,16 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 # Known names: OpenAI's parameters and vLLM's extra fields. Implemented ones are fields of the bodies above;
 # the others are accepted at their neutral value only (None always), else a 400 naming them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0), "echo": (False,), "best_of": (1,), "suffix": ("",), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},), "tools": ([],),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
     "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "top_logprobs": (0,), "min_p": (0,),
-    "min_tokens": (0,), "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none", "auto"),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "prediction": (),
     "audio": (), "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
 }
@@ -160,6 +169,30 @@ def sampling_params(body: _Body, prompt_len: int, default_max: int | None, limit
     opts = body.stream_options or {}
     if set(opts) - {"include_usage", "continuous_usage_stats"} or not body.stream and opts:
         raise ApiError(400, "stream_options takes include_usage, and only with stream=true", "stream_options")
+    if body.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                           top_p=body.top_p, seed=body.seed, stop=tuple(s for s in stop if s),
-                          stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                          stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                          process=_logits_options(body))
+
+
+def _logits_options(body: _Body) -> LogitsOptions:
+    """Penalties, biases, min_tokens and logprobs of ``body`` (the shared default when all are neutral)."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        top = getattr(body, "logprobs", None)
+        if top is not None and getattr(body, "echo", False):
+            raise ApiError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported yet by zerospeed", "echo")
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not -100.0 <= value <= 100.0:
+            raise ApiError(400, f"logit_bias: keys are token ids and values in [-100, 100], got {key!r}: {value}",
+                           "logit_bias")
+        bias.append((int(key), float(value)))
+    opts = LogitsOptions(body.repetition_penalty, body.frequency_penalty, body.presence_penalty, tuple(bias),
+                         body.min_tokens, top)
+    return PLAIN if opts == PLAIN else opts

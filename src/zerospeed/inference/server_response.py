@@ -53,9 +53,31 @@ def _submit_all(srv: Any, ids: list[int], params: SamplingParams, n: int) -> lis
     return uids
 
 
-async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, name: str, chat: bool) -> Any:
-    """The response to one completion / chat request (``body`` gives ``n``, ``stream``, ``stream_options``)."""
+def _logprobs(lps: list[Any], decode: Callable[[list[int]], str], chat: bool, offset: int) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` object for these ``TokenLogprob`` (completions: parallel lists; chat: content)."""
+    def tok(t: int) -> str:
+        return decode([t])
+
+    if chat:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            return {"token": tok(t), "logprob": lp, "bytes": list(tok(t).encode("utf-8", "replace"))}
+
+        return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                            for x in lps]}
+    tokens = [tok(x.token) for x in lps]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{tok(t): v for t, v in x.top} for x in lps], "text_offset": offsets}
+
+
+async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, name: str, chat: bool,
+                  echo: str = "") -> Any:
+    """The response to one completion / chat request (``body`` gives ``n``, ``stream``, ``stream_options``).
+
+    ``echo``: text put before each choice's completion (the prompt, for ``echo: true``).
+    """
     uids = _submit_all(srv, ids, params, body.n)
+    want_lp = params.process.logprobs is not None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     head = {"id": rid, "created": int(time.time()), "model": name}
     decode = srv.loaded.tokenizer.decode
@@ -67,32 +89,37 @@ async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, n
             text = text[: min(cuts)] if cuts else text
         return _visible(text, params, done)
 
-    def choice(i: int, text: str, reason: str | None, delta: bool) -> dict[str, Any]:
+    def choice(i: int, text: str, reason: str | None, delta: bool, lps: list[Any], offset: int = 0
+               ) -> dict[str, Any]:
+        lp = _logprobs(lps, decode, chat, offset) if want_lp else None
         if not chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
         key = "delta" if delta else "message"
         msg = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": i, key: msg, "logprobs": None, "finish_reason": reason}
+        return {"index": i, key: msg, "logprobs": lp, "finish_reason": reason}
 
     def usage(completion: int) -> dict[str, int]:
         return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
 
     if not body.stream:
-        async def collect(uid: int) -> tuple[list[int], str | None]:
-            out, reason = [], None
+        async def collect(uid: int) -> tuple[list[int], str | None, list[Any]]:
+            out, reason, lps = [], None, []
             async for ev in srv.events(uid):
                 out.append(ev.token)
                 reason = ev.finish_reason
-            return out, reason
+                if ev.logprob is not None:
+                    lps.append(ev.logprob)
+            return out, reason, lps
 
         try:
             results = await asyncio.gather(*(collect(u) for u in uids))
         finally:
             for u in uids:
                 srv.finish(u)
-        choices = [choice(i, text_of(out, True, r), r, False) for i, (out, r) in enumerate(results)]
+        choices = [choice(i, echo + text_of(out, True, r), r, False, lps, len(echo))
+                   for i, (out, r, lps) in enumerate(results)]
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": usage(sum(len(out) for out, _ in results))}
+                "usage": usage(sum(len(out) for out, _, _ in results))}
 
     include_usage = bool((body.stream_options or {}).get("include_usage"))
 
@@ -104,14 +131,22 @@ async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, n
             yield f"data: {json.dumps({**chunk, 'choices': first})}\n\n"
         outs: list[list[int]] = [[] for _ in uids]
         sent = ["" for _ in uids]
+        pending: list[list[Any]] = [[] for _ in uids]  # logprobs of tokens not yet sent
+        if echo:
+            for i in range(len(uids)):
+                yield f"data: {json.dumps({**chunk, 'choices': [choice(i, echo, None, True, [])]})}\n\n"
         try:
             async for i, ev in _merged(srv, uids):
                 outs[i].append(ev.token)
+                if ev.logprob is not None:
+                    pending[i].append(ev.logprob)
                 text = text_of(outs[i], ev.finish_reason is not None, ev.finish_reason)
                 delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""  # re-spaced decode: wait
-                sent[i] += delta
                 if delta or ev.finish_reason is not None:
-                    yield f"data: {json.dumps({**chunk, 'choices': [choice(i, delta, ev.finish_reason, True)]})}\n\n"
+                    c = choice(i, delta, ev.finish_reason, True, pending[i], len(echo) + len(sent[i]))
+                    pending[i] = []
+                    yield f"data: {json.dumps({**chunk, 'choices': [c]})}\n\n"
+                sent[i] += delta
         except ApiError as exc:
             err = {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}
             yield f"data: {json.dumps({'error': err})}\n\n"

@@ -33,6 +33,7 @@ from .config import RaggedInferenceEngineConfig
 from .engine import InferenceEngine
 from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
+from .logits_process import PLAIN, TokenLogprob, process_logits, token_logprob
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler, Work
 from .serving_tp import FORWARD, STOP, PlanChannel
@@ -59,7 +60,7 @@ class Request:
 
 
 class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
-    """One new token of request ``uid``; ``finish_reason`` is set on its last event.
+    """One new token of request ``uid``; ``finish_reason`` is set on its last event; ``logprob`` when asked.
 
     A request that failed (its sampling raised, or the forward it was part of) gets one last event with
     token -1 and finish_reason ``"error"``; the message is in ``ServingEngine.errors[uid]``.
@@ -68,6 +69,7 @@ class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
     uid: int
     token: int
     finish_reason: str | None
+    logprob: TokenLogprob | None = None
 
 
 class ServingEngine:
@@ -204,14 +206,17 @@ class ServingEngine:
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
             params = req.params
-            if params.temperature == 0.0:
-                token = greedy[j]
-            else:
-                try:
+            lp = None
+            try:
+                if params.process is not PLAIN:  # penalties, biases, min_tokens or logprobs asked for
+                    token, lp = self._processed(req, logits[j])
+                elif params.temperature == 0.0:
+                    token = greedy[j]
+                else:
                     token = sample_next(logits[j], params, req.generator)
-                except Exception as exc:  # noqa: BLE001 - this request only
-                    events.append(self.fail(req.uid, f"sampling failed: {exc}"))
-                    continue
+            except Exception as exc:  # noqa: BLE001 - this request only
+                events.append(self.fail(req.uid, f"sampling failed: {exc}"))
+                continue
             req.output.append(token)
             reason = None  # most tokens end nothing: the checks below run only when one could
             if token in eos or params.stop or params.stop_token_ids or len(req.output) >= params.max_tokens:
@@ -222,8 +227,18 @@ class ServingEngine:
                     req.text = self.decode(req.output)
                 self.scheduler.finish(req.uid)
                 del self.requests[req.uid]
-            events.append(TokenEvent(req.uid, token, reason))
+            events.append(TokenEvent(req.uid, token, reason, lp))
         return events
+
+    def _processed(self, req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token of ``req`` with its logits processing (and its logprob when asked)."""
+        opts = req.params.process
+        if opts.changes_logits:
+            banned = () if len(req.output) >= opts.min_tokens else \
+                tuple(set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids))
+            row = process_logits(row, opts, req.prompt, req.output, banned)
+        token = int(torch.argmax(row)) if req.params.greedy else sample_next(row, req.params, req.generator)
+        return token, None if opts.logprobs is None else token_logprob(row, token, opts.logprobs)
 
     @torch.inference_mode()
     def run_worker(self) -> int:
