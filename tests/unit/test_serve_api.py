@@ -258,3 +258,22 @@ def test_vllm_command_line(tmp_path, monkeypatch, capsys):
     assert (engine.limits.max_context, sm.max_ragged_sequence_count, sm.max_ragged_batch_size,
             sm.kv_block_size) == (48, 3, 20, 4)
     assert engine.cache.num_blocks == 64 * 1024 // (2 * 1 * 2 * 16 * 4 * 4)  # K+V, 1 layer, 2 heads of 16, fp32
+
+
+def test_metrics_vllm_names(served):
+    client, _, _, base = served
+    client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0)
+    text = httpx.get(f"{base}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    lab = 'model_name="tiny"'
+    assert values[f"vllm:num_requests_running{{{lab}}}"] == 0 and values[f"vllm:kv_cache_usage_perc{{{lab}}}"] == 0
+    n = values[f"vllm:time_to_first_token_seconds_count{{{lab}}}"]
+    assert n >= 1 and values[f'vllm:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}}'] == n
+    assert values[f"vllm:inter_token_latency_seconds_count{{{lab}}}"] >= 4
+    assert values[f'vllm:request_success_total{{{lab},finished_reason="length"}}'] >= 1
+    assert values[f"vllm:generation_tokens_total{{{lab}}}"] >= 5 and f"vllm:prefix_cache_hits_total{{{lab}}}" in values
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text

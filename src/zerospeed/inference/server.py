@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from .metrics import ServerMetrics
 from .model_dir import LoadedModel
 from .sampling import SamplingParams
 from .server_request import ApiError, ChatBody, CompletionBody, parse_body, sampling_params
@@ -68,6 +69,7 @@ class _Server:
         self.wake = asyncio.Event()
         self.stats = {"requests_total": 0, "requests_rejected_total": 0, "requests_failed_total": 0,
                       "tokens_generated_total": 0}
+        self.metrics = ServerMetrics()
         self.task: asyncio.Task[None] | None = None
         self.fatal: str | None = None  # why the driving task died, if it did
 
@@ -83,8 +85,10 @@ class _Server:
             for ev in self.engine.step():  # a failing request comes back as an "error" event: loop goes on
                 if ev.token >= 0:
                     self.stats["tokens_generated_total"] += 1
+                    self.metrics.token(ev.uid, ev.finish_reason)
                 else:
                     self.stats["requests_failed_total"] += 1
+                    self.metrics.ended(ev.uid, "error")
                 q = self.queues.get(ev.uid)
                 if q is not None:
                     q.put_nowait(ev)
@@ -122,6 +126,7 @@ class _Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), "prompt") from None
         self.stats["requests_total"] += 1
+        self.metrics.submitted(uid, len(prompt))
         self.queues[uid] = asyncio.Queue()
         self.wake.set()
         return uid
@@ -150,6 +155,7 @@ class _Server:
             q.put_nowait(TokenEvent(uid, -1, "cancelled"))  # wakes a waiting stream, which then ends
         self.engine.cancel(uid)
         self.engine.errors.pop(uid, None)
+        self.metrics.ended(uid, "abort")  # a no-op unless it had not finished
 
 
 def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions | None = None) -> FastAPI:
@@ -184,7 +190,12 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
                   "requests_waiting": len(engine.scheduler.waiting), "forwards_total": engine.forwards,
                   "tokens_forwarded_total": engine.tokens_forwarded, "kv_blocks_total": alloc.num_blocks,
                   "kv_blocks_free": alloc.num_free}
-        return PlainTextResponse("".join(f"zerospeed_{k} {v}\n" for k, v in values.items()))
+        gauges = {"running": values["requests_running"], "waiting": values["requests_waiting"],
+                  "kv_usage": 1.0 - alloc.num_free / max(1, alloc.num_blocks)}
+        queries, hits = engine.prefix_cache_stats()
+        vllm = srv.metrics.render(srv.names[0], gauges, queries, hits)
+        return PlainTextResponse(vllm + "".join(f"zerospeed_{k} {v}\n" for k, v in values.items()),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -145,6 +145,10 @@ class ServingEngine:
             req.finish_reason = "cancelled"
             self.scheduler.finish(uid)
 
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """``(prompt tokens looked up, found)`` in the prefix cache (``(0, 0)`` while it is off)."""
+        return 0, 0
+
     @property
     def has_work(self) -> bool:
         return not self.scheduler.idle
