@@ -5,7 +5,9 @@ the scheduler for a plan (decodes + prefill chunks within the token budget), run
 ragged batch, samples a token for every chunk that reached the end of its sequence, and reports the new
 tokens. A request ends on ``max_tokens`` ("length"), on an eos / stop token or a stop string ("stop"), or
 when cancelled; its KV blocks are freed at once. ``decode`` (token ids -> text) is needed for stop strings.
-``compile=True`` runs the model's regions through ``torch.compile`` (see ``compiled``). ``seed``: requests
+``compile=True`` runs the model's regions through ``torch.compile`` (see ``compiled``).
+``prefix_caching=True`` shares the KV blocks of equal prompt prefixes across requests (see ``prefix_cache``;
+greedy tokens are the same with it on or off). ``seed``: requests
 without their own seed get one drawn from a generator seeded with it (vLLM's ``--seed``: runs reproduce).
 A request that fails (its sampling, or the forward it is in, raises) ends alone with an ``"error"`` event.
 
@@ -34,6 +36,7 @@ from .engine import InferenceEngine
 from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
 from .logits_process import PLAIN, TokenLogprob, process_logits, token_logprob
+from .prefix_cache import PrefixCachingAllocator
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler, Work
 from .serving_tp import FORWARD, STOP, PlanChannel
@@ -77,7 +80,8 @@ class ServingEngine:
 
     def __init__(self, model: nn.Module, config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
                  decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = (),
-                 compile: bool = False, tp_group: Any = None, seed: int | None = None) -> None:
+                 compile: bool = False, tp_group: Any = None, seed: int | None = None,
+                 prefix_caching: bool = False) -> None:
         cfg = RaggedInferenceEngineConfig.parse_section(config, "")
         cfg.check_supported()
         sm = cfg.state_manager
@@ -105,7 +109,9 @@ class ServingEngine:
         blocks = sm.memory_config.size
         self.cache = PagedKVCache(self.adapter.num_layers, blocks, sm.kv_block_size, self.adapter.num_kv_heads,
                                   self.adapter.head_dim, self.adapter.dtype, self.adapter.device)
-        self.scheduler = Scheduler(self.limits, BlockAllocator(blocks), sm.kv_block_size)
+        self.prefix_caching = prefix_caching  # prompt KV blocks shared across requests (see prefix_cache)
+        allocator = PrefixCachingAllocator(blocks) if prefix_caching else BlockAllocator(blocks)
+        self.scheduler = Scheduler(self.limits, allocator, sm.kv_block_size)
         self.decode = decode
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}
@@ -134,7 +140,7 @@ class ServingEngine:
             params = dataclasses.replace(params, seed=int(torch.randint(2**62, (), generator=self._seeder)))
         generator = params.generator()  # before queueing: nothing is left behind if this fails
         uid = next(self._uids)
-        self.scheduler.add(uid, len(prompt), params.max_tokens)
+        self.scheduler.add(uid, len(prompt), params.max_tokens, prompt if self.prefix_caching else None)
         self.requests[uid] = Request(uid, list(prompt), params, generator)
         return uid
 
@@ -147,7 +153,8 @@ class ServingEngine:
 
     def prefix_cache_stats(self) -> tuple[int, int]:
         """``(prompt tokens looked up, found)`` in the prefix cache (``(0, 0)`` while it is off)."""
-        return 0, 0
+        alloc = self.scheduler.allocator
+        return (alloc.queries, alloc.hits) if isinstance(alloc, PrefixCachingAllocator) else (0, 0)
 
     @property
     def has_work(self) -> bool:

@@ -44,7 +44,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed for requests that give none (sampled outputs reproducible across runs)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template (a file, or the template text) replacing the tokenizer's")
-    parser.add_argument("--enable-prefix-caching", action="store_true", help="(not supported yet)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="share the KV blocks of equal prompt prefixes across requests")
     parser.add_argument("--speculative-config", default=None, help="(not supported yet)")
 
 
@@ -104,8 +105,6 @@ def _free_memory() -> int:
 
 def apply_vllm_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` with the state-manager limits that vLLM flags set (each must be >= 1)."""
-    if args.enable_prefix_caching:
-        raise UsageError("--enable-prefix-caching: prefix caching is not supported yet by zerospeed")
     if args.speculative_config:
         raise UsageError("--speculative-config: speculative decoding is not supported yet by zerospeed")
     sm = cfg["state_manager"]
