@@ -64,6 +64,10 @@ def test_greedy_equal_on_and_off_with_fewer_tokens():
     assert forwarded[True] < forwarded[False] / 2
     queries, hits = eng.prefix_cache_stats()
     assert hits > 0.6 * queries
+    eng = _engine(model, True)  # all at once: later requests wait for the first to compute the shared blocks
+    assert [r.output for r in eng.generate(prompts, SamplingParams(max_tokens=8))] == outs[False][1:]
+    queries, hits = eng.prefix_cache_stats()
+    assert hits > 0.5 * queries, (queries, hits)
 
 
 def test_random_traffic_with_cancels_and_eviction():

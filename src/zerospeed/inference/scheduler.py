@@ -87,6 +87,7 @@ class Scheduler:
         self.limits = limits
         self.allocator = allocator
         self.prefix = allocator if isinstance(allocator, PrefixCachingAllocator) else None
+        self._computing: dict[int, int] = {}  # prefix caching: block key -> uid of the running seq computing it
         self.block_size = block_size
         self.waiting: deque[SeqState] = deque()
         self.running: dict[int, SeqState] = {}  # insertion order = arrival order
@@ -129,11 +130,15 @@ class Scheduler:
         assert self.prefix is not None
         usable = seq.keys[:(seq.prompt_len - 1) // self.block_size]  # the last prompt token is recomputed
         blocks, idle = self.prefix.match(usable)
+        if len(blocks) < len(usable) and usable[len(blocks)] in self._computing:
+            return False  # a running sequence is computing our next prompt block: wait a step or two for it
         if self.allocator.num_free - idle - self._reserved() < self._blocks_for(seq) - len(blocks):
             return False
         self.prefix.take(blocks, seq.prompt_len, self.block_size)
         seq.blocks = list(blocks)
         seq.computed, seq.registered = len(blocks) * self.block_size, len(blocks)
+        for key in seq.keys[len(blocks):]:
+            self._computing.setdefault(key, seq.uid)
         return True
 
     def schedule(self) -> list[Work]:
@@ -171,6 +176,8 @@ class Scheduler:
                 done = min(seq.computed // self.block_size, len(seq.keys))
                 for i in range(seq.registered, done):
                     self.prefix.register(seq.blocks[i], seq.keys[i])
+                    if self._computing.get(seq.keys[i]) == seq.uid:
+                        del self._computing[seq.keys[i]]
                 seq.registered = max(seq.registered, done)
 
     def finish(self, uid: int) -> None:
@@ -184,6 +191,9 @@ class Scheduler:
             raise KeyError(f"sequence {uid} is not tracked")
         self.allocator.free(seq.blocks)
         seq.blocks = []
+        for key in seq.keys[seq.registered:]:  # prefix caching: blocks it will no longer compute
+            if self._computing.get(key) == uid:
+                del self._computing[key]
 
     @property
     def idle(self) -> bool:
