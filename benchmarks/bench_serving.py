@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serving.py [--model llama|gpt2] [--requests 48] [--rate 8] [--prompt 16 256]
         [--output 16 128] [--budget 256] [--static-batch 8] [--threads 1] [--contenders zerospeed hf-static hf-cb]
-        [--rounds 3] [--compile] [--json]
+        [--rounds 3] [--compile] [--json] [--shared-prefix 512]
 
 A load generator replays one mixed workload against each contender in turn, in real time (after one untimed
 warm-up pass per contender; ``--rounds`` rounds, each running every contender with the order rotated, so a
@@ -14,6 +14,9 @@ exactly its output length). Contenders:
 
 * ``zerospeed``: ``ServingEngine`` (paged KV cache, Dynamic SplitFuse with ``--budget`` tokens per forward);
   the driver adds each request when it arrives and calls ``step()`` while there is work.
+* ``zerospeed-prefix``: the same with prefix caching on (``ServingEngine(prefix_caching=True)``). With
+  ``--shared-prefix N`` every prompt starts with the same N-token system prompt (then its own drawn tokens):
+  the shared-prefix workload, e.g. ``--requests 32 --shared-prefix 512 --prompt 16 64 --output 16 32``.
 * ``hf-static``: Hugging Face ``generate`` on static batches of ``--static-batch`` requests in arrival order
   (left-padded; a batch starts when its last request has arrived and the previous batch is done, and runs to
   its longest output). Token times come from a logits processor called once per decode step.
@@ -52,16 +55,19 @@ def build(kind: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def workload(n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
-    """``[(arrival_s, prompt_ids, new_tokens)]`` from a fixed seed: uniform lengths, Poisson arrivals."""
+def workload(n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0,
+             shared: int = 0):
+    """``[(arrival_s, prompt_ids, new_tokens)]`` from a fixed seed: uniform lengths, Poisson arrivals; every
+    prompt starts with the same ``shared`` tokens."""
     g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, V, (shared,), generator=g).tolist()
     t, out = 0.0, []
     for _ in range(n):
         if rate > 0:
             t += float(torch.empty(1).exponential_(rate, generator=g))
         p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
         o = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
-        out.append((t, torch.randint(0, V, (p,), generator=g).tolist(), o))
+        out.append((t, system + torch.randint(0, V, (p,), generator=g).tolist(), o))
     return out
 
 
@@ -71,7 +77,7 @@ def wait_until(t0: float, at: float) -> None:
         time.sleep(delay)
 
 
-def run_zerospeed(model, reqs, args):
+def run_zerospeed(model, reqs, args, prefix_caching=False):
     from zerospeed.inference import SamplingParams, ServingEngine
 
     block = 16
@@ -79,7 +85,7 @@ def run_zerospeed(model, reqs, args):
     cfg = {"state_manager": {"max_ragged_batch_size": args.budget, "max_ragged_sequence_count": len(reqs),
                              "max_tracked_sequences": len(reqs), "max_context": 2048, "kv_block_size": block,
                              "memory_config": {"mode": "allocate", "size": blocks}}}
-    eng = ServingEngine(model, cfg, compile=args.compile)
+    eng = ServingEngine(model, cfg, compile=args.compile, prefix_caching=prefix_caching)
     if args.compile:  # compile outside the timed run
         eng.generate([reqs[0][1], reqs[1][1][:5]], SamplingParams(max_tokens=3))
     uid_of, times, tokens = {}, {}, {}
@@ -195,11 +201,14 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="zerospeed with torch.compile'd regions")
     ap.add_argument("--contenders", nargs="+", default=["zerospeed", "hf-static", "hf-cb"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request shares")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build(args.model)
-    reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed)
-    runners = {"zerospeed": run_zerospeed, "hf-static": run_hf_static, "hf-cb": run_hf_cb}
+    reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed,
+                    args.shared_prefix)
+    runners = {"zerospeed": run_zerospeed, "hf-static": run_hf_static, "hf-cb": run_hf_cb,
+               "zerospeed-prefix": lambda m, r, a: run_zerospeed(m, r, a, prefix_caching=True)}
     warm = [(0.0, p, min(o, 8)) for _, p, o in reqs[:8]]
     for name in args.contenders:  # untimed: first-call costs (allocator, oneDNN, compile) out of the figures
         runners[name](model, warm, args)
@@ -215,7 +224,7 @@ def main() -> None:
                 ref = tokens
             results[name] = {"contender": name, **summarize(reqs, times, tokens, ref), "cpu_s": time.process_time() - c0}
         rounds.append(results)
-    print(f"# {args.model}, {args.requests} requests, Poisson rate {args.rate}/s, prompts {args.prompt[0]}-"
+    print(f"# {args.model}, {args.requests} requests (shared prefix {args.shared_prefix}), Poisson rate {args.rate}/s, prompts {args.prompt[0]}-"
           f"{args.prompt[1]}, outputs {args.output[0]}-{args.output[1]}, budget {args.budget}, static batch "
           f"{args.static_batch}, threads {args.threads}, compile {args.compile}, {args.rounds} interleaved rounds")
     for k, results in enumerate(rounds):
@@ -233,6 +242,12 @@ def main() -> None:
                       f" (cpu x{r.get('x_static_cpu', float('nan')):.2f}) | TTFT p50 {r['ttft_p50']:6.3f} p99 "
                       f"{r['ttft_p99']:6.3f} s | TPOT p50 {1000 * r['tpot_p50']:6.1f} p99 {1000 * r['tpot_p99']:6.1f}"
                       f" ms | same tokens {r['same_tokens_as_zerospeed']}/{args.requests}")
+    if all("zerospeed" in r and "zerospeed-prefix" in r for r in rounds):
+        ttft = sorted(r["zerospeed"]["ttft_p50"] / r["zerospeed-prefix"]["ttft_p50"] for r in rounds)
+        tput = sorted(r["zerospeed-prefix"]["tok_per_s"] / r["zerospeed"]["tok_per_s"] for r in rounds)
+        print(f"# prefix caching, paired per round: TTFT p50 {', '.join(f'{x:.2f}' for x in ttft)}x lower "
+              f"(median {ttft[len(ttft) // 2]:.2f}); tok/s {', '.join(f'{x:.2f}' for x in tput)}x "
+              f"(median {tput[len(tput) // 2]:.2f})")
     if all("hf-static" in r for r in rounds):
         for name in args.contenders:
             wall = sorted(r[name]["x_static"] for r in rounds)

@@ -94,7 +94,7 @@ def test_chat_and_stop(server):
 
 def test_bad_input_is_400_with_openai_error(server):
     client, loaded, _, _ = server
-    for kwargs, param in [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
+    for kwargs, param in [({"temperature": 5}, "temperature"), ({"n": 0}, "n"), ({"logprobs": 6}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
                           ({"max_tokens": 500}, "prompt")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=loaded.name, prompt="x", **kwargs)

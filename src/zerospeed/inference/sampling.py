@@ -1,7 +1,8 @@
 """Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus), seeded.
 
 ``temperature == 0`` means greedy (``argmax``, first index on ties, as Hugging Face and OpenAI do).
-Otherwise logits are divided by the temperature, cut to the ``top_k`` largest (0 = all), then to the
+Otherwise logits, shifted so their maximum is 0, are divided by the temperature (a temperature so small that
+this overflows leaves only the maximum finite: greedy, never NaN), cut to the ``top_k`` largest (0 = all), then to the
 smallest set whose probability reaches ``top_p`` (the most likely token is always kept), and one token is
 drawn from the renormalised distribution with the request's own ``torch.Generator``.
 """
@@ -12,7 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "filter_logits", "sample_next"]
+from .logits_process import PLAIN, LogitsOptions
+
+__all__ = ["SEED_MAX", "SEED_MIN", "SamplingParams", "filter_logits", "sample_next"]
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # vLLM's: the model's eos tokens do not end the request (stop_token_ids still do)
+    process: LogitsOptions = PLAIN  # penalties, logit_bias, min_tokens, logprobs (see logits_process)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -36,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +81,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """The next token id from one row of logits ``[V]``."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
+    row = logits.float()
+    scaled = filter_logits((row - row.max()) / params.temperature, params.top_k, params.top_p)
     probs = scaled.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):  # NaN logits from the model: fail this request, not the server
+        raise ValueError("the model produced non-finite logits; cannot sample")
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -14,6 +14,10 @@ allocator can *reserve* blocks for their whole length (prompt + max new tokens, 
 blocks are taken as a sequence grows, but the reservation means growth never fails, so nothing needs to be
 preempted. Finishing or cancelling gives the blocks back at once. No tensors here: the engine turns the
 ``Work`` items into a ragged batch.
+
+With a ``PrefixCachingAllocator`` (prefix caching on), a sequence given its prompt tokens starts, when it is
+admitted, with the cached blocks of its longest cached prompt prefix already computed, and its own full
+prompt blocks are registered once computed (see ``prefix_cache``). Off, none of this runs.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from collections.abc import Sequence
+
 from .kv_cache import BlockAllocator, blocks_needed
+from .prefix_cache import PrefixCachingAllocator, block_hashes
 
 __all__ = ["Limits", "Scheduler", "SeqState", "Work"]
 
@@ -47,6 +54,8 @@ class SeqState:
     computed: int = 0
     generated: int = 0
     blocks: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # prefix caching: the keys of its full prompt blocks
+    registered: int = 0  # prefix caching: prompt blocks registered so far
 
     @property
     def known(self) -> int:
@@ -74,15 +83,17 @@ class Work(NamedTuple):  # immutable and cheap to build (one per sequence per st
 class Scheduler:
     """Admission, KV-block accounting and the per-step token plan."""
 
-    def __init__(self, limits: Limits, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, limits: Limits, allocator: BlockAllocator | PrefixCachingAllocator, block_size: int) -> None:
         self.limits = limits
         self.allocator = allocator
+        self.prefix = allocator if isinstance(allocator, PrefixCachingAllocator) else None
+        self._computing: dict[int, int] = {}  # prefix caching: block key -> uid of the running seq computing it
         self.block_size = block_size
         self.waiting: deque[SeqState] = deque()
         self.running: dict[int, SeqState] = {}  # insertion order = arrival order
 
-    def add(self, uid: int, prompt_len: int, max_new_tokens: int) -> None:
-        """Queue a sequence; ValueError if it can never fit."""
+    def add(self, uid: int, prompt_len: int, max_new_tokens: int, prompt: Sequence[int] | None = None) -> None:
+        """Queue a sequence; ValueError if it can never fit. ``prompt``: its tokens, for prefix caching."""
         if uid in self.running or any(s.uid == uid for s in self.waiting):
             raise ValueError(f"sequence {uid} is already tracked")
         if prompt_len < 1 or max_new_tokens < 1:
@@ -94,6 +105,8 @@ class Scheduler:
         if self._blocks_for(seq) > self.allocator.num_blocks:
             raise ValueError(f"sequence needs {self._blocks_for(seq)} KV blocks, the cache has "
                              f"{self.allocator.num_blocks}")
+        if self.prefix is not None and prompt is not None:
+            seq.keys = block_hashes(prompt, self.block_size)
         self.waiting.append(seq)
 
     def _blocks_for(self, seq: SeqState) -> int:
@@ -105,9 +118,28 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.limits.max_tracked_sequences:
             seq = self.waiting[0]
-            if self.allocator.num_free - self._reserved() < self._blocks_for(seq):
+            if self.prefix is not None and seq.keys:
+                if not self._admit_cached(seq):
+                    return
+            elif self.allocator.num_free - self._reserved() < self._blocks_for(seq):
                 return  # FIFO: later arrivals do not overtake
             self.running[self.waiting.popleft().uid] = seq
+
+    def _admit_cached(self, seq: SeqState) -> bool:
+        """Prefix caching: start ``seq`` on its cached prompt blocks if the rest fits; False if it must wait."""
+        assert self.prefix is not None
+        usable = seq.keys[:(seq.prompt_len - 1) // self.block_size]  # the last prompt token is recomputed
+        blocks, idle = self.prefix.match(usable)
+        if len(blocks) < len(usable) and usable[len(blocks)] in self._computing:
+            return False  # a running sequence is computing our next prompt block: wait a step or two for it
+        if self.allocator.num_free - idle - self._reserved() < self._blocks_for(seq) - len(blocks):
+            return False
+        self.prefix.take(blocks, seq.prompt_len, self.block_size)
+        seq.blocks = list(blocks)
+        seq.computed, seq.registered = len(blocks) * self.block_size, len(blocks)
+        for key in seq.keys[len(blocks):]:
+            self._computing.setdefault(key, seq.uid)
+        return True
 
     def schedule(self) -> list[Work]:
         """The next forward's work: decodes first, then prefill chunks, within both budgets."""
@@ -138,6 +170,15 @@ class Scheduler:
             seq.computed += w.length
             if w.samples:
                 seq.generated += 1
+        if self.prefix is not None:
+            for w in work:
+                seq = self.running[w.uid]
+                done = min(seq.computed // self.block_size, len(seq.keys))
+                for i in range(seq.registered, done):
+                    self.prefix.register(seq.blocks[i], seq.keys[i])
+                    if self._computing.get(seq.keys[i]) == seq.uid:
+                        del self._computing[seq.keys[i]]
+                seq.registered = max(seq.registered, done)
 
     def finish(self, uid: int) -> None:
         """Drop a sequence (finished or cancelled, running or waiting) and free its blocks."""
@@ -150,6 +191,9 @@ class Scheduler:
             raise KeyError(f"sequence {uid} is not tracked")
         self.allocator.free(seq.blocks)
         seq.blocks = []
+        for key in seq.keys[seq.registered:]:  # prefix caching: blocks it will no longer compute
+            if self._computing.get(key) == uid:
+                del self._computing[key]
 
     @property
     def idle(self) -> bool:

@@ -16,82 +16,62 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse
 
+from .metrics import ServerMetrics
 from .model_dir import LoadedModel
 from .sampling import SamplingParams
+from .server_request import ApiError, ChatBody, CompletionBody, parse_body, sampling_params
+from .server_response import respond as _respond
 from .serving import QueueFullError, ServingEngine, TokenEvent
 
-__all__ = ["create_app"]
+__all__ = ["ServeOptions", "create_app"]
+
+_log = logging.getLogger("zerospeed.serve")
 
 _HEARTBEAT_S = 60.0
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the app presents the model: its names, the API key, and what to do if the engine loop dies.
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    ``served_model_names``: the names clients may ask for (vLLM's ``--served-model-name``; default the model
+    directory's name); the first is the one reported. ``api_key``: when set, every ``/v1`` route needs
+    ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open. ``on_fatal``:
+    called with the exception if the task driving the engine dies (the launcher stops the process, exit 1).
+    """
 
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-# Accepted at these values only (None always); anything else is a 400 naming the parameter.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False, 0), "echo": (False,), "best_of": (1,), "suffix": ("",),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "stream_options": ({},),
-    "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "top_logprobs": (0,),
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def response(self) -> JSONResponse:
-        err = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": err}, status_code=self.status)
+    served_model_names: Sequence[str] = ()
+    api_key: str | None = None
+    on_fatal: Callable[[BaseException], None] | None = None
 
 
 class _Server:
     """The engine, its driver task and per-request token queues."""
 
-    def __init__(self, loaded: LoadedModel, engine: ServingEngine) -> None:
-        self.loaded, self.engine = loaded, engine
+    def __init__(self, loaded: LoadedModel, engine: ServingEngine, options: ServeOptions) -> None:
+        self.loaded, self.engine, self.options = loaded, engine, options
+        self.names = tuple(options.served_model_names) or (loaded.name,)
         self.queues: dict[int, asyncio.Queue[TokenEvent]] = {}
         self.wake = asyncio.Event()
-        self.stats = {"requests_total": 0, "requests_rejected_total": 0, "tokens_generated_total": 0}
+        self.stats = {"requests_total": 0, "requests_rejected_total": 0, "requests_failed_total": 0,
+                      "tokens_generated_total": 0}
+        self.metrics = ServerMetrics()
         self.task: asyncio.Task[None] | None = None
+        self.fatal: str | None = None  # why the driving task died, if it did
 
     async def drive(self) -> None:
         while True:
@@ -102,14 +82,40 @@ class _Server:
                 except asyncio.TimeoutError:
                     self.engine.heartbeat()  # tensor-parallel workers wait in a collective with a timeout
                     continue
-            for ev in self.engine.step():
-                self.stats["tokens_generated_total"] += 1
+            for ev in self.engine.step():  # a failing request comes back as an "error" event: loop goes on
+                if ev.token >= 0:
+                    self.stats["tokens_generated_total"] += 1
+                    self.metrics.token(ev.uid, ev.finish_reason)
+                else:
+                    self.stats["requests_failed_total"] += 1
+                    self.metrics.ended(ev.uid, "error")
                 q = self.queues.get(ev.uid)
                 if q is not None:
                     q.put_nowait(ev)
             await asyncio.sleep(0)
 
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.drive())
+        self.task.add_done_callback(self._died)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        """The driving task ended: unless cancelled at shutdown, fail everything in flight and report it."""
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError("the engine loop returned")
+        self.fatal = f"{type(exc).__name__}: {exc}"
+        _log.critical("the engine loop died (%s); failing %d requests", self.fatal, len(self.queues),
+                      exc_info=exc)
+        for uid, q in list(self.queues.items()):
+            self.engine.errors[uid] = f"the engine loop died: {self.fatal}"
+            q.put_nowait(TokenEvent(uid, -1, "error"))
+        if self.options.on_fatal is not None:
+            self.options.on_fatal(exc)
+
     def submit(self, prompt: list[int], params: SamplingParams) -> int:
+        if self.fatal is not None:
+            raise ApiError(503, f"the engine loop died ({self.fatal}); the server is stopping", None,
+                           "server_error", "engine_dead")
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         try:
@@ -120,17 +126,21 @@ class _Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), "prompt") from None
         self.stats["requests_total"] += 1
+        self.metrics.submitted(uid, len(prompt))
         self.queues[uid] = asyncio.Queue()
         self.wake.set()
         return uid
 
     async def events(self, uid: int) -> AsyncIterator[TokenEvent]:
-        """Tokens of ``uid`` as produced; cancels the request if the consumer goes away early."""
+        """Tokens of ``uid`` as produced; ApiError (500) if it failed; cancels it if the consumer leaves early."""
         try:
             q = self.queues[uid]
             while True:
                 ev = await q.get()
                 if ev.token < 0:
+                    if ev.finish_reason == "error":
+                        why = self.engine.errors.pop(uid, "unknown error")
+                        raise ApiError(500, f"the request failed: {why}", None, "server_error", "request_failed")
                     return
                 yield ev
                 if ev.finish_reason is not None:
@@ -144,44 +154,102 @@ class _Server:
         if q is not None:
             q.put_nowait(TokenEvent(uid, -1, "cancelled"))  # wakes a waiting stream, which then ends
         self.engine.cancel(uid)
+        self.engine.errors.pop(uid, None)
+        self.metrics.ended(uid, "abort")  # a no-op unless it had not finished
 
 
-def _params(body: _Body, prompt_len: int, default_max: int | None, limit: int) -> SamplingParams:
-    for key, neutral in _NEUTRAL.items():
-        value = getattr(body, key, None) if key in type(body).model_fields else (body.model_extra or {}).get(key)
-        if value is not None and value not in neutral:
-            raise ApiError(400, f"'{key}'={value!r} is not supported yet by zerospeed", key)
-    max_tokens = body.max_tokens or body.max_completion_tokens or default_max or max(1, limit - prompt_len)
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > 4:
-        raise ApiError(400, "at most 4 stop sequences", "stop")
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                          top_p=body.top_p, seed=body.seed, stop=tuple(s for s in stop if s))
-
-
-def _visible(text: str, params: SamplingParams, done: bool) -> str:
-    """Text safe to stream so far: hold back a possible stop-string prefix and a half-decoded character."""
-    if done:
-        return text
-    hold = max((len(s) - 1 for s in params.stop), default=0)
-    text = text[: len(text) - hold] if hold else text
-    return text.rstrip("\ufffd")
-
-
-def create_app(loaded: LoadedModel, engine: ServingEngine) -> FastAPI:
-    """The FastAPI app serving ``loaded`` through ``engine``."""
-    srv = _Server(loaded, engine)
+def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions | None = None) -> FastAPI:
+    """The FastAPI app serving ``loaded`` through ``engine`` (names, API key: ``options``)."""
+    srv = _Server(loaded, engine, options or ServeOptions())
     tok = loaded.tokenizer
     limit = engine.limits.max_context
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        srv.task = asyncio.create_task(srv.drive())
+        srv.start()
         yield
+        assert srv.task is not None
         srv.task.cancel()
         engine.shutdown()  # tensor parallelism: release the worker ranks
 
     app = FastAPI(title="zerospeed", docs_url=None, redoc_url=None, lifespan=lifespan)
+    _add_error_handlers(app)
+    if srv.options.api_key:
+        _add_auth(app, srv.options.api_key)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if srv.fatal is not None:
+            return JSONResponse({"status": "error", "message": f"the engine loop died: {srv.fatal}"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        alloc = engine.scheduler.allocator
+        values = {**srv.stats, "requests_running": len(engine.scheduler.running),
+                  "requests_waiting": len(engine.scheduler.waiting), "forwards_total": engine.forwards,
+                  "tokens_forwarded_total": engine.tokens_forwarded, "kv_blocks_total": alloc.num_blocks,
+                  "kv_blocks_free": alloc.num_free}
+        gauges = {"running": values["requests_running"], "waiting": values["requests_waiting"],
+                  "kv_usage": 1.0 - alloc.num_free / max(1, alloc.num_blocks)}
+        queries, hits = engine.prefix_cache_stats()
+        vllm = srv.metrics.render(srv.names[0], gauges, queries, hits)
+        return PlainTextResponse(vllm + "".join(f"zerospeed_{k} {v}\n" for k, v in values.items()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "zerospeed",
+                                            "root": loaded.name, "max_model_len": limit} for n in srv.names]}
+
+    def model_name(body: Any) -> str:
+        if body.model is None:
+            return srv.names[0]
+        if body.model not in srv.names:
+            raise ApiError(404, f"model '{body.model}' does not exist; this server has {list(srv.names)}",
+                           "model", code="model_not_found")
+        return str(body.model)
+
+    def encode(text: str) -> list[int]:
+        try:
+            return list(tok.encode(text))
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's own complaint about the text
+            raise ApiError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = parse_body(await request.body(), CompletionBody)
+        name = model_name(body)
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise ApiError(400, "a batch of prompts is not supported yet by zerospeed", "prompt")
+            p = p[0]
+        ids = encode(p) if isinstance(p, str) else list(p)
+        params = sampling_params(body, len(ids), 16, limit)
+        echo = (p if isinstance(p, str) else tok.decode(ids)) if body.echo else ""
+        return await _respond(srv, ids, params, body, name, chat=False, echo=echo)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = parse_body(await request.body(), ChatBody)
+        name = model_name(body)
+        msgs = [m.model_dump() for m in body.messages]
+        if getattr(tok, "chat_template", None):
+            try:
+                ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            except Exception as exc:  # noqa: BLE001 - the template rejected these messages
+                raise ApiError(400, f"the chat template failed on these messages: {exc}", "messages") from None
+        else:  # plain transcript for models without a chat template
+            ids = encode("".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:")
+        params = sampling_params(body, len(ids), None, limit)
+        return await _respond(srv, ids, params, body, name, chat=True)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's error body: ours, FastAPI's validation errors, and unexpected ones."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -193,125 +261,21 @@ def create_app(loaded: LoadedModel, engine: ServingEngine) -> FastAPI:
         param = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
         return ApiError(400, f"{param or 'body'}: {err.get('msg')}", param).response()
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        alloc = engine.scheduler.allocator
-        values = {**srv.stats, "requests_running": len(engine.scheduler.running),
-                  "requests_waiting": len(engine.scheduler.waiting), "forwards_total": engine.forwards,
-                  "tokens_forwarded_total": engine.tokens_forwarded, "kv_blocks_total": alloc.num_blocks,
-                  "kv_blocks_free": alloc.num_free}
-        return PlainTextResponse("".join(f"zerospeed_{k} {v}\n" for k, v in values.items()))
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": loaded.name, "object": "model", "created": 0,
-                                            "owned_by": "zerospeed"}]}
-
-    def check_model(body: _Body) -> None:
-        if body.model not in (None, loaded.name):
-            raise ApiError(404, f"model '{body.model}' does not exist; this server has '{loaded.name}'", "model",
-                           code="model_not_found")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> Any:
-        check_model(body)
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise ApiError(400, "a batch of prompts is not supported yet by zerospeed", "prompt")
-            p = p[0]
-        ids = tok.encode(p) if isinstance(p, str) else list(p)
-        params = _params(body, len(ids), 16, limit)
-        return await _respond(srv, ids, params, body.stream, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody) -> Any:
-        check_model(body)
-        msgs = [m.model_dump() for m in body.messages]
-        if getattr(tok, "chat_template", None):
-            ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
-        else:  # plain transcript for models without a chat template
-            ids = tok.encode("".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:")
-        params = _params(body, len(ids), None, limit)
-        return await _respond(srv, ids, params, body.stream, chat=True)
-
-    return app
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        _log.exception("internal error", exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}", None, "server_error").response()
 
 
-async def _respond(srv: _Server, ids: list[int], params: SamplingParams, stream: bool, chat: bool) -> Any:
-    uid = srv.submit(ids, params)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    created, name = int(time.time()), srv.loaded.name
-    obj = "chat.completion" if chat else "text_completion"
-    decode = srv.loaded.tokenizer.decode
+def _add_auth(app: FastAPI, key: str) -> None:
+    """``Authorization: Bearer <key>`` on every ``/v1`` route (compared in constant time), else 401."""
+    want = f"Bearer {key}".encode()
 
-    def text_of(out: list[int], done: bool, reason: str | None) -> str:
-        text = decode(out)
-        if params.stop and reason == "stop":
-            cuts = [i for s in params.stop if (i := text.find(s)) >= 0]
-            text = text[: min(cuts)] if cuts else text
-        return _visible(text, params, done)
-
-    def choice(text: str, reason: str | None, delta: bool) -> dict[str, Any]:
-        if not chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        key = "delta" if delta else "message"
-        msg = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": 0, key: msg, "logprobs": None, "finish_reason": reason}
-
-    if not stream:
-        out, reason = [], None
-        async for ev in srv.events(uid):
-            out.append(ev.token)
-            reason = ev.finish_reason
-        usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
-        return {"id": rid, "object": obj, "created": created, "model": name,
-                "choices": [choice(text_of(out, True, reason), reason, False)], "usage": usage}
-
-    async def sse() -> AsyncIterator[str]:
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": rid, "object": chunk_obj, "created": created, "model": name}
-        if chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            yield f"data: {json.dumps({**head, 'choices': [first]})}\n\n"
-        out: list[int] = []
-        sent = ""
-        async for ev in srv.events(uid):
-            out.append(ev.token)
-            text = text_of(out, ev.finish_reason is not None, ev.finish_reason)
-            delta = text[len(sent):] if text.startswith(sent) else ""  # a re-spaced decode: wait for the end
-            sent = sent + delta
-            if delta or ev.finish_reason is not None:
-                yield f"data: {json.dumps({**head, 'choices': [choice(delta, ev.finish_reason, True)]})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return _StreamThenCancel(sse(), lambda: srv.finish(uid))
-
-
-class _StreamThenCancel(StreamingResponse):
-    """An SSE response that watches for the client going away and then cancels its request at once.
-
-    (Starlette's own disconnect handling cancels the streaming task through anyio, which did not reach a body
-    waiting on our token queue; so the watcher ends the request itself and the body then finishes normally.)
-    """
-
-    def __init__(self, body: AsyncIterator[str], on_close: Any) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self.on_close()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await self.stream_response(send)
-        finally:
-            watcher.cancel()
-            self.on_close()
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        if request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, want):
+                return ApiError(401, "Incorrect API key provided (send it as 'Authorization: Bearer <key>')",
+                                None, "invalid_request_error", "invalid_api_key").response()
+        return await call_next(request)

@@ -6,6 +6,10 @@ ragged batch, samples a token for every chunk that reached the end of its sequen
 tokens. A request ends on ``max_tokens`` ("length"), on an eos / stop token or a stop string ("stop"), or
 when cancelled; its KV blocks are freed at once. ``decode`` (token ids -> text) is needed for stop strings.
 ``compile=True`` runs the model's regions through ``torch.compile`` (see ``compiled``).
+``prefix_caching=True`` shares the KV blocks of equal prompt prefixes across requests (see ``prefix_cache``;
+greedy tokens are the same with it on or off). ``seed``: requests
+without their own seed get one drawn from a generator seeded with it (vLLM's ``--seed``: runs reproduce).
+A request that fails (its sampling, or the forward it is in, raises) ends alone with an ``"error"`` event.
 
 Tensor parallelism (``tensor_parallel.tp_size`` > 1, or an ``InferenceEngine`` from ``init_inference`` that is
 already sharded, quantized or not): the model is cut as in ``tensor_parallel``; rank 0 of the group owns the
@@ -16,7 +20,9 @@ requests, the scheduler and sampling and broadcasts each forward's batch plan; t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -29,11 +35,15 @@ from .config import RaggedInferenceEngineConfig
 from .engine import InferenceEngine
 from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
+from .logits_process import PLAIN, TokenLogprob, process_logits, token_logprob
+from .prefix_cache import PrefixCachingAllocator
 from .sampling import SamplingParams, sample_next
-from .scheduler import Limits, Scheduler
+from .scheduler import Limits, Scheduler, Work
 from .serving_tp import FORWARD, STOP, PlanChannel
 
 __all__ = ["QueueFullError", "Request", "ServingEngine", "TokenEvent"]
+
+_log = logging.getLogger("zerospeed.serve")
 
 
 class QueueFullError(RuntimeError):
@@ -49,14 +59,20 @@ class Request:
     output: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None
 
 
 class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
-    """One new token of request ``uid``; ``finish_reason`` is set on its last event."""
+    """One new token of request ``uid``; ``finish_reason`` is set on its last event; ``logprob`` when asked.
+
+    A request that failed (its sampling raised, or the forward it was part of) gets one last event with
+    token -1 and finish_reason ``"error"``; the message is in ``ServingEngine.errors[uid]``.
+    """
 
     uid: int
     token: int
     finish_reason: str | None
+    logprob: TokenLogprob | None = None
 
 
 class ServingEngine:
@@ -64,7 +80,8 @@ class ServingEngine:
 
     def __init__(self, model: nn.Module, config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
                  decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = (),
-                 compile: bool = False, tp_group: Any = None) -> None:
+                 compile: bool = False, tp_group: Any = None, seed: int | None = None,
+                 prefix_caching: bool = False) -> None:
         cfg = RaggedInferenceEngineConfig.parse_section(config, "")
         cfg.check_supported()
         sm = cfg.state_manager
@@ -92,10 +109,14 @@ class ServingEngine:
         blocks = sm.memory_config.size
         self.cache = PagedKVCache(self.adapter.num_layers, blocks, sm.kv_block_size, self.adapter.num_kv_heads,
                                   self.adapter.head_dim, self.adapter.dtype, self.adapter.device)
-        self.scheduler = Scheduler(self.limits, BlockAllocator(blocks), sm.kv_block_size)
+        self.prefix_caching = prefix_caching  # prompt KV blocks shared across requests (see prefix_cache)
+        allocator = PrefixCachingAllocator(blocks) if prefix_caching else BlockAllocator(blocks)
+        self.scheduler = Scheduler(self.limits, allocator, sm.kv_block_size)
         self.decode = decode
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[int, Request] = {}
+        self.errors: dict[int, str] = {}  # uid -> why it failed (the server pops it)
+        self._seeder = None if seed is None else torch.Generator().manual_seed(seed)  # seeds unseeded requests
         self._uids = itertools.count()
         self.forwards = 0
         self.tokens_forwarded = 0
@@ -115,9 +136,12 @@ class ServingEngine:
                                  f"{self.limits.max_tracked_sequences})")
         if any(not 0 <= t < self.adapter.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.adapter.vocab_size})")
+        if self._seeder is not None and params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=int(torch.randint(2**62, (), generator=self._seeder)))
+        generator = params.generator()  # before queueing: nothing is left behind if this fails
         uid = next(self._uids)
-        self.scheduler.add(uid, len(prompt), params.max_tokens)
-        self.requests[uid] = Request(uid, list(prompt), params, params.generator())
+        self.scheduler.add(uid, len(prompt), params.max_tokens, prompt if self.prefix_caching else None)
+        self.requests[uid] = Request(uid, list(prompt), params, generator)
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -127,17 +151,40 @@ class ServingEngine:
             req.finish_reason = "cancelled"
             self.scheduler.finish(uid)
 
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """``(prompt tokens looked up, found)`` in the prefix cache (``(0, 0)`` while it is off)."""
+        alloc = self.scheduler.allocator
+        return (alloc.queries, alloc.hits) if isinstance(alloc, PrefixCachingAllocator) else (0, 0)
+
     @property
     def has_work(self) -> bool:
         return not self.scheduler.idle
 
+    def fail(self, uid: int, message: str) -> TokenEvent:
+        """End ``uid`` because of an error (logged, kept in ``errors``); its last event."""
+        _log.error("request %s failed: %s", uid, message)
+        self.errors[uid] = message
+        self.cancel(uid)
+        return TokenEvent(uid, -1, "error")
+
     @torch.inference_mode()  # no autograd bookkeeping at all: ~10-20 % less CPU per step than no_grad here
     def step(self) -> list[TokenEvent]:
-        """One forward of continuous batching; the tokens it produced."""
+        """One forward of continuous batching; the tokens it produced.
+
+        A failure fails only what it touched: a sampling error its request, a forward error the requests in
+        that forward (``TokenEvent`` with token -1 and finish_reason ``"error"``); the engine keeps serving.
+        """
         self._rank0("step")
         work = self.scheduler.schedule()
         if not work:
             return []
+        try:
+            return self._step(work)
+        except Exception as exc:  # noqa: BLE001 - the forward failed: fail its requests, keep the engine
+            return [self.fail(w.uid, f"forward failed: {type(exc).__name__}: {exc}") for w in work
+                    if w.uid in self.requests]
+
+    def _step(self, work: list[Work]) -> list[TokenEvent]:
         ids: list[int] = []
         for w in work:
             req = self.requests[w.uid]
@@ -170,7 +217,17 @@ class ServingEngine:
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
             params = req.params
-            token = greedy[j] if params.temperature == 0.0 else sample_next(logits[j], params, req.generator)
+            lp = None
+            try:
+                if params.process is not PLAIN:  # penalties, biases, min_tokens or logprobs asked for
+                    token, lp = self._processed(req, logits[j])
+                elif params.temperature == 0.0:
+                    token = greedy[j]
+                else:
+                    token = sample_next(logits[j], params, req.generator)
+            except Exception as exc:  # noqa: BLE001 - this request only
+                events.append(self.fail(req.uid, f"sampling failed: {exc}"))
+                continue
             req.output.append(token)
             reason = None  # most tokens end nothing: the checks below run only when one could
             if token in eos or params.stop or params.stop_token_ids or len(req.output) >= params.max_tokens:
@@ -181,8 +238,18 @@ class ServingEngine:
                     req.text = self.decode(req.output)
                 self.scheduler.finish(req.uid)
                 del self.requests[req.uid]
-            events.append(TokenEvent(req.uid, token, reason))
+            events.append(TokenEvent(req.uid, token, reason, lp))
         return events
+
+    def _processed(self, req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token of ``req`` with its logits processing (and its logprob when asked)."""
+        opts = req.params.process
+        if opts.changes_logits:
+            banned = () if len(req.output) >= opts.min_tokens else \
+                tuple(set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids))
+            row = process_logits(row, opts, req.prompt, req.output, banned)
+        token = int(torch.argmax(row)) if req.params.greedy else sample_next(row, req.params, req.generator)
+        return token, None if opts.logprobs is None else token_logprob(row, token, opts.logprobs)
 
     @torch.inference_mode()
     def run_worker(self) -> int:
@@ -211,7 +278,7 @@ class ServingEngine:
             self.channel.stop()
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
-        if token in self.eos_token_ids or token in req.params.stop_token_ids:
+        if token in req.params.stop_token_ids or token in self.eos_token_ids and not req.params.ignore_eos:
             return "stop"
         if req.params.stop:
             assert self.decode is not None
