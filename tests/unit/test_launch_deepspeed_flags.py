@@ -75,3 +75,10 @@ def test_with_the_alias_active_a_missing_path_is_named_as_missing(monkeypatch: p
     err = ModuleNotFoundError("No module named 'deepspeed.foo'", name="deepspeed.foo")
     rank_entry._hint_deepspeed_import(err)
     assert "zerospeed does not serve DeepSpeed's module 'deepspeed.foo' yet" in str(err)
+
+
+def test_multinode_node_command_forwards_core_binding() -> None:
+    argv = multinode.node_launch_argv(multinode.NodeArgs(target="t.py", bind_cores="0-3"), "0")
+    assert argv[argv.index("--bind_cores_to_rank"):argv.index("t.py")] == ["--bind_cores_to_rank", "--bind_core_list",
+                                                                           "0-3"]
+    assert "--bind_cores_to_rank" not in multinode.node_launch_argv(multinode.NodeArgs(target="t.py"), "0")

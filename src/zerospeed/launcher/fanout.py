@@ -37,6 +37,7 @@ def node_args(args: argparse.Namespace, resources: Resources) -> multinode.NodeA
         master_addr=args.master_addr or next(iter(resources)), master_port=args.master_port or 29500,
         module=args.module, pass_local_rank=args.pass_local_rank, max_restarts=restarts, elastic=elastic,
         python=sys.executable, join_timeout=args.node_join_timeout,
+        bind_cores=(args.bind_core_list or "") if getattr(args, "bind_cores_to_rank", False) else None,
     )
 
 

@@ -49,6 +49,7 @@ class NodeArgs:
     master_port: int = 29500
     module: bool = False
     pass_local_rank: bool = True
+    bind_cores: str | None = None  # --bind_cores_to_rank's core list ("" for all); None: off
     max_restarts: int = 0
     elastic: tuple[int, int] | None = None  # (min_nodes, max_nodes) with --elastic_training
     python: str = "python"
@@ -112,6 +113,9 @@ def node_launch_argv(args: NodeArgs, node_rank: str) -> list[str]:
         argv.append("--module")
     if not args.pass_local_rank:  # passing it is the default (DeepSpeed's)
         argv.append("--no_local_rank")
+    if args.bind_cores is not None:
+        argv.append("--bind_cores_to_rank")
+        argv += ["--bind_core_list", args.bind_cores] if args.bind_cores else []
     return [*argv, args.target, *args.target_args]
 
 
