@@ -74,6 +74,9 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.ops.random_ltd.dropping_utils": "zerospeed.data_pipeline.random_ltd",
     # --- issue 29 (conformance with DeepSpeed's own unit tests): adapters under zerospeed/compat/ ---
     "zerospeed.ops.op_builder": "zerospeed.compat.op_builder",
+    "zerospeed.utils.torch": "zerospeed.compat.torch_version",
+    "zerospeed.runtime.precision_config": "zerospeed.compat.precision_config",
+    "zerospeed.runtime.config": "zerospeed.compat.runtime_config",
 }
 
 
