@@ -33,7 +33,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.compiler": "zerospeed.runtime.compile",
     "zerospeed.runtime.zero.stage_1_and_2": "zerospeed.zero.estimate",
     "zerospeed.runtime.zero.stage3": "zerospeed.zero.estimate",
-    "zerospeed.ops": "zerospeed.optim.named",
+    "zerospeed.ops": ("zerospeed.optim.named", "zerospeed.compat.ops"),
     "zerospeed.ops.adam": "zerospeed.optim.named",
     "zerospeed.ops.adagrad": "zerospeed.optim.named",
     "zerospeed.ops.lamb": "zerospeed.optim.named",
@@ -72,6 +72,11 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.progressive_layer_drop": "zerospeed.data_pipeline.progressive_layer_drop",
     "zerospeed.ops.random_ltd": "zerospeed.data_pipeline.random_ltd",
     "zerospeed.ops.random_ltd.dropping_utils": "zerospeed.data_pipeline.random_ltd",
+    # --- issue 29 (conformance with DeepSpeed's own unit tests): adapters under zerospeed/compat/ ---
+    "zerospeed.ops.op_builder": "zerospeed.compat.op_builder",
+    "zerospeed.utils.torch": "zerospeed.compat.torch_version",
+    "zerospeed.runtime.precision_config": "zerospeed.compat.precision_config",
+    "zerospeed.runtime.config": "zerospeed.compat.runtime_config",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---

@@ -30,4 +30,10 @@ def set_accelerator(acc: Accelerator | None) -> None:
     _ACCELERATOR = acc
 
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "set_accelerator"]
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check that the selected accelerator is one this library drives (cpu and cuda here)."""
+    return get_accelerator().name in ("cpu", "cuda")
+
+
+__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "is_current_accelerator_supported",
+           "set_accelerator"]

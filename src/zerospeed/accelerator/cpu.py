@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 
 import psutil
@@ -13,6 +14,10 @@ from .base import Accelerator
 class CpuAccelerator(Accelerator):
     name = "cpu"
     communication_backend = "gloo"
+
+    def device_count(self) -> int:
+        """``LOCAL_SIZE`` (the ranks on this node, set by the launcher) as DeepSpeed's CPU accelerator, else 1."""
+        return int(os.environ.get("LOCAL_SIZE", "1"))
 
     def device(self, local_rank: int | None = None) -> torch.device:
         return torch.device("cpu")

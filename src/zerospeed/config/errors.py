@@ -13,6 +13,17 @@ class ConfigError(ValueError):
         self.key = key
         super().__init__(f"config key '{key}': {message}" if key else message)
 
+    def __reduce__(self) -> tuple:
+        """Pickle by state, not by ``__init__`` arguments: a worker process's config error reaches its parent."""
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore(cls: type[ConfigError], args: tuple, state: dict) -> ConfigError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class UnknownKeyError(ConfigError):
     """A key the schema does not have; ``loc`` is its path, ``hint`` the did-you-mean (or '')."""

@@ -525,3 +525,6 @@ class Engine(nn.Module):
         from .checkpoint import wait_for_checkpoint
 
         wait_for_checkpoint(self)
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's class name: isinstance checks in scripts and frameworks

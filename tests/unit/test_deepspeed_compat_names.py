@@ -1,0 +1,73 @@
+"""DeepSpeed names that its own unit tests import (issue 29), served by zerospeed/compat/ and small additions."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import zerospeed  # noqa: F401  # installs the alias table
+
+
+def test_config_errors_pickle_with_their_fields():
+    from zerospeed.config.errors import ConfigError, NotSupportedYetError, UnknownKeyError
+
+    for err in (ConfigError("a.b", "bad"), NotSupportedYetError("x", "later"), UnknownKeyError("a.c", ("a", "c"), " Did you mean 'b'?")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.key == err.key
+    assert pickle.loads(pickle.dumps(UnknownKeyError("k", ("k",), "h"))).loc == ("k",)
+
+
+def test_deepspeed_config_object():
+    from zerospeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from zerospeed.config import ConfigError
+
+    cfg = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                           "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (6, 2, 3)
+    assert cfg.zero_optimization_stage == 2 and cfg.zero_enabled and cfg.bfloat16_enabled and not cfg.fp16_enabled
+    assert DeepSpeedConfigError is ConfigError
+    with pytest.raises(DeepSpeedConfigError):
+        DeepSpeedConfig({"train_batch_size": 8, "zero_optimisation": {}})
+
+
+def test_precision_config_and_torch_version():
+    from zerospeed.runtime.precision_config import DeepSpeedFP16Config, get_bfloat16_config, get_float16_config
+    from zerospeed.utils.torch import required_torch_version
+
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled  # DeepSpeed's old section name
+    assert get_float16_config({"fp16": {"loss_scale_window": 7}}).loss_scale_window == 7
+    assert isinstance(get_float16_config({}), DeepSpeedFP16Config)
+    assert required_torch_version(min_version=1.9) and not required_torch_version(max_version="1.0")
+    with pytest.raises(ValueError):
+        required_torch_version()
+
+
+def test_op_builders_answer_for_zerospeed():
+    import zerospeed.ops as ops
+    from zerospeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, InferenceBuilder
+
+    assert CPUAdamBuilder.NAME == "cpu_adam" and CPUAdamBuilder().is_compatible()
+    assert ops.__compatible_ops__[FusedAdamBuilder.NAME] is True
+    assert not InferenceBuilder().is_compatible()
+    with pytest.raises(NotImplementedError, match="transformer_inference"):
+        InferenceBuilder().load()
+
+
+def test_engine_name_accelerator_and_comm_names(monkeypatch):
+    import zerospeed.comm as dist
+    from zerospeed.accelerator import CpuAccelerator, is_current_accelerator_supported
+    from zerospeed.runtime.engine import DeepSpeedEngine, Engine
+
+    assert DeepSpeedEngine is Engine and is_current_accelerator_supported()
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert CpuAccelerator().device_count() == 4
+    out = torch.zeros(3)
+    dist.all_gather_into_tensor(out, torch.arange(3.0))  # world of one: a copy
+    assert out.tolist() == [0.0, 1.0, 2.0] and dist.get_global_rank(None, 0) == 0
+    dist.configure(enabled=True, prof_ops=["all_reduce"])
+    try:
+        assert dist.COMMS_LOGGER.enabled and dist.COMMS_LOGGER.prof_ops == ["all_reduce"]
+    finally:
+        dist.configure(enabled=False, prof_ops=[])

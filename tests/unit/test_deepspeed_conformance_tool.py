@@ -1,0 +1,76 @@
+"""scripts/deepspeed-conformance without DeepSpeed: the rename hook, the area names, the P-of-N table."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerospeed.testing import ds_rename
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+conformance = importlib.import_module("deepspeed_conformance")
+
+
+@pytest.fixture
+def hook():
+    if "deepspeed" in sys.modules and not sys.modules["deepspeed"].__name__.startswith("zerospeed"):
+        pytest.skip("the real deepspeed is imported in this process")
+    ds_rename.install()
+    yield
+    ds_rename.uninstall()
+
+
+def test_rename_gives_the_same_module_objects(hook):
+    import zerospeed
+    import zerospeed.comm
+
+    deepspeed = importlib.import_module("deepspeed")
+    dist = importlib.import_module("deepspeed.comm")
+    assert deepspeed is zerospeed and dist is zerospeed.comm
+    assert zerospeed.comm.__spec__.name == "zerospeed.comm"  # the target module keeps its own spec
+    pipe = importlib.import_module("deepspeed.pipe")  # an alias-table path, renamed like any other
+    assert pipe.PipelineModule is importlib.import_module("zerospeed.pipe").PipelineModule
+
+
+def test_missing_path_names_the_deepspeed_module(hook):
+    with pytest.raises(ModuleNotFoundError) as err:
+        importlib.import_module("deepspeed.no_such_module_here")
+    assert err.value.name == "deepspeed.no_such_module_here"
+    assert "zerospeed does not serve" in str(err.value)
+
+
+def test_uninstall_forgets_the_deepspeed_names(hook):
+    importlib.import_module("deepspeed.comm")
+    ds_rename.uninstall()
+    assert "deepspeed.comm" not in sys.modules
+    assert ds_rename.renamed("deepspeedx") is None and ds_rename.renamed("deepspeed.a") == "zerospeed.a"
+    ds_rename.install()
+
+
+def test_area_names():
+    assert conformance.area_of("unit/runtime/zero/test_zero.py::TestX::test_y[1]") == "runtime/zero"
+    assert conformance.area_of("unit/runtime/test_ds_config_dict.py::t") == "runtime"
+    assert conformance.area_of("unit/ops/adam/test_cpu_adam.py::t") == "ops"
+    assert conformance.area_of("unit/v1/zero/test_x.py::t") == "v1/zero"
+    assert conformance.area_of("unit/test_top.py::t") == "unit"
+
+
+def test_tally_counts_only_reference_passes():
+    reference = ["unit/launcher/a.py::t1", "unit/launcher/a.py::t2", "unit/ops/b.py::t3", "unit/ops/b.py::t4"]
+    outcomes = {"unit/launcher/a.py::t1": "passed", "unit/launcher/a.py::t2": "failed",
+                "unit/ops/b.py::t3": "skipped", "unit/ops/new.py::t9": "passed"}  # t9: DeepSpeed did not pass it
+    rows = conformance.tally(reference, outcomes)
+    assert rows["launcher"] == {"N": 2, "P": 1, "failed": 1, "skipped": 0, "not run": 0}
+    assert rows["ops"] == {"N": 2, "P": 0, "failed": 0, "skipped": 1, "not run": 1}
+    assert conformance.format_table(rows).splitlines()[-1] == "DeepSpeed unit tests under zerospeed: 1 of 4"
+    only_ops = conformance.tally(reference, outcomes, areas=["ops"])
+    assert list(only_ops) == ["ops"]
+
+
+def test_read_ids_skips_comments(tmp_path):
+    f = tmp_path / "ids.txt"
+    f.write_text("# header\n\nunit/a.py::t\n  unit/b.py::u  \n")
+    assert conformance.read_ids(f) == ["unit/a.py::t", "unit/b.py::u"]
