@@ -35,8 +35,9 @@ class ClusterUnavailable(RuntimeError):
     """A test cluster cannot be made on this machine (the message says why)."""
 
 
-def unavailable_reason(programs: Sequence[str] = packages.BASE_PROGRAMS) -> str | None:
-    """``None`` when a cluster can be made here (installing missing packages first), else why not."""
+def unavailable_reason(programs: Sequence[str] = packages.BASE_PROGRAMS, install: bool = True) -> str | None:
+    """``None`` when a cluster can be made here (installing missing packages first unless ``install`` is
+    false), else why not."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -50,6 +51,9 @@ def unavailable_reason(programs: Sequence[str] = packages.BASE_PROGRAMS) -> str 
     if done.returncode != 0:
         return f"'ip netns add' does not work here: {done.stderr.strip()}"
     kill_namespace(probe)
+    if not install:
+        absent = packages.missing(programs)
+        return f"missing {', '.join(absent)}" if absent else None
     return packages.ensure(programs)
 
 
