@@ -211,12 +211,12 @@ class Cluster:
         atexit.unregister(self.close)
 
 
-def free_port(cluster: Cluster, index: int = 0) -> int:
-    """A port free on host ``index`` with the next one free too (``zerospeed launch``'s node watch)."""
-    del cluster, index  # every host's namespace starts empty: any port above the ephemeral range is free
+def free_port() -> int:
+    """A port for ``--master_port`` (P and P + 1, the node watch, must be free on host 0). Every host's
+    namespace starts empty, so any port below the ephemeral range is; a random one keeps runs apart."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return 20000 + s.getsockname()[1] % 20000
+        return 20000 + s.getsockname()[1] % 10000
 
 
 def remaining() -> list[str]:
