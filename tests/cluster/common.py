@@ -16,7 +16,7 @@ TRAIN = Path(__file__).parent / "cl_train.py"
 def launch_argv(hostfile: str, launcher: str, out: Path, steps: int, *flags: str, script_args: tuple[str, ...] = (),
                 port: int | None = None) -> list[str]:
     return [sys.executable, "-m", "zerospeed.launcher.cli", "launch", "--hostfile", hostfile, "--launcher", launcher,
-            "--master_port", str(port or free_port(None)), *flags, str(TRAIN), str(out), str(steps), *script_args]
+            "--master_port", str(port or free_port()), *flags, str(TRAIN), str(out), str(steps), *script_args]
 
 
 def launch(cluster: Cluster, argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:

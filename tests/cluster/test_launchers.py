@@ -13,15 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cluster.common import launch, launch_argv, losses, rank_info, reference_losses
+from tests.cluster.common import launch, launch_argv, losses, rank_info
+from tests.cluster.conftest import STEPS
 from zerospeed.testing.cluster import Cluster
-
-STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    return reference_losses(tmp_path_factory.mktemp("ref"), STEPS)
 
 
 def _check(cluster: Cluster, out: Path, reference: list[float], hosts: list[str]) -> list[dict]:

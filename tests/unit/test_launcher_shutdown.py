@@ -68,3 +68,22 @@ def test_cluster_hosts_file_and_names() -> None:
     net = Network(3, ["node0", "node1", "node2"], "/tmp")
     assert net.hosts_file().splitlines()[1:] == ["10.231.0.10 node0", "10.231.0.11 node1", "10.231.0.12 node2"]
     assert all(h.netns.startswith("zscl-") for h in net.hosts)
+
+
+def test_shutdown_deadline_spares_a_restarted_group(tmp_path: Path) -> None:
+    # --max_restarts: torchrun restarts the group after a failure; the new ranks (new pids) are not killed.
+    old = subprocess.Popen([sys.executable, "-c", "pass"])
+    new = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        (tmp_path / "rank_0.pid").write_text(json.dumps({"pid": old.pid, "rank": 0, "start": time.time()}))
+        (tmp_path / "rank_1.err").write_text("{}")
+        deadline = shutdown.ShutdownDeadline(str(tmp_path), timeout_s=0.1)
+        deadline.poll("")
+        old.wait(timeout=10)
+        (tmp_path / "rank_0.pid").write_text(json.dumps({"pid": new.pid, "rank": 0, "start": time.time()}))
+        time.sleep(0.15)
+        deadline.poll("")
+        assert new.poll() is None and deadline.hung == []
+    finally:
+        new.kill()
+        new.wait()

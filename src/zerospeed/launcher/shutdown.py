@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-_CLOSING = re.compile(r"Sending process \d+ closing signal SIG[A-Z]+")
+_CLOSING = re.compile(r"Sending process (\d+) closing signal SIG[A-Z]+")
 
 
 @dataclass
@@ -28,46 +28,60 @@ class HungRank:
     state: str
 
 
+def _reports(launch_dir: str) -> set[tuple[str, int]]:
+    """``(file name, mtime)`` of the ranks' failure reports."""
+    out: set[tuple[str, int]] = set()
+    try:
+        for name in os.listdir(launch_dir):
+            if name.startswith("rank_") and name.endswith(".err"):
+                out.add((name, os.stat(os.path.join(launch_dir, name)).st_mtime_ns))
+    except OSError:
+        pass
+    return out
+
+
 @dataclass
 class ShutdownDeadline:
-    """Call ``poll(stderr_tail)`` every monitor tick while torchrun runs."""
+    """Call ``poll(stderr_tail)`` every monitor tick while torchrun runs.
+
+    Each new failure (a pid torchrun sends a closing signal to, or a new failure report) starts a deadline
+    for the ranks alive *then* (their pids): a group torchrun restarts meanwhile (``--max_restarts``) has
+    new pids and is never touched."""
 
     launch_dir: str
     timeout_s: float
     started: float | None = None
     hung: list[HungRank] = field(default_factory=list)
-    _done: bool = False
+    _seen: set[object] = field(default_factory=set)
+    _pids: dict[int, int] = field(default_factory=dict)
 
-    def _failure_seen(self, stderr_tail: str) -> bool:
-        if _CLOSING.search(stderr_tail):
-            return True
-        try:
-            return any(n.startswith("rank_") and n.endswith(".err") for n in os.listdir(self.launch_dir))
-        except OSError:
-            return False
+    def _new_failure(self, stderr_tail: str) -> bool:
+        now = {int(m.group(1)) for m in _CLOSING.finditer(stderr_tail)} | _reports(self.launch_dir)
+        fresh = bool(now - self._seen)
+        self._seen |= now
+        return fresh
 
     def poll(self, stderr_tail: str) -> None:
-        if self._done:
-            return
+        fresh = self._new_failure(stderr_tail)
         now = time.monotonic()
         if self.started is None:
-            if self._failure_seen(stderr_tail):
-                self.started = now
+            if fresh:
+                from zerospeed.launcher.failures import read_rank_pids
+
+                self.started, self._pids = now, read_rank_pids(self.launch_dir)
             return
         if now - self.started >= self.timeout_s:
-            self._done = True
-            self.hung = kill_alive_ranks(self.launch_dir)
+            self.hung += kill_alive_ranks(self.launch_dir, self._pids)
+            self.started = None
 
 
-def kill_alive_ranks(launch_dir: str) -> list[HungRank]:
-    """SIGKILL (with their groups) the recorded ranks still alive; return those that reported no failure."""
+def kill_alive_ranks(launch_dir: str, pids: dict[int, int]) -> list[HungRank]:
+    """SIGKILL (with their groups) the ranks of ``pids`` still alive; return those that reported no failure."""
     import psutil  # only needed here; keeps `zerospeed --help` light
 
-    from zerospeed.launcher.failures import read_rank_pids
-
-    reported = {n[len("rank_"):-len(".err")] for n in os.listdir(launch_dir) if n.startswith("rank_") and n.endswith(".err")}
+    reported = {name[len("rank_"):-len(".err")] for name, _ in _reports(launch_dir)}
     hung: list[HungRank] = []
-    for rank, pid in sorted(read_rank_pids(launch_dir).items()):
+    for rank, pid in sorted(pids.items()):
         try:
             proc = psutil.Process(pid)
             state = proc.status()

@@ -35,8 +35,9 @@ class ClusterUnavailable(RuntimeError):
     """A test cluster cannot be made on this machine (the message says why)."""
 
 
-def unavailable_reason(programs: Sequence[str] = packages.BASE_PROGRAMS) -> str | None:
-    """``None`` when a cluster can be made here (installing missing packages first), else why not."""
+def unavailable_reason(programs: Sequence[str] = packages.BASE_PROGRAMS, install: bool = True) -> str | None:
+    """``None`` when a cluster can be made here (installing missing packages first unless ``install`` is
+    false), else why not."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -50,6 +51,9 @@ def unavailable_reason(programs: Sequence[str] = packages.BASE_PROGRAMS) -> str 
     if done.returncode != 0:
         return f"'ip netns add' does not work here: {done.stderr.strip()}"
     kill_namespace(probe)
+    if not install:
+        absent = packages.missing(programs)
+        return f"missing {', '.join(absent)}" if absent else None
     return packages.ensure(programs)
 
 
@@ -207,12 +211,12 @@ class Cluster:
         atexit.unregister(self.close)
 
 
-def free_port(cluster: Cluster, index: int = 0) -> int:
-    """A port free on host ``index`` with the next one free too (``zerospeed launch``'s node watch)."""
-    del cluster, index  # every host's namespace starts empty: any port above the ephemeral range is free
+def free_port() -> int:
+    """A port for ``--master_port`` (P and P + 1, the node watch, must be free on host 0). Every host's
+    namespace starts empty, so any port below the ephemeral range is; a random one keeps runs apart."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return 20000 + s.getsockname()[1] % 20000
+        return 20000 + s.getsockname()[1] % 10000
 
 
 def remaining() -> list[str]:
