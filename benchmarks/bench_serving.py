@@ -17,6 +17,8 @@ exactly its output length). Contenders:
 * ``zerospeed-prefix``: the same with prefix caching on (``ServingEngine(prefix_caching=True)``). With
   ``--shared-prefix N`` every prompt starts with the same N-token system prompt (then its own drawn tokens):
   the shared-prefix workload, e.g. ``--requests 32 --shared-prefix 512 --prompt 16 64 --output 16 32``.
+* ``zerospeed-ngram``: the same with prompt-lookup speculative decoding (``--spec-tokens`` drafts per step);
+  single-stream decode: ``--requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-ngram``.
 * ``hf-static``: Hugging Face ``generate`` on static batches of ``--static-batch`` requests in arrival order
   (left-padded; a batch starts when its last request has arrived and the previous batch is done, and runs to
   its longest output). Token times come from a logits processor called once per decode step.
@@ -45,6 +47,10 @@ def build(kind: str) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    if kind == "zs-loop":  # zerospeed's GPT (bytes): its greedy text falls into loops (zerospeed contenders only)
+        from zerospeed.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=128), seed=0).eval()
     if kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=V, n_positions=1024, n_embd=128, n_layer=4, n_head=4,
                                       initializer_range=0.1, eos_token_id=None, bos_token_id=None)
@@ -77,7 +83,7 @@ def wait_until(t0: float, at: float) -> None:
         time.sleep(delay)
 
 
-def run_zerospeed(model, reqs, args, prefix_caching=False):
+def run_zerospeed(model, reqs, args, prefix_caching=False, speculative=None):
     from zerospeed.inference import SamplingParams, ServingEngine
 
     block = 16
@@ -85,7 +91,7 @@ def run_zerospeed(model, reqs, args, prefix_caching=False):
     cfg = {"state_manager": {"max_ragged_batch_size": args.budget, "max_ragged_sequence_count": len(reqs),
                              "max_tracked_sequences": len(reqs), "max_context": 2048, "kv_block_size": block,
                              "memory_config": {"mode": "allocate", "size": blocks}}}
-    eng = ServingEngine(model, cfg, compile=args.compile, prefix_caching=prefix_caching)
+    eng = ServingEngine(model, cfg, compile=args.compile, prefix_caching=prefix_caching, speculative=speculative)
     if args.compile:  # compile outside the timed run
         eng.generate([reqs[0][1], reqs[1][1][:5]], SamplingParams(max_tokens=3))
     uid_of, times, tokens = {}, {}, {}
@@ -188,7 +194,7 @@ def summarize(reqs, times, tokens, ref_tokens):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama", choices=["llama", "gpt2"])
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2", "zs-loop"])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
     ap.add_argument("--prompt", type=int, nargs=2, default=[16, 256])
@@ -201,14 +207,23 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="zerospeed with torch.compile'd regions")
     ap.add_argument("--contenders", nargs="+", default=["zerospeed", "hf-static", "hf-cb"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--spec-tokens", type=int, default=4, help="zerospeed-ngram: drafts per step")
+    ap.add_argument("--repetitive", type=int, default=0,
+                    help="prompts repeat a pattern of this many tokens (a repetitive prompt for n-gram drafting)")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request shares")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build(args.model)
     reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed,
                     args.shared_prefix)
+    if args.model == "zs-loop":  # a byte vocabulary
+        reqs = [(t, [x % 256 for x in p], o) for t, p, o in reqs]
+    if args.repetitive:
+        reqs = [(t, (p[:args.repetitive] * (len(p) // args.repetitive + 1))[:len(p)], o) for t, p, o in reqs]
     runners = {"zerospeed": run_zerospeed, "hf-static": run_hf_static, "hf-cb": run_hf_cb,
-               "zerospeed-prefix": lambda m, r, a: run_zerospeed(m, r, a, prefix_caching=True)}
+               "zerospeed-prefix": lambda m, r, a: run_zerospeed(m, r, a, prefix_caching=True),
+               "zerospeed-ngram": lambda m, r, a: run_zerospeed(m, r, a, speculative={
+                   "method": "ngram", "num_speculative_tokens": a.spec_tokens})}
     warm = [(0.0, p, min(o, 8)) for _, p, o in reqs[:8]]
     for name in args.contenders:  # untimed: first-call costs (allocator, oneDNN, compile) out of the figures
         runners[name](model, warm, args)
@@ -247,6 +262,10 @@ def main() -> None:
         tput = sorted(r["zerospeed-prefix"]["tok_per_s"] / r["zerospeed"]["tok_per_s"] for r in rounds)
         print(f"# prefix caching, paired per round: TTFT p50 {', '.join(f'{x:.2f}' for x in ttft)}x lower "
               f"(median {ttft[len(ttft) // 2]:.2f}); tok/s {', '.join(f'{x:.2f}' for x in tput)}x "
+              f"(median {tput[len(tput) // 2]:.2f})")
+    if all("zerospeed" in r and "zerospeed-ngram" in r for r in rounds):
+        tput = sorted(r["zerospeed-ngram"]["tok_per_s"] / r["zerospeed"]["tok_per_s"] for r in rounds)
+        print(f"# n-gram speculation, paired per round: tok/s {', '.join(f'{x:.2f}' for x in tput)}x "
               f"(median {tput[len(tput) // 2]:.2f})")
     if all("hf-static" in r for r in rounds):
         for name in args.contenders:

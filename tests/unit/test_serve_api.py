@@ -230,6 +230,8 @@ def test_vllm_command_line(tmp_path, monkeypatch, capsys):
     assert "Did you mean '--served-model-name'?" in capsys.readouterr().err
     assert main(["serve", str(d), "--kv-cache-memory", "lots"]) == 2
     assert "--kv-cache-memory" in capsys.readouterr().err
+    assert main(["serve", str(d), "--speculative-config", '{"model": "draft-dir"}']) == 2
+    assert "draft model is not supported yet" in capsys.readouterr().err
     seen = {}
 
     def fake_serve_app(make_app, host, port, options):
@@ -248,13 +250,14 @@ def test_vllm_command_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ZEROSPEED_API_KEY", "k1")
     argv = ["serve", str(d), "--served-model-name", "a", "b", "--max-model-len", "48", "--max-num-seqs", "3",
             "--max-num-batched-tokens", "20", "--block-size", "4", "--kv-cache-memory", "64KiB", "--seed", "7",
-            "--tensor-parallel-size", "1", "--enable-prefix-caching"]
+            "--tensor-parallel-size", "1", "--enable-prefix-caching",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     assert main(argv) == 0
     first = seen["text"]
     assert main(argv) == 0 and seen["text"] == first  # --seed: unseeded sampling reproduces across runs
     assert [m["id"] for m in seen["models"]["data"]] == ["a", "b"] and seen["nokey"] == 401
     engine = built["e"][1]
-    assert engine.prefix_caching
+    assert engine.prefix_caching and engine.speculative.num_speculative_tokens == 3
     sm = engine.config.state_manager
     assert (engine.limits.max_context, sm.max_ragged_sequence_count, sm.max_ragged_batch_size,
             sm.kv_block_size) == (48, 3, 20, 4)

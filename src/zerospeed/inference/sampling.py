@@ -15,7 +15,7 @@ import torch
 
 from .logits_process import PLAIN, LogitsOptions
 
-__all__ = ["SEED_MAX", "SEED_MIN", "SamplingParams", "filter_logits", "sample_next"]
+__all__ = ["SEED_MAX", "SEED_MIN", "SamplingParams", "filter_logits", "sample_next", "target_probs"]
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
@@ -77,13 +77,18 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return out
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token id from one row of logits ``[V]``."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution ``[V]`` (float32, CPU) of one row of logits under ``params`` (not greedy)."""
     row = logits.float()
     scaled = filter_logits((row - row.max()) / params.temperature, params.top_k, params.top_p)
     probs = scaled.softmax(-1)
     if not bool(torch.isfinite(probs).all()):  # NaN logits from the model: fail this request, not the server
         raise ValueError("the model produced non-finite logits; cannot sample")
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs.cpu()
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token id from one row of logits ``[V]``."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))

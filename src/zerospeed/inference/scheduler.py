@@ -180,6 +180,24 @@ class Scheduler:
                         del self._computing[seq.keys[i]]
                 seq.registered = max(seq.registered, done)
 
+    def widen(self, w: Work, extra: int) -> Work:
+        """Speculation: ``w`` (a decode) with ``extra`` drafted tokens after it (blocks from its reservation)."""
+        seq = self.running[w.uid]
+        length = w.length + extra
+        if seq.computed + length > seq.max_len:
+            raise ValueError(f"sequence {w.uid}: {extra} drafts run past its reserved length")
+        need = blocks_needed(seq.computed + length, self.block_size) - len(seq.blocks)
+        if need > 0:
+            seq.blocks.extend(self.allocator.allocate(need))
+        return w._replace(length=length, block_table=tuple(seq.blocks))
+
+    def rollback(self, uid: int, rejected: int, accepted: int) -> None:
+        """Speculation, after ``commit``: ``rejected`` drafted tokens are not cached after all, and the
+        sequence generated ``accepted`` tokens more than the one ``commit`` counted."""
+        seq = self.running[uid]
+        seq.computed -= rejected
+        seq.generated += accepted
+
     def finish(self, uid: int) -> None:
         """Drop a sequence (finished or cancelled, running or waiting) and free its blocks."""
         seq = self.running.pop(uid, None)

@@ -37,6 +37,8 @@ from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
 from .logits_process import PLAIN, TokenLogprob, process_logits, token_logprob
 from .prefix_cache import PrefixCachingAllocator
+from .speculative import SpeculativeConfig, propose_ngram
+from .speculative_step import spec_step
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler, Work
 from .serving_tp import FORWARD, STOP, PlanChannel
@@ -60,6 +62,8 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    spec_skip: int = 0  # speculation: steps to decode without drafting (after drafts were all rejected)
+    spec_backoff: int = 1
 
 
 class TokenEvent(NamedTuple):  # immutable and cheap to build (one per token)
@@ -81,7 +85,8 @@ class ServingEngine:
     def __init__(self, model: nn.Module, config: RaggedInferenceEngineConfig | dict[str, Any] | None = None,
                  decode: Callable[[list[int]], str] | None = None, eos_token_ids: Sequence[int] = (),
                  compile: bool = False, tp_group: Any = None, seed: int | None = None,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, speculative: SpeculativeConfig | dict[str, Any] | None = None
+                 ) -> None:
         cfg = RaggedInferenceEngineConfig.parse_section(config, "")
         cfg.check_supported()
         sm = cfg.state_manager
@@ -110,6 +115,10 @@ class ServingEngine:
         self.cache = PagedKVCache(self.adapter.num_layers, blocks, sm.kv_block_size, self.adapter.num_kv_heads,
                                   self.adapter.head_dim, self.adapter.dtype, self.adapter.device)
         self.prefix_caching = prefix_caching  # prompt KV blocks shared across requests (see prefix_cache)
+        self.speculative = SpeculativeConfig.parse(speculative)  # prompt-lookup drafting (see speculative)
+        if self.speculative is not None and self.tp_size > 1:
+            raise ValueError("speculative decoding with tensor parallelism is not supported yet by zerospeed")
+        self.drafted = self.accepted = 0  # speculative tokens proposed / accepted
         allocator = PrefixCachingAllocator(blocks) if prefix_caching else BlockAllocator(blocks)
         self.scheduler = Scheduler(self.limits, allocator, sm.kv_block_size)
         self.decode = decode
@@ -179,6 +188,10 @@ class ServingEngine:
         if not work:
             return []
         try:
+            if self.speculative is not None:
+                drafts = self._draft(work)
+                if drafts:
+                    return spec_step(self, work, drafts)
             return self._step(work)
         except Exception as exc:  # noqa: BLE001 - the forward failed: fail its requests, keep the engine
             return [self.fail(w.uid, f"forward failed: {type(exc).__name__}: {exc}") for w in work
@@ -213,7 +226,6 @@ class ServingEngine:
         self.tokens_forwarded += len(ids)
         events = []
         greedy = logits.argmax(-1).tolist() if rows else []  # one call for every greedy request
-        eos = self.eos_token_ids
         for j, i in enumerate(rows):
             req = self.requests[work[i].uid]
             params = req.params
@@ -228,18 +240,46 @@ class ServingEngine:
             except Exception as exc:  # noqa: BLE001 - this request only
                 events.append(self.fail(req.uid, f"sampling failed: {exc}"))
                 continue
-            req.output.append(token)
-            reason = None  # most tokens end nothing: the checks below run only when one could
-            if token in eos or params.stop or params.stop_token_ids or len(req.output) >= params.max_tokens:
-                reason = self._finish_reason(req, token)
-            if reason is not None:
-                req.finish_reason = reason
-                if self.decode is not None and not req.params.stop:
-                    req.text = self.decode(req.output)
-                self.scheduler.finish(req.uid)
-                del self.requests[req.uid]
-            events.append(TokenEvent(req.uid, token, reason, lp))
+            events.append(self._emit(req, token, lp))
         return events
+
+    def _emit(self, req: Request, token: int, lp: TokenLogprob | None = None) -> TokenEvent:
+        """Append ``token`` to ``req``; end it (freeing its blocks) if this token finishes it; its event."""
+        params = req.params
+        req.output.append(token)
+        reason = None  # most tokens end nothing: the checks below run only when one could
+        if token in self.eos_token_ids or params.stop or params.stop_token_ids or \
+                len(req.output) >= params.max_tokens:
+            reason = self._finish_reason(req, token)
+        if reason is not None:
+            req.finish_reason = reason
+            if self.decode is not None and not req.params.stop:
+                req.text = self.decode(req.output)
+            self.scheduler.finish(req.uid)
+            del self.requests[req.uid]
+        return TokenEvent(req.uid, token, reason, lp)
+
+    def _draft(self, work: list[Work]) -> dict[int, list[int]]:
+        """Speculation: drafts for the plain decodes of ``work`` that fit the step's token budget (widened)."""
+        assert self.speculative is not None
+        budget = self.limits.max_ragged_batch_size - sum(w.length for w in work)
+        drafts: dict[int, list[int]] = {}
+        for k, w in enumerate(work):
+            if budget <= 0:
+                break
+            req = self.requests[w.uid]
+            if w.length != 1 or not w.samples or w.start < len(req.prompt) or req.params.process is not PLAIN:
+                continue
+            if req.spec_skip > 0:  # its last drafts all failed: back off (doubling, up to 16 steps)
+                req.spec_skip -= 1
+                continue
+            d = propose_ngram(req.prompt + req.output, self.speculative,
+                              min(budget, req.params.max_tokens - len(req.output) - 1))
+            if d:
+                work[k] = self.scheduler.widen(w, len(d))
+                drafts[w.uid] = d
+                budget -= len(d)
+        return drafts
 
     def _processed(self, req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """The next token of ``req`` with its logits processing (and its logprob when asked)."""

@@ -92,7 +92,8 @@ def build_engine(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, An
                   "q_type": "symmetric" if args.quant == "int8" else "asymmetric"}
         model = init_inference(model, dtype=dtype, quant={"weight": weight}, tensor_parallel=tp)
     engine = ServingEngine(model, cfg, decode=loaded.tokenizer.decode, eos_token_ids=loaded.eos_token_ids,
-                           seed=args.seed, prefix_caching=args.enable_prefix_caching)
+                           seed=args.seed, prefix_caching=args.enable_prefix_caching,
+                           speculative=getattr(args, "speculative", None))
     return loaded, engine
 
 

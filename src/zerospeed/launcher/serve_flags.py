@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 from typing import Any
 
@@ -46,7 +47,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Jinja chat template (a file, or the template text) replacing the tokenizer's")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="share the KV blocks of equal prompt prefixes across requests")
-    parser.add_argument("--speculative-config", default=None, help="(not supported yet)")
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup)')
 
 
 def check_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
@@ -106,7 +108,14 @@ def _free_memory() -> int:
 def apply_vllm_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` with the state-manager limits that vLLM flags set (each must be >= 1)."""
     if args.speculative_config:
-        raise UsageError("--speculative-config: speculative decoding is not supported yet by zerospeed")
+        from zerospeed.inference.speculative import SpeculativeConfig
+
+        try:
+            args.speculative = SpeculativeConfig.parse(json.loads(args.speculative_config))
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"--speculative-config: {exc}") from None
+    else:
+        args.speculative = None
     sm = cfg["state_manager"]
     for flag, key in (("max_model_len", "max_context"), ("max_num_seqs", "max_ragged_sequence_count"),
                       ("max_num_batched_tokens", "max_ragged_batch_size"), ("block_size", "kv_block_size")):
