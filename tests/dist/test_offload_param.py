@@ -149,20 +149,3 @@ def test_offload_param_io_failure_names_the_file(kind: str, tmp_path) -> None:
             assert "OffloadIOError" in r["again"] and str(tmp_path) in r["again"], r
             assert "not trustworthy" in r["again"] or "inconsistent" in r["again"], r
     assert os.listdir(tmp_path) == []
-
-
-def _wrong_stage(path: str) -> str:
-    import zerospeed
-
-    model = make_model()
-    cfg = config(2, MB, GAS, CLIP, offload_param=_param("nvme", path))
-    try:
-        zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
-def test_offload_param_needs_stage_3(tmp_path) -> None:
-    err, = run_distributed(_wrong_stage, 1, str(tmp_path), timeout=60)
-    assert "zero_optimization.offload_param" in err and "stage 3" in err, err

@@ -25,9 +25,16 @@ def get_accelerator() -> Accelerator:
     return _ACCELERATOR
 
 
+def can_pin_memory() -> bool:
+    """Whether host memory can be page-locked (a CUDA host allocator exists), whichever accelerator is chosen."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def set_accelerator(acc: Accelerator | None) -> None:
     global _ACCELERATOR
     _ACCELERATOR = acc
 
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "set_accelerator"]
+__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "can_pin_memory", "get_accelerator", "set_accelerator"]
