@@ -87,11 +87,9 @@ def _model_and_optimizer(model: nn.Module | None, optimizer: Any, model_paramete
 
 
 def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grids, zero_opt: Any, scheduler: Any,
-            loader: Any, stage3: Any, fp8_modules: list[str], device: torch.device, compute: torch.dtype) -> Engine:
+            loader: Any, stage3: Any, fp8_modules: list[str], device: torch.device, compute: torch.dtype,
+            trimmer: Any) -> Engine:
     batch = cfg.batch(grids.data_size)
-    trimmer = HeapTrimmer.for_device(device, cfg.zero_stage)  # host: freed heap back in backward
-    if zero_opt is not None:
-        zero_opt.reducer.heap_trimmer = trimmer
     lg = cfg.comms_logger  # the engine's own counts; the process default prints (verbose) and serves comm's API
     comm.COMMS_LOGGER.configure(lg.enabled, lg.verbose, lg.prof_all, lg.prof_ops, lg.debug)
     comms = comm.CommsLogger()
@@ -150,9 +148,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
     raw_groups = optimizer_groups(cfg, model, model_parameters, optimizer, grids.moe)
-    zero_opt, base = optimizer_stack(plan, cfg, grids, stage3, policy, model, raw_groups, optimizer)
+    trimmer = HeapTrimmer.for_device(device, cfg.zero_stage)  # host: freed heap back in backward
+    zero_opt, base = optimizer_stack(plan, cfg, grids, stage3, policy, model, raw_groups, optimizer, trimmer)
     scheduler = build_scheduler(cfg, lr_scheduler, base)
     loader = training_loader(cfg, training_data, cfg.batch(grids.data_size), grids, collate_fn, zero_opt)
-    engine = _engine(plan, cfg, model, grids, zero_opt, scheduler, loader, stage3, fp8_modules, device, policy.compute)
+    engine = _engine(plan, cfg, model, grids, zero_opt, scheduler, loader, stage3, fp8_modules, device, policy.compute,
+                     trimmer)
     _finish(engine, cfg, args)
     return engine, zero_opt, loader, scheduler

@@ -19,7 +19,7 @@ from ..accelerator import get_accelerator
 from ..config import ConfigError, ZeroSpeedConfig
 from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler
-from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
+from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.topk_momentum import install_momentum_exchange
 from .facts import built_optimizer_facts
 from .plan import ModelFacts, TrainPlan, plan_training
@@ -162,39 +162,50 @@ def _reduce_settings(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], 
     return _local_accumulation(cfg, settings) if cfg.zero_local_grad_accumulation else settings
 
 
+def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings: ReduceSettings,
+             dp_group: comm.Group | None, dp_rank: int) -> Any:
+    """ZeRO-Offload's host stepper (ZenFlow's when its section is set), or None without offload."""
+    zcfg = cfg.zero_optimization
+    if not zcfg.offload_optimizer.enabled:
+        return None
+    from ..offload import OffloadStepper
+
+    stepper_args = (live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group, dp_rank)
+    if zcfg.zenflow is not None:
+        from ..offload.zenflow import ZenFlowStepper
+
+        return ZenFlowStepper(*stepper_args, stream_grads=settings.partition_sink, zenflow=zcfg.zenflow)
+    return OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
+
+
 def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int,
-                         moe: Any = None) -> ZeroOptimizer:
+                         moe: Any = None, heap_trimmer: Any = None, names: dict[Any, str] | None = None) -> ZeroOptimizer:
     if not live:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     check_zero_optimizer(cfg, base)
     zcfg = cfg.zero_optimization
     settings = _reduce_settings(cfg, base, live, policy, dp_size)
+    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank)
+    # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer)
+    gate = base.wants_backward_allreduce if getattr(base, "compresses_communication", False) else None  # type: ignore[attr-defined]
+    wiring = ReducerWiring(sink=None if stepper is None else stepper.sink, heap_trimmer=heap_trimmer,
+                           allreduce_gate=gate, names=dict(names or {}),
+                           ignore_unused_parameters=zcfg.ignore_unused_parameters)
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
-        reducer = moe.make_reducer(live, settings, stage3)
+        reducer = moe.make_reducer(live, settings, stage3, wiring)
+    elif stage3 is None:
+        reducer = GradReducer(live, settings, dp_group, wiring)
     else:
-        reducer = GradReducer(live, settings, dp_group) if stage3 is None else stage3.make_reducer(live, settings)
-    reducer.ignore_unused_parameters = zcfg.ignore_unused_parameters
+        reducer = stage3.make_reducer(live, settings, wiring=wiring)
     if not zcfg.ignore_unused_parameters and cfg.zero_stage not in (1, 2):
         warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
                       "(as in DeepSpeed, it checks stages 1 and 2 only)")
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
-                             zcfg.allgather_bucket_size)
-    zero_opt.allgather_partitions = zcfg.allgather_partitions
+                             zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,
+                             check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow))
     install_momentum_exchange(cfg.gradient_compression, zero_opt, dp_group)
-    zero_opt.check_grad_overflow = cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
-    if zcfg.offload_optimizer.enabled:
-        from ..offload import OffloadStepper
-
-        stepper_args = (live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group, dp_rank)
-        if zcfg.zenflow is not None:
-            from ..offload.zenflow import ZenFlowStepper
-
-            zero_opt.stepper = ZenFlowStepper(*stepper_args, stream_grads=settings.partition_sink, zenflow=zcfg.zenflow)
-        else:
-            zero_opt.stepper = OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
-        reducer.sink = zero_opt.stepper.sink  # where reduced gradients go instead of device partitions (or None)
     return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
 
 
@@ -209,7 +220,7 @@ def build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimize
 
 
 def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: Any, policy: Any, model: nn.Module,
-                    raw_groups: list[dict[str, Any]], client: Any) -> tuple[ZeroOptimizer | None, Any]:
+                    raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any) -> tuple[ZeroOptimizer | None, Any]:
     """The ZeRO optimizer over the base optimizer (None without one), with the parallelisms' norm axes."""
     moe, dp_group = grids.moe, grids.dp_group
     groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe)
@@ -217,10 +228,11 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
     base = build_base_optimizer(cfg, client, groups, options)
     if base is None:
         return None, None
-    zero_opt = build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, grids.dp_size, grids.dp_rank, moe)
-    if plan.compressing:  # the optimizer decides when the engine all-reduces gradients
+    names = {p: n for n, p in model.named_parameters()}
+    zero_opt = build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, grids.dp_size, grids.dp_rank, moe,
+                                    heap_trimmer, names)
+    if plan.compressing:  # a 1-bit optimizer averages its compressed momentum over the data-parallel group
         base.bind(dp_group)  # type: ignore[union-attr]
-        zero_opt.reducer.allreduce_gate = base.wants_backward_allreduce  # type: ignore[union-attr]
     if plan.pipelined:  # one grad norm / overflow verdict over every stage
         from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
 
@@ -228,5 +240,4 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
         zero_opt = wrap(zero_opt, grids.grid.get_pipe_parallel_group(), model.replicated)
     if grids.tp is not None:  # one grad norm / overflow verdict over the split model
         zero_opt = grids.tp.wrap_optimizer(zero_opt)
-    zero_opt.reducer.names = {p: n for n, p in model.named_parameters()}
     return zero_opt, base

@@ -42,19 +42,12 @@ class Engine(nn.Module):
         self.config = config
         self._batch = batch
         self.parts = parts
-        optimizer = parts.optimizer
-        self.optimizer = optimizer
-        self.lr_scheduler = parts.lr_scheduler
-        self.dp_group = dp_group
-        self.device = device
-        self.compute_dtype = compute_dtype
-        self.training_dataloader = parts.training_dataloader
-        self.zero3 = parts.zero3
-        self.data_efficiency = parts.data_efficiency
-        self.fp8_modules = parts.fp8_modules
+        self.optimizer = optimizer = parts.optimizer
+        self.lr_scheduler, self.training_dataloader = parts.lr_scheduler, parts.training_dataloader
+        self.dp_group, self.device, self.compute_dtype = dp_group, device, compute_dtype
+        self.zero3, self.data_efficiency, self.fp8_modules = parts.zero3, parts.data_efficiency, parts.fp8_modules
         self.heap_trimmer: HeapTrimmer | None = parts.heap_trimmer
-        self.comms = parts.comms
-        self.checkpoint_writer = parts.checkpoint_writer
+        self.comms, self.checkpoint_writer = parts.comms, parts.checkpoint_writer
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
