@@ -7,6 +7,7 @@ global or import outside the allowed places fails here and names the file.
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerospeed"
@@ -14,6 +15,7 @@ PLACES_THAT_DECIDE = {"runtime/plan.py", "runtime/build.py", "runtime/build_mode
                       "runtime/build_parallel.py", "runtime/build_data.py", "runtime/facts.py"}
 
 
+@lru_cache(maxsize=1)
 def _files() -> list[tuple[str, ast.Module]]:
     return [(str(p.relative_to(SRC)), ast.parse(p.read_text())) for p in sorted(SRC.rglob("*.py"))]
 
