@@ -142,8 +142,5 @@ def run_bad(config_fp8: dict[str, Any], stage: int, extra: dict[str, Any]) -> st
     return "no error"
 
 
-def test_fp8_config_errors() -> None:
-    assert "needs ZeRO stage 3" in run_distributed(run_bad, 1, {"allgather_fp8": True}, 2, {}, timeout=60)[0]
-    msg = run_distributed(run_bad, 1, {"allgather_fp8": True}, 3, {"zero_quantized_weights": True}, timeout=60)[0]
-    assert "keep one" in msg
+def test_fp8_config_errors() -> None:  # the combination refusals: tests/unit/test_train_plan.py
     assert "emulated" in run_distributed(run_bad, 1, {"enabled": True}, 0, {}, timeout=60)[0]

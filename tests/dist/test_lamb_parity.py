@@ -110,7 +110,7 @@ def test_lamb_parity_with_cpu_offload(stage: int) -> None:
 def test_lamb_without_untested_flag_is_accepted() -> None:
     """Lamb is exact under ZeRO now, so it needs no zero_allow_untested_optimizer."""
     from zerospeed.config import load_config
-    from zerospeed.runtime.build import _check_zero_optimizer
+    from zerospeed.runtime.build_optimizer import check_zero_optimizer as _check_zero_optimizer
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
     p = torch.nn.Parameter(torch.ones(2))

@@ -166,9 +166,9 @@ def test_sink_accumulates_flags_and_zeroes(copies: bool, tmp_path) -> None:
 
 def _host_sink(stage: int, force: bool) -> dict[str, Any]:
     from zerospeed.offload.grad_sink import HostGrads
-    from zerospeed.runtime import build
+    from zerospeed.runtime import build_optimizer as build
 
-    real, add = build._gradients_off_device, HostGrads.add
+    real, add = build.gradients_off_device, HostGrads.add
     calls = [0]
 
     def counted(self: HostGrads, *args: Any) -> None:
@@ -177,13 +177,13 @@ def _host_sink(stage: int, force: bool) -> dict[str, Any]:
 
     HostGrads.add = counted  # type: ignore[method-assign]
     if force:  # what an accelerator gets under cpu offload, on this CPU-only machine
-        build._gradients_off_device = lambda cfg, live: cfg.zero_optimization.offload_optimizer.device == "cpu"
+        build.gradients_off_device = lambda cfg, live: cfg.zero_optimization.offload_optimizer.device == "cpu"
     try:
         from .test_offload_parity import run
 
         out = run(stage, 4, {"device": "cpu"})
     finally:
-        build._gradients_off_device, HostGrads.add = real, add  # type: ignore[method-assign]
+        build.gradients_off_device, HostGrads.add = real, add  # type: ignore[method-assign]
     out["host_adds"] = calls[0]
     return out
 

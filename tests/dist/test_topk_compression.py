@@ -68,7 +68,7 @@ def test_topk_converges_like_adam() -> None:
 def test_topk_refused_where_it_does_not_apply() -> None:
     from zerospeed.config import ConfigError, load_config
     from zerospeed.optim.onebit import OnebitAdam
-    from zerospeed.runtime.build import _topk
+    from zerospeed.runtime.build_optimizer import topk as _topk
 
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": {"type": "topk", "ratio": 0.1}}

@@ -120,7 +120,7 @@ def test_frozen_variance_topk_equals_simulation(stage: int, momentum: bool, pre:
 
 def test_freeze_variance_refused_where_it_does_not_apply() -> None:
     from zerospeed.config import ConfigError, load_config
-    from zerospeed.runtime.build import _topk
+    from zerospeed.runtime.build_optimizer import topk as _topk
 
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": COMPRESSION}

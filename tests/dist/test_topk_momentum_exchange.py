@@ -165,7 +165,7 @@ def test_checkpoint_round_trip_keeps_momentum_and_resets_errors(tmp_path: Any) -
 
 def test_momentum_exchange_refused_where_it_does_not_apply() -> None:
     from zerospeed.config import ConfigError, load_config
-    from zerospeed.runtime.build import _topk
+    from zerospeed.runtime.build_optimizer import topk as _topk
 
     p = [torch.nn.Parameter(torch.ones(2))]
     on = {"train_micro_batch_size_per_gpu": 1, "gradient_compression": COMPRESSION}

@@ -99,3 +99,35 @@ def test_stage3_refuses_gradients_from_another_engine() -> None:
     for message in run_distributed(_gan, 2, 3, timeout=60):
         assert isinstance(message, str) and "outside this engine's backward" in message, message
         assert "stage 3" in message
+
+
+def _volumes() -> dict[str, Any]:
+    """Two engines stepping in turns: each one's per-step comms volume and summary count only its own."""
+    import zerospeed
+
+    torch.manual_seed(0)
+    big, small = nn.Linear(64, 64), nn.Linear(4, 2)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 0}}
+    eng_big, *_ = zerospeed.initialize(model=big, config=cfg)
+    eng_small, *_ = zerospeed.initialize(model=small, config=cfg)
+    out: dict[str, Any] = {"big": [], "small": []}
+    for _ in range(3):
+        for name, eng, width in (("big", eng_big, 64), ("small", eng_small, 4)):
+            eng.backward(eng(torch.randn(2, width)).square().mean())
+            eng.step()
+            out[name].append(eng.last_step_comm_volume)
+    out["small_summary"] = eng_small.comms_summary()
+    return out
+
+
+def test_two_engines_have_separate_comms_volumes() -> None:
+    r = run_distributed(_volumes, 2, timeout=90)[0]
+    small_grad = (4 * 2 + 2) * 4  # fp32 bytes of the small model's gradient
+    big_grad = (64 * 64 + 64) * 4
+    # stage 0: one all-reduce of the gradient (volume 2x the message) and the grad-norm scalars, nothing else:
+    # the other engine's all-reduces, issued between this engine's steps, are not in its count
+    assert all(2 * small_grad <= v < 2 * small_grad + 64 for v in r["small"]), r["small"]
+    assert all(2 * big_grad <= v < 2 * big_grad + 64 for v in r["big"]), r["big"]
+    mb = float(r["small_summary"].splitlines()[1].split()[3])  # all_reduce volume MB over the three steps
+    assert mb < 0.01, r["small_summary"]

@@ -174,7 +174,7 @@ def test_config_builds_and_names_bad_keys() -> None:
 
 def test_zero_checks_accept_muon_and_refuse_nvme() -> None:
     from zerospeed.config import load_config
-    from zerospeed.runtime.build import _check_zero_optimizer
+    from zerospeed.runtime.build_optimizer import check_zero_optimizer as _check_zero_optimizer
 
     opt = MuonWithAuxAdam([{"params": [nn.Parameter(torch.ones(2, 2))], "use_muon": True}])
     _check_zero_optimizer(load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}), opt)

@@ -25,6 +25,13 @@ def get_accelerator() -> Accelerator:
     return _ACCELERATOR
 
 
+def can_pin_memory() -> bool:
+    """Whether host memory can be page-locked (a CUDA host allocator exists), whichever accelerator is chosen."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def set_accelerator(acc: Accelerator | None) -> None:
     global _ACCELERATOR
     _ACCELERATOR = acc
@@ -35,5 +42,5 @@ def is_current_accelerator_supported() -> bool:
     return get_accelerator().name in ("cpu", "cuda")
 
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "is_current_accelerator_supported",
-           "set_accelerator"]
+__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "can_pin_memory", "get_accelerator",
+           "is_current_accelerator_supported", "set_accelerator"]

@@ -43,7 +43,7 @@ from .collectives import (
 )
 from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_signs, padded_numel, unpack_signs
 from .hierarchy import Hierarchy, intra_node_group, ranks_per_node_from_env
-from .logger import COMMS_LOGGER, CommsLogger, OpStats
+from .logger import COMMS_LOGGER, CommsLogger, OpStats, recording
 from .quantized_grads import dequantize_int4, quantize_int4, quantized_reduce_scatter
 from .quantized import (QuantizedGather, dequantize_fp8, dequantize_int8, quant_groups, quantize_fp8, quantize_int8,
                         quantized_all_gather)
@@ -54,7 +54,7 @@ from .deepspeed_names import (all_gather_into_tensor, configure, destroy_process
                               get_world_group, log_summary, monitored_barrier, reduce_scatter_tensor)
 
 __all__ = [
-    "COMMS_LOGGER", "DEFAULT_TIMEOUT", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
+    "COMMS_LOGGER", "DEFAULT_TIMEOUT", "recording", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
     "P2P", "P2PHandle", "device_mesh", "exchange", "global_rank_of",
     "RecoverableGroup", "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_in_place", "gathers_in_place", "all_gather_object", "all_reduce", "all_reduce_flags", "all_reduce_max_flag", "all_to_all_single", "backend_name",
     "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "exchange_ints", "file_store", "get_local_rank",

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized, note_failure
-from .logger import COMMS_LOGGER
+from .logger import loggers
 from .recoverable import RecoverableGroup, resolve
 
 ReduceOp = dist.ReduceOp
@@ -28,6 +28,7 @@ class Handle:
         self._group = group
         self._t0 = t0
         self.done = work is None
+        self._loggers = loggers()  # where its latency is booked: the loggers of the call that launched it
 
     def wait(self) -> None:
         if self.done:
@@ -37,7 +38,9 @@ class Handle:
         except RuntimeError as exc:
             raise _error(self._op, self._group, exc) from exc
         self.done = True
-        COMMS_LOGGER.add_time(self._op, time.perf_counter() - self._t0)
+        seconds = time.perf_counter() - self._t0
+        for lg in self._loggers:
+            lg.add_time(self._op, seconds)
 
 
 def _group_name(group: Group | None) -> str:
@@ -87,11 +90,11 @@ def _run(op: str, group: Group | None, nbytes: int, volume: int, async_op: bool,
         work = fn()
     except RuntimeError as exc:
         raise _error(op, group, exc) from exc
-    if async_op:
-        COMMS_LOGGER.record(op, nbytes, volume, ranks=_ranks(group))
-        return Handle(work, op, group, t0)
-    COMMS_LOGGER.record(op, nbytes, volume, time.perf_counter() - t0, ranks=_ranks(group))
-    return None
+    seconds = 0.0 if async_op else time.perf_counter() - t0
+    ranks = _ranks(group)
+    for lg in loggers():
+        lg.record(op, nbytes, volume, seconds, ranks=ranks)
+    return Handle(work, op, group, t0) if async_op else None
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -117,7 +120,27 @@ def _bus_factor(op: str, n: int) -> float:
     return 1.0
 
 
+# The process default: every collective counts here (DeepSpeed's module-level ``deepspeed.comm`` logger and
+# its summary read it). An engine's own logger also counts the collectives issued inside its calls.
 COMMS_LOGGER = CommsLogger()
+# The logger of the engine whose forward/backward/step is running (``recording``), None outside one.
+_ENGINE_LOGGER: ContextVar[CommsLogger | None] = ContextVar("zerospeed_engine_comms", default=None)
+
+
+@contextmanager
+def recording(logger: CommsLogger) -> Iterator[None]:
+    """Collectives issued inside also count in ``logger`` (an engine's own), beside the process default."""
+    token = _ENGINE_LOGGER.set(logger)
+    try:
+        yield
+    finally:
+        _ENGINE_LOGGER.reset(token)
+
+
+def loggers() -> tuple[CommsLogger, ...]:
+    """Where a collective issued now is counted: the process default, and the running engine's logger."""
+    own = _ENGINE_LOGGER.get()
+    return (COMMS_LOGGER,) if own is None or own is COMMS_LOGGER else (COMMS_LOGGER, own)
 
 
 class Timer:

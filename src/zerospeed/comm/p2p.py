@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .backend import Group, get_rank
 from .collectives import CollectiveError
-from .logger import COMMS_LOGGER
+from .logger import loggers
 from .recoverable import resolve
 
 
@@ -80,6 +80,7 @@ class P2PHandle:
         self._ops = ops
         self._t0 = t0
         self.done = not works
+        self._loggers = loggers()
 
     def wait(self) -> None:
         if self.done:
@@ -90,8 +91,10 @@ class P2PHandle:
         except RuntimeError as exc:
             raise _fail(self._ops, exc) from exc
         self.done = True
+        seconds = time.perf_counter() - self._t0
         for kind in {o.kind for o in self._ops}:
-            COMMS_LOGGER.add_time(kind, time.perf_counter() - self._t0)
+            for lg in self._loggers:
+                lg.add_time(kind, seconds)
 
 
 def exchange(ops: list[P2P], group: Group | None = None) -> P2PHandle:
@@ -105,9 +108,11 @@ def exchange(ops: list[P2P], group: Group | None = None) -> P2PHandle:
         works = dist.batch_isend_irecv(p2p_ops)
     except RuntimeError as exc:
         raise _fail(ops, exc) from exc
+    own = loggers()
     for o in ops:
         n = o.tensor.numel() * o.tensor.element_size()
-        COMMS_LOGGER.record(o.kind, n, n)
+        for lg in own:
+            lg.record(o.kind, n, n)
     return P2PHandle(list(works), ops, t0)
 
 

@@ -91,18 +91,10 @@ def kv_blocks_for(model: Any, memory: str, block_size: int, dtype_bytes: int, tp
 
 
 def _free_memory() -> int:
-    import torch
+    """Free memory of the device the server runs on (the accelerator's view: CUDA free bytes, else host RAM)."""
+    from ..accelerator import get_accelerator
 
-    if torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info()[0])
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return get_accelerator().available_memory()
 
 
 def apply_vllm_flags(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:

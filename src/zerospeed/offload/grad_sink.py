@@ -32,6 +32,7 @@ import torch
 from .state_store import state_layout
 from .subgroups import SubGroup
 from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
+from ..accelerator import can_pin_memory
 
 GRAD = "grad"
 MAX_WRITES = 2  # gradient writes in flight (each holds one sub-group buffer)
@@ -200,7 +201,7 @@ class HostGrads:
     MAX_COPIES = 4
 
     def __init__(self, numels: list[int], pin: bool, accelerator: Any) -> None:
-        pin = pin and torch.cuda.is_available()  # pinning needs a CUDA host allocator (a no-op on CPU, as DeepSpeed)
+        pin = pin and can_pin_memory()  # pinning needs a CUDA host allocator (a no-op on CPU, as DeepSpeed)
         self.pin, self.acc = pin, accelerator
         self.parts = [torch.zeros(n, dtype=torch.float32, pin_memory=pin) for n in numels]
         self.stream = accelerator.side_stream()

@@ -22,6 +22,7 @@ from ..config.offload import AioConfig, OffloadParamConfig
 from ..zero.stage3.param_store import ParamShard
 from .preflight import check_nvme_path
 from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
+from ..accelerator import can_pin_memory
 
 KEY = "zero_optimization.offload_param"
 
@@ -67,7 +68,7 @@ class ParamHome:
         if self.swapper is None or key in self.host or (fits and key not in self.swapper.sizes):
             old = self.host.get(key)
             if old is None or old.dtype != values.dtype or old.numel() != values.numel():
-                pin = self.cfg.pin_memory and torch.cuda.is_available()
+                pin = self.cfg.pin_memory and can_pin_memory()
                 self.host_numel += values.numel() - (0 if old is None else old.numel())
                 self.host[key] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
             self.host[key].copy_(values)

@@ -43,6 +43,7 @@ from .state_store import HostStore, SwappedState, state_layout, state_views
 from .partial import DeviceShare, HostWorker, split_subgroups
 from .subgroups import SubGroup, plan_subgroups
 from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
+from ..accelerator import can_pin_memory
 
 KEY = "zero_optimization.offload_optimizer"
 
@@ -53,7 +54,7 @@ class _GradStager:
     def __init__(self, grads: list[torch.Tensor], pin: bool) -> None:
         self.grads = grads
         self.on_host = all(g.device.type == "cpu" for g in grads)
-        self.pin = pin and torch.cuda.is_available()
+        self.pin = pin and can_pin_memory()
         self.ready: dict[int, tuple[list[torch.Tensor], Any]] = {}
         self.stream = None if self.on_host else torch.cuda.Stream()
 

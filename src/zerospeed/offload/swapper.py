@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from ..accelerator import can_pin_memory
 
 ALIGN = 4096
 
@@ -51,7 +52,7 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 host buffer of ``round_up(nbytes)`` bytes whose address is 4 KiB-aligned (pinned if asked and
     CUDA is available: page-locked memory is page-aligned)."""
     size = round_up(max(nbytes, 1))
-    if pin and torch.cuda.is_available():
+    if pin and can_pin_memory():
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
     raw = torch.empty(size + ALIGN, dtype=torch.uint8)
     shift = (-raw.data_ptr()) % ALIGN

@@ -50,9 +50,8 @@ def check_data_parallel_size(cfg: ZeroSpeedConfig, world_size: int) -> None:
                  f"data-parallel size is the world size, {world_size}", level=logging.WARNING)
 
 
-def note_offload_param_below_stage3(cfg: ZeroSpeedConfig) -> None:
+def note_offload_param_below_stage3(stage: int) -> None:
     """``offload_param`` below stage 3 is accepted, as DeepSpeed accepts it, with one log line saying why it
-    does nothing: only stage 3 partitions the parameters that it would offload."""
-    if cfg.zero_optimization.offload_param.enabled and cfg.zero_stage != 3:
-        log_dist(f"zero_optimization.offload_param has no effect at ZeRO stage {cfg.zero_stage}: parameters are "
-                 "offloaded only when stage 3 partitions them (DeepSpeed ignores it too)", level=logging.WARNING)
+    does nothing: only stage 3 partitions the parameters that it would offload (build_model decides when)."""
+    log_dist(f"zero_optimization.offload_param has no effect at ZeRO stage {stage}: parameters are "
+             "offloaded only when stage 3 partitions them (DeepSpeed ignores it too)", level=logging.WARNING)

@@ -29,25 +29,25 @@ from ..config.batch import BatchSizes
 from ..precision.cast import cast_inputs_half
 from ..zero import ZeroOptimizer
 from .observer import StepObserver
+from .parts import EngineParts
 
 
 class Engine(nn.Module):
-    heap_trimmer: HeapTrimmer | None = None  # host engines: give glibc's freed heap back in backward
-    zero3: Any = None  # ZeRO-3 runtime (zero.stage3.Stage3Runtime) when stage 3 is on; set by build.py
-    data_efficiency: Any = None  # curriculum / PLD / random-LTD (data_pipeline.runtime.DataEfficiency); build.py
-    def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes,
-                 optimizer: ZeroOptimizer | None, lr_scheduler: Any, dp_group: comm.Group | None,
-                 device: torch.device, compute_dtype: torch.dtype, training_dataloader: Any = None) -> None:
+    """One model's training: the parts ``initialize()`` built (``EngineParts``) driven through DeepSpeed's API."""
+
+    def __init__(self, module: nn.Module, config: ZeroSpeedConfig, batch: BatchSizes, parts: EngineParts,
+                 dp_group: comm.Group | None, device: torch.device, compute_dtype: torch.dtype) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self._batch = batch
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.dp_group = dp_group
-        self.device = device
-        self.compute_dtype = compute_dtype
-        self.training_dataloader = training_dataloader
+        self.parts = parts
+        self.optimizer = optimizer = parts.optimizer
+        self.lr_scheduler, self.training_dataloader = parts.lr_scheduler, parts.training_dataloader
+        self.dp_group, self.device, self.compute_dtype = dp_group, device, compute_dtype
+        self.zero3, self.data_efficiency, self.fp8_modules = parts.zero3, parts.data_efficiency, parts.fp8_modules
+        self.heap_trimmer: HeapTrimmer | None = parts.heap_trimmer
+        self.comms, self.checkpoint_writer = parts.comms, parts.checkpoint_writer
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -56,14 +56,13 @@ class Engine(nn.Module):
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
         self._accumulating = False  # gradients accumulated since the last boundary step (checkpoints refuse them)
-        self._comm_volume_at_step_start = comm.COMMS_LOGGER.total_volume()
+        self._comm_volume_at_step_start = self.comms.total_volume()
         self.last_step_comm_volume = 0
         self.last_checkpoint_stats: Any = None
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()  # DeepSpeed's engine.local_rank (initialize() sets args.local_rank)
         self.world_size = comm.get_world_size()
         self.dp_world_size = comm.get_world_size(dp_group)
-        self.mp_world_size = 1
         # Sequence parallelism (DeepSpeed's names; set_sequence_groups): without it the data-parallel and the
         # sequence-data-parallel groups are both the ZeRO group.
         self.sequence_parallel_size = 1
@@ -72,17 +71,19 @@ class Engine(nn.Module):
         self.seq_dp_world_size = self.dp_world_size
         self.data_parallel_group = dp_group
         self.mpu: Any = None
+        self.tensor_parallel = parts.tensor_parallel
+        self.checkpoint_group = parts.checkpoint_group  # None: the data-parallel group's ranks write
+        self.mp_world_size = parts.mp_world_size
+        if parts.sequence_grid is not None:
+            self.set_sequence_groups(parts.sequence_grid)
         self.observer = StepObserver(self, config, self.global_rank)
         self.timers = self.observer.timers
         self.backwards_in_window = 0
         self._checked_generation = 0
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
-        self.heap_trimmer = HeapTrimmer.for_device(device, config.zero_stage)  # host: freed heap back in backward
         if optimizer is not None:
             from ..zero import fragments
-
-            optimizer.reducer.heap_trimmer = self.heap_trimmer
 
             fragments.bind(optimizer)  # zerospeed.utils.safe_get_full_fp32_param & co. find each parameter's shard
         from .autotuning_probe import AutotuningProbe
@@ -193,7 +194,8 @@ class Engine(nn.Module):
         """Run one engine call; on an exception abandon the step on every rank and re-raise."""
         self._ensure_usable()
         try:
-            yield
+            with comm.recording(self.comms):  # this engine's collectives count in its own logger
+                yield
         except Exception as exc:
             self._abandon_step(what, exc)
             raise
@@ -322,7 +324,7 @@ class Engine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             # Everything since the previous boundary: the step's forwards (stage-3 gathers), backwards, update.
-            total = comm.COMMS_LOGGER.total_volume()
+            total = self.comms.total_volume()
             self.last_step_comm_volume = total - self._comm_volume_at_step_start
             self._comm_volume_at_step_start = total
         self.observer.step_end(boundary)
@@ -435,7 +437,7 @@ class Engine(nn.Module):
         return self.config.wall_clock_breakdown
 
     def comms_summary(self) -> str:
-        return comm.COMMS_LOGGER.summary(self.dp_world_size)
+        return self.comms.summary(self.dp_world_size)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -447,13 +449,11 @@ class Engine(nn.Module):
         from ..config import ConfigError
         from ..zero.stage3 import save_16bit_model
 
-        from ..parallel.expert.training import moe_layers
-
         if self.zero3 is not None and not self.zero3.gather_16bit_on_save:
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "under ZeRO stage 3 saving a 16-bit model gathers the partitioned parameters; set it "
                               "to true (or export with zerospeed.zero.full_state_dict)")
-        if any(m.ep_size > 1 for m in moe_layers(self.module)):  # each rank holds only its own experts
+        if self.parts.experts_sharded:  # each rank holds only its own experts
             import os
 
             from ..parallel.expert.checkpoint import with_all_experts

@@ -88,7 +88,7 @@ class StepObserver:
         self.tput_timer.record_step(self.last_step_seconds, eng.gradient_accumulation_steps())
         if self.flops_profiler is not None:
             self.flops_profiler.on_step_end(eng.global_steps)
-        comm_total = sum(st.seconds for st in comm.COMMS_LOGGER.stats.values())
+        comm_total = sum(st.seconds for st in eng.comms.stats.values())
         record = {"step": float(eng.global_steps), "loss": float(self.loss_sum),
                   "samples_per_sec": eng.train_batch_size() / max(self.last_step_seconds, 1e-9),
                   "step_seconds": self.last_step_seconds, "comm_seconds": comm_total - self._comm_seconds}
@@ -147,7 +147,7 @@ class StepObserver:
                       f"{measured['peak_bytes'] / 2**20:.1f} MiB, +{measured['growth_bytes'] / 2**20:.1f} MiB "
                       "over the step's start", flush=True)
         if self.config.comms_logger.enabled:
-            print(comm.COMMS_LOGGER.summary(eng.dp_world_size), flush=True)
+            print(eng.comms.summary(eng.dp_world_size), flush=True)
 
     def close(self) -> None:
         self.monitor.flush()

@@ -33,7 +33,7 @@ and raises instead.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,23 @@ class ReduceSettings:
     local_accumulation: bool = False
 
 
+@dataclass(frozen=True)
+class ReducerWiring:
+    """The reducer's collaborators, given at construction (``runtime/build_optimizer.py``)."""
+
+    # Where reduced slices go under ``settings.partition_sink`` (``add(g, partition_offset, values)``,
+    # ``end_micro_step()``, ``zero()``): offload/grad_sink.py.
+    sink: Any = None
+    # Host engines: a HeapTrimmer (accelerator/host_malloc.py) asked at each bucket launch to give back the
+    # activations' freed heap.
+    heap_trimmer: Any = None
+    # DeepSpeed's ``enable_backward_allreduce``: when this returns False (a 1-bit optimizer in its
+    # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
+    allreduce_gate: Callable[[], bool] | None = None
+    names: dict[nn.Parameter, str] = field(default_factory=dict)  # parameter names, for messages
+    ignore_unused_parameters: bool = True  # zero_optimization.ignore_unused_parameters (stages 1-2)
+
+
 class _Pending:
     """A bucket's collective in flight. ``direct``: its reduce-scatter writes straight into the gradient partition
     (which then only needs scaling in place)."""
@@ -83,14 +100,11 @@ class _Pending:
 
 
 class GradReducer:
-    # Where reduced slices go under ``settings.partition_sink`` (``add(g, partition_offset, values)``,
-    # ``end_micro_step()``, ``zero()``); set before the first backward.
-    sink: Any = None
-    # Host engines: a HeapTrimmer (accelerator/host_malloc.py) asked at each bucket launch to give back the
-    # activations' freed heap; set by build.py.
-    heap_trimmer: Any = None
-
-    def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None) -> None:
+    def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None,
+                 wiring: ReducerWiring | None = None) -> None:
+        w = ReducerWiring() if wiring is None else wiring
+        self.sink = w.sink
+        self.heap_trimmer = w.heap_trimmer
         self.groups = groups
         self.s = settings
         self.dp_group = dp_group
@@ -102,9 +116,7 @@ class GradReducer:
         self.pending: list[_Pending] = []
         self.communicate = True
         self.first_micro_step = True
-        # DeepSpeed's ``enable_backward_allreduce``: when this returns False (a 1-bit optimizer in its
-        # compression phase, stage 0 only) each rank keeps its local gradient; the optimizer averages.
-        self.allreduce_gate: Callable[[], bool] | None = None
+        self.allreduce_gate = w.allreduce_gate  # see ReducerWiring (top-k momentum exchange may set it later)
         self.residual: dict[tuple[int, int], torch.Tensor] = {}  # top-k error feedback, per bucket
         self.topk_steps = 0  # optimizer steps taken (set by ZeroOptimizer): top-k starts at topk_warmup_steps
         self.topk_scale: dict[tuple[int, int], torch.Tensor] = {}  # per bucket: rank entries by |g| * scale
@@ -137,8 +149,8 @@ class GradReducer:
         self.unused: set[tuple[int, int]] | None = None  # learned from the first backward (same on every rank)
         self.late: dict[int, torch.Tensor] = {}  # bucket position -> gradients that arrived after its launch
         self.boundary = True
-        self.ignore_unused_parameters = True  # zero_optimization.ignore_unused_parameters (stages 1-2)
-        self.names: dict[nn.Parameter, str] = {}  # for messages (set by build.py)
+        self.ignore_unused_parameters = w.ignore_unused_parameters
+        self.names: dict[nn.Parameter, str] = w.names  # for messages
         self.early_launches = 0  # bucket collectives launched from a gradient hook, during backward
         self.peak_buffer_bytes = 0  # largest grad_bytes() seen when a transient bucket buffer was made
         self.hooks = []

@@ -31,18 +31,18 @@ from .sharded_group import ShardedGroup
 class ZeroOptimizer:
     """Wraps a torch optimizer whose params are the master shards of ``groups``."""
 
-    # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
-    stepper: Any = None
-    # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k warm-up)
-    # (optim/frozen_variance.py); None: off.
-    freeze_variance_at: int | None = None
-    momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
-    preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
-    momentum_exchange: Any = None  # ... momentum_exchange: a TopkMomentumExchange (zero/topk_momentum.py)
-
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
-                 allgather_bucket_numel: int) -> None:
+                 allgather_bucket_numel: int, stepper: Any = None, allgather_partitions: bool = True,
+                 check_grad_overflow: bool = False) -> None:
+        # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
+        self.stepper = stepper
+        # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k
+        # warm-up) (optim/frozen_variance.py); None: off.
+        self.freeze_variance_at: int | None = None
+        self.momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
+        self.preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
+        self.momentum_exchange: Any = None  # ... momentum_exchange: a TopkMomentumExchange (zero/topk_momentum.py)
         self.groups = groups
         self.optimizer = optimizer
         self.reducer = reducer
@@ -52,10 +52,10 @@ class ZeroOptimizer:
         self.compute_dtype = compute_dtype
         self.allgather_bucket_numel = allgather_bucket_numel
         self.overflow = False
-        self.allgather_partitions = True  # false: rebuild parameters with one broadcast per rank instead
+        self.allgather_partitions = allgather_partitions  # false: rebuild parameters with one broadcast per rank
         # Skip steps whose gradients hold inf/nan on any rank even without a loss scale (fp16 always, as in
         # DeepSpeed; bf16 when bf16.check_grad_overflow): weights, optimizer state and schedule stay untouched.
-        self.check_grad_overflow = False
+        self.check_grad_overflow = check_grad_overflow
         self.global_grad_norm: float | None = None
         self.updating = False
         self.partitioned = any(g.num_partitions > 1 for g in groups)

@@ -31,7 +31,7 @@ from torch import nn
 
 from ... import comm
 from ...config.errors import NotSupportedYetError
-from ...zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
+from ...zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from .groups import ExpertGroups
 from .layer import MoE
 from .tensor_parallel import is_tensor_parallel_param
@@ -129,13 +129,15 @@ class MoETraining:
                     comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
 
     # --- reduction and the step -------------------------------------------------------------------------
-    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings, stage3: Any = None) -> "MoEGradReducer":
+    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings, stage3: Any = None,
+                     wiring: ReducerWiring | None = None) -> "MoEGradReducer":
         by_set: dict[str, list[int]] = {}
         for gi, grp in enumerate(live):
             eg = self.expert_groups_of(grp.params)
             by_set.setdefault("" if eg is None else eg.name, []).append(gi)
+        w = ReducerWiring() if wiring is None else wiring
         parts = []
-        for name in sorted(by_set):  # dense ("") first, then expert groups by name: the same order on every rank
+        for n, name in enumerate(sorted(by_set)):  # dense ("") first, then expert groups by name: the same order on every rank
             idx = by_set[name]
             if name == "":
                 group, s = self.dp_group, settings
@@ -143,8 +145,11 @@ class MoETraining:
                 eg = self.registry[name]
                 group, s = eg.edp_group, dataclasses.replace(settings, dp_size=eg.edp_size)
             grps = [live[i] for i in idx]
-            parts.append((GradReducer(grps, s, group) if stage3 is None else stage3.make_reducer(grps, s, group), idx))
-        return MoEGradReducer(parts)
+            # each part writes through a view of the sink that numbers its groups as the optimizer does
+            pw = dataclasses.replace(w, heap_trimmer=None, sink=None if w.sink is None else _SinkView(w.sink, idx, n == 0))
+            parts.append((GradReducer(grps, s, group, pw) if stage3 is None else stage3.make_reducer(grps, s, group, pw),
+                          idx))
+        return MoEGradReducer(parts, w)
 
     def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
         return MoEZeroOptimizer.wrap(opt, self)
@@ -179,8 +184,6 @@ class _SinkView:
 class MoEGradReducer:
     """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
 
-    _sink: Any = None
-
     @property
     def sink(self) -> Any:
         """Where reduced gradients go under offload (set by ``runtime/build.py``); each part writes through
@@ -193,7 +196,9 @@ class MoEGradReducer:
         for n, (r, idx) in enumerate(self.parts):
             r.sink = None if value is None else _SinkView(value, idx, n == 0)
 
-    def __init__(self, parts: list[tuple[GradReducer, list[int]]]) -> None:
+    def __init__(self, parts: list[tuple[GradReducer, list[int]]], wiring: ReducerWiring | None = None) -> None:
+        self._sink = None if wiring is None else wiring.sink
+        self.heap_trimmer = None if wiring is None else wiring.heap_trimmer
         self.parts = parts
         self.index = {gi: (r, local) for r, idx in parts for local, gi in enumerate(idx)}
         self.groups = [self.index[gi][0].groups[self.index[gi][1]] for gi in range(len(self.index))]

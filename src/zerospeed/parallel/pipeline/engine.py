@@ -215,7 +215,8 @@ class PipelineEngine(Engine):
         self._fwd_outputs = []
         self._compute_loss = True
         self.agg_train_loss = None
-        self._run(self._train_schedule())  # its optimizer step aggregates the loss (for the progress line too)
+        with comm.recording(self.comms):  # this engine's collectives count in its own logger
+            self._run(self._train_schedule())  # its optimizer step aggregates the loss (for the progress line too)
         if self.agg_train_loss is None:
             with torch.no_grad():
                 self.agg_train_loss = self._aggregate_loss()
@@ -236,7 +237,7 @@ class PipelineEngine(Engine):
         schedule: PipeSchedule = (InterleavedSchedule(micro_batches, self.num_stages, self.stage_id, self.chunks,
                                                       forward_only=True) if self.chunks > 1
                                   else InferenceSchedule(micro_batches, self.num_stages, self.stage_id))
-        with torch.no_grad():
+        with torch.no_grad(), comm.recording(self.comms):
             self._run(schedule)
         out: Any = None
         if self.is_last_stage():
@@ -477,7 +478,7 @@ class PipelineEngine(Engine):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.micro_steps += self.micro_batches
-        total = comm.COMMS_LOGGER.total_volume()
+        total = self.comms.total_volume()
         self.last_step_comm_volume = total - self._comm_volume_at_step_start
         self._comm_volume_at_step_start = total
         with torch.no_grad():  # every stage learns the batch's loss: rank 0's progress line shows it, not 0

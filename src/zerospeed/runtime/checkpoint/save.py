@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +21,11 @@ from .universal import names_by_id, snapshot_shards
 
 CLIENT_FILE = "client_state.safetensors"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
-_WRITERS: weakref.WeakKeyDictionary[Any, BackgroundWriter] = weakref.WeakKeyDictionary()
 
 
 def writer_of(engine: Any) -> BackgroundWriter:
-    if engine not in _WRITERS:
-        _WRITERS[engine] = BackgroundWriter()
-    return _WRITERS[engine]
+    """The engine's own background writer (``EngineParts.checkpoint_writer``): one async save at a time."""
+    return engine.checkpoint_writer
 
 
 @dataclass

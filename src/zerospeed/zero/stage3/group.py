@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ... import comm
-from ..grad_reducer import GradReducer, ReduceSettings
+from ..grad_reducer import GradReducer, ReduceSettings, ReducerWiring
 from ..layout import gather_from
 from ..sharded_group import ShardedGroup
 from .fetcher import Fetcher
@@ -139,8 +139,8 @@ class Stage3Reducer(GradReducer):
     """The stage-2 reducer, telling the fetcher when a parameter's gradient has been taken."""
 
     def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None,
-                 fetcher: Fetcher, qgz: QuantizedGradients | None = None) -> None:
-        super().__init__(groups, settings, dp_group)
+                 fetcher: Fetcher, qgz: QuantizedGradients | None = None, wiring: ReducerWiring | None = None) -> None:
+        super().__init__(groups, settings, dp_group, wiring)
         self.fetcher = fetcher
         self.qgz = qgz  # ZeRO++ qgZ: buckets reduce-scattered as int4 (zero/stage3/qgz.py)
 

@@ -197,12 +197,13 @@ class Stage3Runtime:
         return Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
                            self.compute_dtype, group, defer_master, separate_master)
 
-    def make_reducer(self, groups: list[Any], settings: ReduceSettings, group: comm.Group | None = None) -> Stage3Reducer:
+    def make_reducer(self, groups: list[Any], settings: ReduceSettings, group: comm.Group | None = None,
+                     wiring: Any = None) -> Stage3Reducer:
         if self.qgz is not None and not settings.reduce_scatter:
             raise ConfigError("zero_optimization.zero_quantized_gradients", "qgZ replaces the gradient "
                               "reduce-scatter: it needs zero_optimization.reduce_scatter: true")
         qgz = self.qgz if group is None else None  # qgZ's node layout is the data-parallel group's (MoE experts: none)
-        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz)
+        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz, wiring)
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:

@@ -1,0 +1,213 @@
+"""Guards of the central hall (issue 30, DESIGN "Boundaries"), a few lines of ``ast`` each.
+
+Each guard has an allow-list (file -> what is left, with its reason) that may only shrink: a new branch,
+global or import outside the allowed places fails here and names the file.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "zerospeed"
+PLACES_THAT_DECIDE = {"runtime/plan.py", "runtime/build.py", "runtime/build_model.py", "runtime/build_optimizer.py",
+                      "runtime/build_parallel.py", "runtime/build_data.py", "runtime/facts.py"}
+
+
+@lru_cache(maxsize=1)
+def _files() -> list[tuple[str, ast.Module]]:
+    return [(str(p.relative_to(SRC)), ast.parse(p.read_text())) for p in sorted(SRC.rglob("*.py"))]
+
+
+# --- 1. stage / offload / parallelism branches ------------------------------------------------------------
+BRANCH_NAMES = {"zero_stage", "stage", "offload_optimizer", "offload_param", "ep_size", "mp_world_size",
+                "sequence_parallel_size", "tensor_parallel"}
+BRANCHES_ALLOWED: dict[str, tuple[int, str]] = {
+    "accelerator/host_malloc.py": (1, "HeapTrimmer.for_device(device, zero_stage): the stage-3 default of the trim"),
+    "autotuning/memory.py": (4, "the autotuner's memory model of each stage (a planner, not the runtime)"),
+    "checkpointing.py": (2, "activation checkpointing's mp_world_size (partition_activations over model parallel)"),
+    "config/zero.py": (3, "config validation of the zero_optimization section's own keys"),
+    "inference/config.py": (2, "the inference config's tensor_parallel section"),
+    "integrations/lightning/config.py": (1, "Lightning's strategy arguments mapped to a config"),
+    "parallel/expert/groups.py": (2, "expert groups: ep_size decides the group layout"),
+    "parallel/expert/layer.py": (2, "the MoE layer: ep_size decides local vs all-to-all dispatch"),
+    "parallel/expert/training.py": (3, "MoE training's stage-3 and ep_size paths (issue 30 item 3: not done)"),
+    "parallel/sequence/groups.py": (1, "the sequence grid's size check"),
+    "parallel/sequence/hf.py": (1, "the HF adapter's sequence size check"),
+    "profiling/plan.py": (16, "`zerospeed plan`: the memory model of each stage (a planner, not the runtime)"),
+    "runtime/checkpoint/deepspeed_read.py": (4, "reading DeepSpeed's per-stage checkpoint layouts"),
+    "runtime/checkpoint/load.py": (2, "checkpoint meta: the saved tensor-parallel size (issue 30 item 5: not done)"),
+    "zero/grad_reducer.py": (6, "the reducer's stage paths (issue 30 item 4, the split by concern: not done)"),
+}
+
+
+def _branches(tree: ast.Module) -> int:
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            names = {a.attr for a in ast.walk(node.test) if isinstance(a, ast.Attribute)}
+            names |= {a.id for a in ast.walk(node.test) if isinstance(a, ast.Name)}
+            n += bool(names & BRANCH_NAMES)
+    return n
+
+
+def test_no_stage_offload_or_parallelism_branch_outside_the_plan() -> None:
+    over = [f"{rel}: {n} branches (allowed {BRANCHES_ALLOWED.get(rel, (0,))[0]})" for rel, tree in _files()
+            if rel not in PLACES_THAT_DECIDE and (n := _branches(tree)) > BRANCHES_ALLOWED.get(rel, (0, ""))[0]]
+    assert not over, "decide in runtime/plan.py (a TrainPlan field) or runtime/build*.py, not here:\n" + "\n".join(over)
+
+
+# --- 2. no __dict__ copying -------------------------------------------------------------------------------
+DICT_COPIES_ALLOWED = {
+    "parallel/pipeline/optimizer.py": "PipelineZeroOptimizer.wrap (issue 30 item 3, NormAxes: not done)",
+    "parallel/tensor/training.py": "TensorParallelZeroOptimizer.wrap (issue 30 item 3: not done)",
+    "parallel/expert/training.py": "MoEZeroOptimizer.wrap (issue 30 item 3: not done)",
+}
+
+
+def _is_dict_of(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or (
+        isinstance(node, ast.Call) and getattr(node.func, "id", "") == "vars")
+
+
+def _copies_dict(tree: ast.Module) -> bool:
+    """``a.__dict__.update(b.__dict__)`` (or ``vars``): one object's state poured into another."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
+                and _is_dict_of(node.func.value) and any(_is_dict_of(a) for a in node.args)):
+            return True
+    return False
+
+
+def test_no_dict_copying() -> None:
+    bad = [rel for rel, tree in _files() if _copies_dict(tree) and rel not in DICT_COPIES_ALLOWED]
+    assert not bad, f"objects are built with their parts, never copied through __dict__: {bad}"
+
+
+# --- 3. module-level mutable state ------------------------------------------------------------------------
+PURE_CALLS = {"frozenset", "tuple", "TypeVar", "getLogger", "compile", "NewType", "Path", "object", "int", "float",
+              "str", "MappingProxyType", "cast", "timedelta", "range", "getattr", "dirname", "namedtuple"}
+STATE_ALLOWED = {
+    "accelerator/__init__.py:_ACCELERATOR": "the accelerator singleton (sanctioned: one device kind per process)",
+    "accelerator/host_malloc.py:_MALLINFO2": "a libc function pointer, resolved once",
+    "comm/backend.py:_AT_EXIT": "the process group's exit handler (one per process, as torch.distributed's)",
+    "comm/logger.py:COMMS_LOGGER": "the process default DeepSpeed's module-level comm API writes to",
+    "comm/logger.py:_ENGINE_LOGGER": "a ContextVar: the running engine's own logger, set only inside its calls",
+    "checkpointing.py:_RNG_TRACKER": "activation checkpointing's RNG tracker (issue 30 item 6: not moved yet)",
+    "checkpointing.py:_SETTINGS": "activation checkpointing's settings (issue 30 item 6: not moved yet)",
+    "checkpointing.py:_LIVE_FRAMES": "weak set of live checkpoint frames (issue 30 item 6: not moved yet)",
+    "checkpointing.py:_depth": "nesting depth of the checkpoint timers (issue 30 item 6: not moved yet)",
+    "launcher/*:COMMAND": "each subcommand's constant description",
+    "offload/cpu_adam.py:ADAM": "a constant kernel description", "offload/cpu_adam.py:ADAMW": "ditto",
+    "offload/cpu_adam.py:ADAGRAD": "ditto",
+    "profiling/flops_profiler/rules.py:RULES": "a constant table built once",
+    "testing/harness.py:_WARMED": "the test harness warmed torch up once per process (tests only)",
+    "runtime/log.py:_seen": "log_dist_once's messages already printed (DeepSpeed's logging helper)",
+    "zero/stage3/param_store.py:_SHARDS": "zero.Init's identity-keyed side table (sanctioned)",
+    "zero/stage3/setup.py:_EXTERNAL": "zero.Init's identity-keyed side table (sanctioned)",
+    "zero/stage3/setup.py:_UNITS": "zero.Init's identity-keyed side table (sanctioned)",
+    "compat/op_builder.py:__compatible_ops__": "DeepSpeed's public table users and frameworks read and set "
+                                               "(deepspeed.ops.__compatible_ops__)",
+    "inference/logits_process.py:PLAIN": "a frozen default LogitsOptions (the fast path checks identity with it)",
+}
+
+
+def _state(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) and node.value is not None else []
+        value = getattr(node, "value", None)
+        for t in targets:
+            if not isinstance(t, ast.Name) or t.id == "__all__":
+                continue
+            constant_name = t.id.lstrip("_").isupper()
+            if isinstance(value, ast.Call):
+                f = value.func
+                if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) not in PURE_CALLS:
+                    names.add(t.id)
+            elif isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+                if not constant_name:
+                    names.add(t.id)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            names.update(node.names)
+    return names
+
+
+def test_no_module_level_mutable_state_outside_the_allow_list() -> None:
+    bad = []
+    for rel, tree in _files():
+        for name in sorted(_state(tree)):
+            if f"{rel}:{name}" not in STATE_ALLOWED and not (rel.startswith("launcher/") and name == "COMMAND"):
+                bad.append(f"{rel}:{name}")
+    assert not bad, f"runtime state belongs to an object the engine owns (EngineParts), not to a module: {bad}"
+
+
+# --- 4. parallel/ does not import runtime/ ----------------------------------------------------------------
+RUNTIME_INTERFACES = {
+    "zerospeed.runtime.engine": "PipelineEngine subclasses Engine (DeepSpeed's facade; issue 30 item 5 moves it)",
+    "zerospeed.runtime.checkpoint": "pipeline checkpoints reuse the checkpoint package (issue 30 item 5)",
+    "zerospeed.runtime.dataloader": "PipelineEngine's data loader",
+    "zerospeed.runtime.compile": "the compiled-graph hooks",
+}
+
+
+def _resolve(rel: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    pkg = ["zerospeed", *Path(rel).with_suffix("").parts]
+    pkg = pkg[: len(pkg) - node.level]
+    return ".".join(pkg + ([node.module] if node.module else []))
+
+
+def test_parallel_imports_runtime_only_through_documented_interfaces() -> None:
+    bad = []
+    for rel, tree in _files():
+        if not rel.startswith("parallel/"):
+            continue
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [_resolve(rel, node)] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                if m.startswith("zerospeed.runtime") and not any(m == i or m.startswith(i + ".")
+                                                                 for i in RUNTIME_INTERFACES):
+                    bad.append(f"{rel}: {m}")
+    assert not bad, bad
+
+
+# --- 5. torch.cuda only inside accelerator/ ----------------------------------------------------------------
+CUDA_ALLOWED: dict[str, tuple[int, str]] = {
+    "checkpointing.py": (7, "activation checkpointing's CUDA RNG states"),
+    "launcher/report.py": (1, "`zerospeed report` prints what torch sees"),
+    "offload/stepper.py": (4, "the offload copy stream and event (to move behind Accelerator.side_stream)"),
+    "parallel/sequence/tiled.py": (3, "tiled compute's CUDA RNG state"),
+    "precision/fp8/convert.py": (3, "FP8 needs a device capability check"),
+    "profiling/_device.py": (5, "the profilers' CUDA memory statistics (to move into accelerator/)"),
+    "profiling/memory.py": (9, "the memory tracker's CUDA allocator statistics (to move into accelerator/)"),
+    "profiling/memory_timeline.py": (6, "the timeline's CUDA allocator samples (to move into accelerator/)"),
+}
+
+
+def _cuda_uses(tree: ast.Module) -> int:
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "cuda" and getattr(node.value, "id", "") == "torch":
+            n += 1
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            n += sum(m == "torch.cuda" or m.startswith("torch.cuda.") for m in mods)
+    return n
+
+
+def test_torch_cuda_only_inside_accelerator() -> None:
+    over = []
+    for rel, tree in _files():
+        if rel.startswith("accelerator/"):
+            continue
+        n = _cuda_uses(tree)
+        allowed = CUDA_ALLOWED.get(rel, (0, ""))[0]
+        if n > allowed:
+            over.append(f"{rel}: {n} (allowed {allowed})")
+    assert not over, "device specifics go through zerospeed.accelerator:\n" + "\n".join(over)
