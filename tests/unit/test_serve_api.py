@@ -199,6 +199,11 @@ def test_dead_engine_loop_reports_and_stops(tmp_path):
         h = http.get("/health")
         assert h.status_code == 503 and "scheduler bug" in h.json()["message"] and len(died) == 1
         assert http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 503
+    died.clear()
+    with TestClient(create_app(loaded, engine, ServeOptions(on_fatal=died.append))) as http:
+        body = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True}).text
+        events = [e for e in body.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "scheduler bug" in events[-2], events
     port, result = _port(), {}
     thread = threading.Thread(target=lambda: result.setdefault(
         "rc", serve_app(lambda opts: create_app(loaded, engine, opts), "127.0.0.1", port, ServeOptions())))
