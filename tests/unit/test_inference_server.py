@@ -1,5 +1,7 @@
 """The OpenAI-compatible server, exercised with the official `openai` client on 127.0.0.1 (one thread)."""
 
+import importlib.util
+import re
 import socket
 import threading
 import time
@@ -163,3 +165,6 @@ def test_hugging_face_model_dir_served(tmp_path):
         assert r.json()["choices"][0]["text"] == tok.decode(ref) and len(set(ref)) > 1
         bad = http.post("/v1/completions", json={"max_tokens": 6})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        if importlib.util.find_spec("outlines_core"):  # structured output over a Hugging Face vocabulary
+            r = http.post("/v1/completions", json={"prompt": "ABCD", "max_tokens": 6, "guided_regex": "[A-C]{3}9"})
+            assert r.status_code == 200 and re.fullmatch("[A-C]{3}9", r.json()["choices"][0]["text"]), r.text

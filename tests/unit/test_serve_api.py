@@ -199,6 +199,11 @@ def test_dead_engine_loop_reports_and_stops(tmp_path):
         h = http.get("/health")
         assert h.status_code == 503 and "scheduler bug" in h.json()["message"] and len(died) == 1
         assert http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 503
+    died.clear()
+    with TestClient(create_app(loaded, engine, ServeOptions(on_fatal=died.append))) as http:
+        body = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True}).text
+        events = [e for e in body.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "scheduler bug" in events[-2], events
     port, result = _port(), {}
     thread = threading.Thread(target=lambda: result.setdefault(
         "rc", serve_app(lambda opts: create_app(loaded, engine, opts), "127.0.0.1", port, ServeOptions())))
@@ -281,3 +286,36 @@ def test_metrics_vllm_names(served):
     assert values[f'vllm:request_success_total{{{lab},finished_reason="length"}}'] >= 1
     assert values[f"vllm:generation_tokens_total{{{lab}}}"] >= 5 and f"vllm:prefix_cache_hits_total{{{lab}}}" in values
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
+def test_structured_output(served):
+    """response_format json_schema / json_object and vLLM's guided_* fields: the output parses against its schema."""
+    pytest.importorskip("outlines_core")
+    import json
+
+    client, _, engine, _ = served
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+              "required": ["ok", "level"]}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "status?"}],
+                                       max_tokens=38, temperature=1.0, seed=3, response_format={
+                                           "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) == {"ok", "level"} and isinstance(doc["ok"], bool) and doc["level"] in ("low", "high")
+    assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="pick:", max_tokens=10, temperature=1.0,
+                                  extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].text in ("alpha", "beta") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="n:", max_tokens=10, temperature=0,
+                                  extra_body={"guided_regex": "[0-9]{3}-[a-c]{2}"})
+    import re
+
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", r.choices[0].text)
+    r = client.completions.create(model="tiny", prompt="{", max_tokens=40, temperature=0.7, seed=1,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=3,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    assert info.value.body["param"] == "guided_choice"
+    assert not engine.requests

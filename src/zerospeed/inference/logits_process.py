@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class LogitsOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and the top k
+    guided: Any = None  # structured output: a ``structured.GuideSpec`` (each request walks its own guide)
 
     def __post_init__(self) -> None:
         if not self.repetition_penalty > 0:
@@ -51,7 +53,7 @@ class LogitsOptions:
     @property
     def changes_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.guided is not None)
 
 
 PLAIN = LogitsOptions()  # the default: decoding checks identity with it to stay on the fast path

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from .metrics import ServerMetrics
 from .model_dir import LoadedModel
 from .sampling import SamplingParams
-from .server_request import ApiError, ChatBody, CompletionBody, parse_body, sampling_params
+from .server_request import ApiError, ChatBody, CompletionBody, parse_body, sampling_params, structure_of
 from .server_response import respond as _respond
 from .serving import QueueFullError, ServingEngine, TokenEvent
 
@@ -210,6 +210,27 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
                            "model", code="model_not_found")
         return str(body.model)
 
+    structured: list[Any] = []  # the StructuredOutput compiler, made on first use
+
+    def guide_for(body: Any) -> Any:
+        asked = structure_of(body)
+        if asked is None:
+            return None
+        param, kind, spec = asked
+        try:
+            if not structured:
+                from .structured import StructuredOutput
+
+                structured.append(StructuredOutput(tok, engine.adapter.vocab_size, loaded.eos_token_ids))
+            from .structured import regex_for
+
+            return structured[0].spec(regex_for(kind, spec))
+        except ImportError:
+            raise ApiError(400, "structured output needs outlines-core: pip install 'zerospeed[serve]'",
+                           param) from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ApiError(400, f"{param}: {exc}", param) from None
+
     def encode(text: str) -> list[int]:
         try:
             return list(tok.encode(text))
@@ -226,7 +247,7 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
                 raise ApiError(400, "a batch of prompts is not supported yet by zerospeed", "prompt")
             p = p[0]
         ids = encode(p) if isinstance(p, str) else list(p)
-        params = sampling_params(body, len(ids), 16, limit)
+        params = sampling_params(body, len(ids), 16, limit, guide_for(body))
         echo = (p if isinstance(p, str) else tok.decode(ids)) if body.echo else ""
         return await _respond(srv, ids, params, body, name, chat=False, echo=echo)
 
@@ -242,7 +263,7 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
                 raise ApiError(400, f"the chat template failed on these messages: {exc}", "messages") from None
         else:  # plain transcript for models without a chat template
             ids = encode("".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:")
-        params = sampling_params(body, len(ids), None, limit)
+        params = sampling_params(body, len(ids), None, limit, guide_for(body))
         return await _respond(srv, ids, params, body, name, chat=True)
 
     return app

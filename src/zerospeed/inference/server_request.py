@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .logits_process import PLAIN, LogitsOptions
 from .sampling import SEED_MAX, SEED_MIN, SamplingParams
 
-__all__ = ["ApiError", "ChatBody", "CompletionBody", "parse_body", "sampling_params"]
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "parse_body", "sampling_params", "structure_of"]
 
 MAX_DEPTH = 64  # OpenAI bodies are a few levels deep; deeper JSON is refused before it is parsed
 
@@ -58,6 +58,10 @@ class _Body(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
 
 
 class CompletionBody(_Body):
@@ -81,9 +85,9 @@ class ChatBody(_Body):
 # the others are accepted at their neutral value only (None always), else a 400 naming them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
-    "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "top_logprobs": (0,), "min_p": (0,),
+    "tool_choice": ("none", "auto"), "top_logprobs": (0,), "min_p": (0,),
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none", "auto"),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "prediction": (),
+    "guided_grammar": (), "prediction": (),
     "audio": (), "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
 }
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
@@ -155,8 +159,36 @@ def parse_body(raw: bytes, kind: type[_Body]) -> Any:
             from None
 
 
-def sampling_params(body: _Body, prompt_len: int, default_max: int | None, limit: int) -> SamplingParams:
-    """The engine's settings for ``body``; ApiError naming a parameter we do not support at its value."""
+def structure_of(body: _Body) -> tuple[str, str, Any] | None:
+    """``(parameter, kind, spec)`` of the structured output ``body`` asks for (at most one), else None."""
+    asked = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", "json", None))
+        elif kind == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               "response_format")
+            asked.append(("response_format", "json", schema))
+        elif kind != "text":
+            raise ApiError(400, f"response_format type {kind!r}: expected text, json_object or json_schema",
+                           "response_format")
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        value = getattr(body, name)
+        if value is not None:
+            asked.append((name, kind, value))
+    if len(asked) > 1:
+        raise ApiError(400, f"give one structured-output parameter, got {[a[0] for a in asked]}", asked[1][0])
+    return asked[0] if asked else None
+
+
+def sampling_params(body: _Body, prompt_len: int, default_max: int | None, limit: int,
+                    guide: Any = None) -> SamplingParams:
+    """The engine's settings for ``body`` (``guide``: its compiled structure, if any); ApiError naming a
+    parameter we do not support at its value."""
     extra = body.model_extra or {}
     for key, neutral in _NEUTRAL.items():
         value = extra.get(key)
@@ -174,10 +206,10 @@ def sampling_params(body: _Body, prompt_len: int, default_max: int | None, limit
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
                           top_p=body.top_p, seed=body.seed, stop=tuple(s for s in stop if s),
                           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                          process=_logits_options(body))
+                          process=_logits_options(body, guide))
 
 
-def _logits_options(body: _Body) -> LogitsOptions:
+def _logits_options(body: _Body, guide: Any) -> LogitsOptions:
     """Penalties, biases, min_tokens and logprobs of ``body`` (the shared default when all are neutral)."""
     if isinstance(body, ChatBody):
         if body.top_logprobs is not None and not body.logprobs:
@@ -194,5 +226,5 @@ def _logits_options(body: _Body) -> LogitsOptions:
                            "logit_bias")
         bias.append((int(key), float(value)))
     opts = LogitsOptions(body.repetition_penalty, body.frequency_penalty, body.presence_penalty, tuple(bias),
-                         body.min_tokens, top)
+                         body.min_tokens, top, guide)
     return PLAIN if opts == PLAIN else opts

@@ -38,6 +38,7 @@ from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_
 from .logits_process import PLAIN, TokenLogprob, process_logits, token_logprob
 from .prefix_cache import PrefixCachingAllocator
 from .speculative import SpeculativeConfig, propose_ngram
+from .structured import mask_logits
 from .speculative_step import spec_step
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler, Work
@@ -62,6 +63,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    guide: Any = None  # structured output: this request's outlines-core Guide
     spec_skip: int = 0  # speculation: steps to decode without drafting (after drafts were all rejected)
     spec_backoff: int = 1
 
@@ -151,6 +153,8 @@ class ServingEngine:
         uid = next(self._uids)
         self.scheduler.add(uid, len(prompt), params.max_tokens, prompt if self.prefix_caching else None)
         self.requests[uid] = Request(uid, list(prompt), params, generator)
+        if params.process.guided is not None:
+            self.requests[uid].guide = params.process.guided.new()
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -248,7 +252,7 @@ class ServingEngine:
         params = req.params
         req.output.append(token)
         reason = None  # most tokens end nothing: the checks below run only when one could
-        if token in self.eos_token_ids or params.stop or params.stop_token_ids or \
+        if token in self.eos_token_ids or params.stop or params.stop_token_ids or req.guide is not None or \
                 len(req.output) >= params.max_tokens:
             reason = self._finish_reason(req, token)
         if reason is not None:
@@ -288,7 +292,11 @@ class ServingEngine:
             banned = () if len(req.output) >= opts.min_tokens else \
                 tuple(set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids))
             row = process_logits(row, opts, req.prompt, req.output, banned)
+            if req.guide is not None:
+                row = mask_logits(row, req.guide, self.adapter.vocab_size)
         token = int(torch.argmax(row)) if req.params.greedy else sample_next(row, req.params, req.generator)
+        if req.guide is not None:
+            req.guide.advance(token)
         return token, None if opts.logprobs is None else token_logprob(row, token, opts.logprobs)
 
     @torch.inference_mode()
@@ -320,6 +328,8 @@ class ServingEngine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in req.params.stop_token_ids or token in self.eos_token_ids and not req.params.ignore_eos:
             return "stop"
+        if req.guide is not None and req.params.process.guided.finished(req.guide):
+            return "stop"  # the structure is complete
         if req.params.stop:
             assert self.decode is not None
             req.text = self.decode(req.output)

@@ -123,7 +123,10 @@ def serve_app(make_app: Any, host: str, port: int, options: Any) -> int:
     app = make_app(dataclasses.replace(options, on_fatal=on_fatal))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=10))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run swallows it too)
+        pass
     return 1 if died else 0
 
 
