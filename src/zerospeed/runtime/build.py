@@ -22,6 +22,7 @@ from ..zero import GradReducer, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.topk_momentum import install_momentum_exchange
 from .dataloader import build_dataloader
 from .engine import Engine
+from .lockstep import check_same_model
 from .state_dump import engine_state
 
 _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -494,6 +495,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     data_size, data_rank = ((dp_size, dp_rank) if seq_grid is None else
                             (seq_grid.get_data_parallel_world_size(), seq_grid.get_data_parallel_rank()))
     cfg = load_config(early, data_size)
+    check_same_model(model, dp_group)  # before any parameter collective (runtime/lockstep.py)
     from .autotuning_probe import profile_model_info
 
     profile_model_info(cfg, model)  # an autotuner's model-info run ends here
