@@ -459,7 +459,8 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Finish pending checkpoint writes and detach the engine from the module (hooks removed, monitors
-        closed); the engine refuses further use. The process group stays up (``zerospeed.comm.destroy``)."""
+        closed, the engine's own process group closed); the engine refuses further use. The world process
+        group stays up (``zerospeed.comm.destroy``)."""
         if self.broken == "destroyed":
             return
         self.wait_for_checkpoint()
@@ -468,6 +469,9 @@ class Engine(nn.Module):
         if self.zero3 is not None:
             self.zero3.remove_hooks()
         self.observer.close()
+        from .teardown import close_own_groups
+
+        close_own_groups(self)  # the engine's own connections and their native threads (runtime/teardown.py)
         self.broken = "destroyed"
 
     # --- checkpoints (runtime/checkpoint/) ---------------------------------------------------------
