@@ -63,3 +63,48 @@ def check_same_model(module: nn.Module, group: Any) -> None:
     detail = _first_difference(lists[0], lists[bad[0]]).replace("the other", f"rank {bad[0]}")
     raise ModelMismatchError(f"initialize(): the data-parallel ranks built different models (rank(s) {bad} differ "
                              f"from rank 0): {detail}. Every rank must build the same model")
+
+
+class MicroStepMisaligned(RuntimeError):
+    """The data-parallel ranks are at different micro-steps (a forward without its backward on some rank)."""
+
+
+class MicroStepCheck:
+    """Detects ranks that fell out of step between ``engine(...)`` and ``engine.backward()``.
+
+    A rank whose own code raised after the forward and before the backward (caught, as docs/recovery.md
+    suggests) runs one forward more than its peers; its next backward would reduce its batch k+1 with the
+    peers' batch k for the rest of the run. So each rank counts its training forwards (grad enabled, module
+    in training mode) and, at the start of every backward, the ranks compare the count with one 8-byte
+    all-reduce (max of ``[n, -n]``). A difference raises ``MicroStepMisaligned`` on every rank inside the
+    backward, which abandons the accumulation window everywhere (the recovery path); the counts restart
+    from zero, so the ranks are aligned again. Two forwards before one backward stay fine when every rank
+    does the same.
+    """
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def forward_seen(self, module: nn.Module) -> None:
+        import torch
+
+        if module.training and torch.is_grad_enabled():
+            self.forwards += 1
+
+    def reset(self) -> None:
+        self.forwards = 0
+
+    def check(self, group: Any) -> None:
+        import torch
+
+        if comm.get_world_size(group) == 1:
+            return
+        counts = torch.tensor([float(self.forwards), -float(self.forwards)], device=comm.device_for_backend(group))
+        comm.all_reduce(counts, group=group, op=comm.ReduceOp.MAX)
+        high, low = int(counts[0]), int(-counts[1])
+        if high != low:
+            raise MicroStepMisaligned(
+                f"the data-parallel ranks are at different micro-steps: between {low} and {high} training "
+                f"forwards since the last realignment, this rank {self.forwards} (an exception between engine(...) "
+                "and engine.backward() on some rank?). The accumulation window is abandoned on every rank; "
+                "continue with the next batch")
