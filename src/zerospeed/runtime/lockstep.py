@@ -100,7 +100,7 @@ class MicroStepCheck:
         if comm.get_world_size(group) == 1:
             return
         counts = torch.tensor([float(self.forwards), -float(self.forwards)], device=comm.device_for_backend(group))
-        comm.all_reduce(counts, group=group, op=comm.ReduceOp.MAX)
+        comm.all_reduce_flags(counts, group=group)  # MAX, logged as a control message (not gradient volume)
         high, low = int(counts[0]), int(-counts[1])
         if high != low:
             raise MicroStepMisaligned(
