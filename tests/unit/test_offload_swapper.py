@@ -236,3 +236,10 @@ def test_direct_reads_never_write_past_the_target(tmp_path, nbytes: int) -> None
     with open(sw.path("t"), "rb") as f:
         assert 0xCD not in f.read()[nbytes:]
     sw.close()
+
+
+def test_preflight_small_sizes_are_readable(tmp_path, monkeypatch) -> None:
+    """Issue 31, item 14: not '0.00 GiB free but needs 0.00 GiB'."""
+    monkeypatch.setattr(preflight, "free_bytes", lambda p: 1000)
+    with pytest.raises(ConfigError, match=r"has 1000 B free but offload needs 2\.6 MiB"):
+        check_nvme_path(str(tmp_path), 5 << 19, "k")

@@ -137,3 +137,26 @@ def test_free_huge_page_bytes_reads_orders_9_and_up(tmp_path) -> None:
                     "Node 0, zone   Normal   1548   1887    433    426    307  10872   6284   2096   1157    471    280\n")
     assert free_huge_page_bytes(str(info)) == (1 * 2 + 3 * 4 + 471 * 2 + 280 * 4) << 20
     assert free_huge_page_bytes(str(tmp_path / "missing")) == 0
+
+
+def test_references_taken_inside_gathered_parameters_stay_valid(tmp_path) -> None:
+    """DeepSpeed-Chat's ZeRO-3 save builds a state dict inside the block and saves it after (issue 31, item 3)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model.load_state_dict(ref.state_dict())
+    _partitioned(model)
+    with GatheredParameters(model.parameters()):
+        sd = {k: v for k, v in model.state_dict().items()}
+        first = next(model.parameters()).data
+    assert all(p.numel() == 0 for p in model.parameters())  # released
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, msg=k)
+    torch.testing.assert_close(first, ref[0].weight.data)
+    torch.save(sd, tmp_path / "sd.pt")
+    loaded = torch.load(tmp_path / "sd.pt", weights_only=True)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(loaded[k], v, msg=k)
+    with GatheredParameters(model.parameters()):  # a second block gathers into fresh buffers
+        torch.testing.assert_close(next(model.parameters()).data, ref[0].weight.data)
+    torch.testing.assert_close(sd["0.weight"], ref[0].weight.data)

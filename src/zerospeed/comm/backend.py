@@ -150,6 +150,18 @@ def set_timeout(timeout: timedelta | float, group: Group | None = None) -> None:
     _set_pg_timeout(timeout, resolve(group))
 
 
+def default_store() -> Any | None:
+    """The rendezvous store of the world process group (a key-value store every rank reaches over the network,
+    not the file system), or None when there is none. Used for small out-of-band messages from background
+    threads that must not issue collectives (an async checkpoint's failure)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API: absent or changed means "no store"
+        return None
+
+
 def file_store(path: str, world_size: int) -> Any:
     """A rendezvous store on a shared file (used by the test harness)."""
     return dist.FileStore(path, world_size)

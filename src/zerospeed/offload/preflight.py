@@ -16,6 +16,16 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def readable_size(n: float) -> str:
+    """Bytes in the largest unit that keeps the number >= 1 (``10.00 GiB``, ``13.1 KiB``, ``1000 B``)."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def check_nvme_path(path: str | None, need_bytes: int, key: str) -> str:
     """Return the absolute directory, or raise ``ConfigError`` naming ``key`` and the fix."""
     if not path:
@@ -38,7 +48,8 @@ def check_nvme_path(path: str | None, need_bytes: int, key: str) -> str:
             os.unlink(probe)
     free = free_bytes(full)
     if free < need_bytes * HEADROOM:
-        raise ConfigError(key, f"nvme_path {full!r} has {free / GiB:.2f} GiB free but offload needs "
-                               f"{need_bytes * HEADROOM / GiB:.2f} GiB (swap files plus 5%); free space or "
-                               "use a larger disk")
+        raise ConfigError(key, f"nvme_path {full!r} has {readable_size(free)} free but offload needs "
+                               f"{readable_size(need_bytes * HEADROOM)} (swap files plus 5%; GiB free: "
+                               f"{free / GiB:.3g} of {need_bytes * HEADROOM / GiB:.3g} needed); free space or use a "
+                               "larger disk")
     return full

@@ -25,6 +25,7 @@ from .build_parallel import Grids
 from .deepspeed_rules import check_data_parallel_size, prefer_client_objects
 from .engine import Engine
 from .facts import model_facts
+from .lockstep import check_same_model
 from .parts import EngineParts
 from .plan import TrainPlan, plan_training
 from .state_dump import engine_state
@@ -140,6 +141,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     plan = plan_training(early, model_facts(early, model, mpu, optimizer, lr_scheduler))
     grids = Grids(plan, early, model, mpu)
     cfg = load_config(early, grids.data_size)  # the batch sizes, over the data-parallel replicas
+    check_same_model(model, grids.dp_group)  # before any parameter collective (runtime/lockstep.py)
     from .autotuning_probe import profile_model_info
 
     profile_model_info(cfg, model)  # an autotuner's model-info run ends here

@@ -28,6 +28,7 @@ from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
 from ..precision.cast import cast_inputs_half
 from ..zero import ZeroOptimizer
+from .lockstep import MicroStepCheck
 from .observer import StepObserver
 from .parts import EngineParts
 
@@ -80,6 +81,7 @@ class Engine(nn.Module):
         self.timers = self.observer.timers
         self.backwards_in_window = 0
         self._checked_generation = 0
+        self.lockstep = MicroStepCheck()  # ranks out of step between forward and backward (runtime/lockstep.py)
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
         if optimizer is not None:
@@ -244,6 +246,7 @@ class Engine(nn.Module):
         self.micro_steps -= self.micro_steps % gas  # the whole accumulation window is abandoned
         self.backwards_in_window = 0
         self._accumulating = False
+        self.lockstep.reset()
         if hasattr(exc, "add_note"):
             exc.add_note(f"zerospeed: rank {self.global_rank} abandoned optimizer step {self.global_steps + 1} "
                          f"(engine.{what}() raised); every rank abandons it and rebuilds its connections at "
@@ -258,6 +261,7 @@ class Engine(nn.Module):
                 inputs = cast_inputs_half(inputs)
             if self.data_efficiency is not None:  # curriculum_seqlen=, progressive_layer_drop=, pld_theta=
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
+            self.lockstep.forward_seen(self.module)
             out = self.module(*inputs, **kwargs)
             self.observer.forward_end()
         return out
@@ -277,6 +281,7 @@ class Engine(nn.Module):
             scaled = scaled * scale
         with self._guarded("backward"):
             self.observer.backward_start(loss)
+            self.lockstep.check(self.dp_group)
             reducer = self.optimizer.reducer
             reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
             if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
@@ -481,7 +486,8 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Finish pending checkpoint writes and detach the engine from the module (hooks removed, monitors
-        closed); the engine refuses further use. The process group stays up (``zerospeed.comm.destroy``)."""
+        closed, the engine's own process group closed); the engine refuses further use. The world process
+        group stays up (``zerospeed.comm.destroy``)."""
         if self.broken == "destroyed":
             return
         self.wait_for_checkpoint()
@@ -490,6 +496,9 @@ class Engine(nn.Module):
         if self.zero3 is not None:
             self.zero3.remove_hooks()
         self.observer.close()
+        from .teardown import close_own_groups
+
+        close_own_groups(self)  # the engine's own connections and their native threads (runtime/teardown.py)
         self.broken = "destroyed"
 
     # --- checkpoints (runtime/checkpoint/) ---------------------------------------------------------

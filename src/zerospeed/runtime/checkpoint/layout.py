@@ -164,7 +164,8 @@ def first_failure(staging: str) -> str | None:
     return None
 
 
-def wait_markers(staging: str, world: int, timeout_s: float, poll_s: float = 0.02) -> list[dict[str, Any]]:
+def wait_markers(staging: str, world: int, timeout_s: float, poll_s: float = 0.02, channel: Any = None
+                 ) -> list[dict[str, Any]]:
     """Rank 0 of an async save: wait (polling the file system, no collectives) for every rank's marker.
 
     Raises as soon as a rank published a failure, or when ``timeout_s`` passes.
@@ -175,7 +176,7 @@ def wait_markers(staging: str, world: int, timeout_s: float, poll_s: float = 0.0
         missing = [r for r in missing if not os.path.exists(os.path.join(staging, marker_file(r)))]
         if not missing:
             break
-        failure = first_failure(staging)
+        failure = first_failure(staging) or (channel.failure() if channel is not None else None)
         if failure is not None:
             raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
                                   f"the write failed on {failure}")
@@ -192,19 +193,24 @@ def write_outcome(staging: str, error: str | None) -> None:
         write_json(outcome_file(staging), {"ok": error is None, "error": error})
 
 
-def wait_outcome(staging: str, timeout_s: float, poll_s: float = 0.02) -> None:
+def wait_outcome(staging: str, timeout_s: float, poll_s: float = 0.02, channel: Any = None) -> None:
     """Ranks other than 0 of an async save: return once rank 0 committed; raise if any rank failed."""
     deadline = time.monotonic() + timeout_s
     path = outcome_file(staging)
+    outcome: Any = None
     while not os.path.exists(path):
-        failure = first_failure(staging)
+        outcome = channel.outcome() if channel is not None else None
+        if outcome is not None:
+            break
+        failure = first_failure(staging) or (channel.failure() if channel is not None else None)
         if failure is not None:
             raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
                                   f"the write failed on {failure}")
         if time.monotonic() > deadline:
             raise CheckpointError(f"checkpoint in {staging}: rank 0 did not commit it within {timeout_s:.0f} s")
         time.sleep(poll_s)
-    outcome = read_json(path)
+    if outcome is None:
+        outcome = read_json(path)
     if not outcome.get("ok"):
         raise CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): "
                               f"{outcome.get('error')}")

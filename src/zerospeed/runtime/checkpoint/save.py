@@ -13,6 +13,7 @@ import torch
 from ... import comm
 from . import agree
 from .async_save import BackgroundWriter, SaveStats
+from .channel import FailureChannel
 from .errors import CheckpointError
 from .state import param_group_options, rng_state, to_json
 from .tensor_file import write_tensors
@@ -209,13 +210,18 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
                 exclude_frozen: bool = False, overwrite: bool | None = None) -> SaveStats:
     """Snapshot now; write, then (rank 0) commit or (others) wait for the outcome, in the writer thread.
 
-    A failure on any rank is published into the staging directory, so every rank's save fails within a
+    A failure on any rank is published into the staging directory and the world's key-value store
+    (``channel``: a rank that cannot write to the directory still reaches it), so every rank's save fails within a
     poll interval (``wait_for_checkpoint`` / the next save re-raise it) and nothing is committed.
     """
+    channel = FailureChannel(os.path.basename(staging))  # over the network too: the disk may be what failed
+
     def fail(exc: Exception) -> CheckpointError:
         error = f"{type(exc).__name__}: {exc}"
+        channel.publish_failure(rank, error)
         layout.publish_failure(staging, rank, error)
         if rank == 0:
+            channel.publish_outcome(f"rank 0: {error}")
             layout.write_outcome(staging, f"rank 0: {error}")
         return CheckpointError(f"checkpoint in {staging} was not committed ('latest' is unchanged): the write failed "
                                f"on rank {rank}: {error}")
@@ -232,14 +238,16 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
         except Exception as exc:
             raise fail(exc) from exc
         if rank != 0:
-            layout.wait_outcome(staging, timeout)
+            layout.wait_outcome(staging, timeout, channel=channel)
             return nbytes
         try:
-            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest,
-                          overwrite)
+            layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout, channel=channel),
+                          save_latest, overwrite)
         except Exception as exc:
+            channel.publish_outcome(f"{type(exc).__name__}: {exc}")
             layout.write_outcome(staging, f"{type(exc).__name__}: {exc}")
             raise
+        channel.publish_outcome(None)
         layout.write_outcome(staging, None)
         return nbytes
 

@@ -3,7 +3,8 @@
 Every rank must enter the block with the same parameters (the gather is a collective). Inside, each
 parameter is its full tensor. With ``modifier_rank=r`` the value rank ``r`` (a global rank) leaves at
 exit is broadcast to every rank and re-partitioned, and the optimizer's fp32 master copy, when there is
-one, is reloaded from it. Tensors that are not partitioned (stages 0-2, plain modules) pass through:
+one, is reloaded from it. References taken inside the block (``p.data``, a ``state_dict()``) stay valid
+after it: the gathered buffer is handed to them, not shrunk. Tensors that are not partitioned (stages 0-2, plain modules) pass through:
 the block then does nothing for them, except that with a modifier the change is still broadcast for
 parameters registered under stage 3 as persistent.
 """
@@ -68,4 +69,6 @@ class GatheredParameters:
         finally:
             for s in self.shards:
                 s.holders.discard(self)
+                if not s.persistent:
+                    s.hand_off_full()  # tensors the block handed out stay valid after it
                 s.release()

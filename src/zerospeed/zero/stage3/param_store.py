@@ -218,6 +218,13 @@ class ParamShard:
             return
         self._free()
 
+    def hand_off_full(self) -> None:
+        """References taken while gathered (a state dict built inside ``GatheredParameters``) keep their data:
+        the current full buffer is handed to them instead of being shrunk at release; the next gather
+        allocates a new one (DeepSpeed swaps ``param.data`` the same way)."""
+        if self._full is not None and self.param.data.numel() and self.param.data.data_ptr() == self._full.data_ptr():
+            self._full = None
+
     def full_buffer(self) -> torch.Tensor:
         """Where the next gather writes the full value (the previous buffer, storage grown back)."""
         buf = self._full
