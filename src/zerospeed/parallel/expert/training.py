@@ -13,7 +13,7 @@ of its expert-data-parallel (``edp``) group. So, as in DeepSpeed:
 * the global gradient norm (clipping) is the true norm: dense squares summed over the dense shards,
   expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts),
   parameters split over a tensor group (expert tensor parallelism) over that group, and, inside a
-  pipeline, everything over the stages;
+  pipeline, everything over the stages: ``norm_axes_parts`` describes it to ``zero/norm_axes.py``;
 * at start, dense parameters come from data-parallel rank 0, expert parameters from ``edp`` rank 0.
 
 With a pipeline or a tensor-parallel ``mpu`` (``grid``) the expert groups are cut inside the grid's
@@ -23,7 +23,6 @@ data-parallel groups (``groups.expert_rank_lists``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from torch import nn
 
 from ... import comm
 from ...config.errors import NotSupportedYetError
-from ...zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
+from ...zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup
 from .groups import ExpertGroups
 from .layer import MoE
 from .tensor_parallel import is_tensor_parallel_param
@@ -151,14 +150,12 @@ class MoETraining:
                           idx))
         return MoEGradReducer(parts, w)
 
-    def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
-        return MoEZeroOptimizer.wrap(opt, self)
-
-    def wrap_pipeline(self, opt: "MoEZeroOptimizer", pipe_group: Any, replicated: set[int]) -> "MoEZeroOptimizer":
-        """Inside a pipeline: the norm and overflow verdict also over the stages (a tied weight counted once)."""
-        opt.pipe_group = pipe_group
-        opt.replicated = frozenset(replicated)
-        return opt
+    def norm_axes_parts(self, live: list[ShardedGroup]) -> tuple[list[Any], frozenset[int], Any]:
+        """What experts add to the grad norm (``zero/norm_axes.py``): each optimizer group's partition group
+        (an expert set's edp group, None for dense), the params split over the expert tensor group, that group."""
+        sets = [self.expert_groups_of(g.params) for g in live]
+        split = frozenset(id(p) for g in live for p in g.params if self.tp is not None and is_tensor_parallel_param(p))
+        return [None if eg is None else eg.edp_group for eg in sets], split, None if self.tp is None else self.tp.group
 
 
 class _SinkView:
@@ -262,85 +259,3 @@ class MoEGradReducer:
     def names(self, value: dict) -> None:
         for r, _ in self.parts:
             r.names = value
-
-
-class MoEZeroOptimizer(ZeroOptimizer):
-    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow.
-    Inside a pipeline (``pipe_group`` set) the norm and the overflow verdict are also taken over the stages."""
-
-    moe: MoETraining
-    pipe_group: Any = None
-    replicated: frozenset[int] = frozenset()  # tied weights held by several stages: counted on one
-
-    @classmethod
-    def wrap(cls, opt: ZeroOptimizer, moe: MoETraining) -> "MoEZeroOptimizer":
-        out = cls.__new__(cls)
-        out.__dict__.update(opt.__dict__)
-        out.moe = moe
-        out._expert_sets = [moe.expert_groups_of(g.params) for g in opt.groups]
-        return out
-
-    def gather_group(self, grp: ShardedGroup) -> Any:
-        eg = self._expert_sets[self.groups.index(grp)]
-        return self.dp_group if eg is None else eg.edp_group
-
-    def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
-        local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        if self._sink is not None and not self._sink.resident:  # NVMe offload: flags kept as grads were written
-            local = local or not self._sink.all_finite()
-        flag = comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
-        if self.moe.tp is not None:
-            flag = comm.all_reduce_max_flag(flag, group=self.moe.tp.group)
-        return flag if self.pipe_group is None else comm.all_reduce_max_flag(flag, group=self.pipe_group)
-
-    def _squares(self, grp: ShardedGroup, g: torch.Tensor) -> torch.Tensor:
-        """[squares of params replicated over the tensor group, of params split over it] in ``g``, leaving
-        out tied weights another pipeline stage counts."""
-        out = torch.zeros(2, dtype=torch.float32, device=g.device)
-        if not self.replicated and self.moe.tp is None:
-            out[0] = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-            return out
-        for i, p in enumerate(grp.params):
-            if id(p) not in self.replicated:
-                out[int(self.moe.tp is not None and is_tensor_parallel_param(p))] += \
-                    torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square()
-        return out
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """Dense squares over the dense shards; each expert set's over its edp shards and its ep ranks;
-        params split over the tensor group over that group too; then over the pipeline stages."""
-        dev = comm.device_for_backend(self.dp_group)
-        dense = torch.zeros(2, dtype=torch.float32, device=dev)
-        experts: dict[str, torch.Tensor] = {}
-        for grp, g, eg in zip(self.groups, grads, self._expert_sets):
-            sq = self._squares(grp, g).to(dev)
-            if eg is None:
-                dense += sq
-            else:
-                experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32, device=dev)).add_(sq)
-        if self._sink is not None and not self._sink.resident:  # NVMe offload: squares recorded per group
-            for (gi, _), sq in self._sink.sq.items():
-                eg = self._expert_sets[gi]
-                into = dense if eg is None else experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32,
-                                                                                        device=dev))
-                into[0] += sq.to(dev)
-        if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
-            comm.all_reduce(dense, group=self.dp_group)
-        total = dense
-        for name in sorted(self.moe.registry):
-            eg = self.moe.registry[name]
-            sq = experts.get(name, torch.zeros(2, dtype=torch.float32, device=dev))
-            if any(g.num_partitions > 1 for g, e in zip(self.groups, self._expert_sets) if e is eg):
-                comm.all_reduce(sq, group=eg.edp_group)  # shards of the same experts
-            if eg.ep_size > 1:
-                comm.all_reduce(sq, group=eg.ep_group)   # different experts
-            total = total + sq
-        if self.moe.tp is not None:
-            split = total[1:].clone()
-            comm.all_reduce(split, group=self.moe.tp.group)  # the other slices of split params
-            total = total[:1] + split
-        else:
-            total = total[:1] + total[1:]
-        if self.pipe_group is not None:
-            comm.all_reduce(total, group=self.pipe_group)  # the other stages' layers
-        return math.sqrt(max(float(total), 0.0))
