@@ -21,6 +21,7 @@ from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler
 from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.norm_axes import NormAxes
+from ..zero.parted_reducer import reducer_over_axes
 from ..zero.topk_momentum import install_momentum_exchange
 from .facts import built_optimizer_facts
 from .plan import ModelFacts, TrainPlan, plan_training
@@ -195,7 +196,8 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
                            allreduce_gate=gate, names=dict(names or {}),
                            ignore_unused_parameters=zcfg.ignore_unused_parameters)
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
-        reducer = moe.make_reducer(live, settings, stage3, wiring)
+        make = GradReducer if stage3 is None else stage3.make_reducer
+        reducer = reducer_over_axes(live, moe.shard_axes(live), settings, dp_group, wiring, make)
     elif stage3 is None:
         reducer = GradReducer(live, settings, dp_group, wiring)
     else:

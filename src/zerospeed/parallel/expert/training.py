@@ -22,7 +22,6 @@ data-parallel groups (``groups.expert_rank_lists``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -30,7 +29,8 @@ from torch import nn
 
 from ... import comm
 from ...config.errors import NotSupportedYetError
-from ...zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup
+from ...zero import ShardedGroup
+from ...zero.parted_reducer import ShardAxis
 from .groups import ExpertGroups
 from .layer import MoE
 from .tensor_parallel import is_tensor_parallel_param
@@ -128,134 +128,14 @@ class MoETraining:
                     comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
 
     # --- reduction and the step -------------------------------------------------------------------------
-    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings, stage3: Any = None,
-                     wiring: ReducerWiring | None = None) -> "MoEGradReducer":
-        by_set: dict[str, list[int]] = {}
-        for gi, grp in enumerate(live):
-            eg = self.expert_groups_of(grp.params)
-            by_set.setdefault("" if eg is None else eg.name, []).append(gi)
-        w = ReducerWiring() if wiring is None else wiring
-        parts = []
-        for n, name in enumerate(sorted(by_set)):  # dense ("") first, then expert groups by name: the same order on every rank
-            idx = by_set[name]
-            if name == "":
-                group, s = self.dp_group, settings
-            else:
-                eg = self.registry[name]
-                group, s = eg.edp_group, dataclasses.replace(settings, dp_size=eg.edp_size)
-            grps = [live[i] for i in idx]
-            # each part writes through a view of the sink that numbers its groups as the optimizer does
-            pw = dataclasses.replace(w, heap_trimmer=None, sink=None if w.sink is None else _SinkView(w.sink, idx, n == 0))
-            parts.append((GradReducer(grps, s, group, pw) if stage3 is None else stage3.make_reducer(grps, s, group, pw),
-                          idx))
-        return MoEGradReducer(parts, w)
+    def shard_axes(self, live: list[ShardedGroup]) -> list[ShardAxis | None]:
+        """Each optimizer group's own partition axis: an expert set's edp group (None: dense, data-parallel)."""
+        sets = [self.expert_groups_of(g.params) for g in live]
+        return [None if eg is None else ShardAxis(eg.name, eg.edp_group, eg.edp_size) for eg in sets]
 
     def norm_axes_parts(self, live: list[ShardedGroup]) -> tuple[list[Any], frozenset[int], Any]:
         """What experts add to the grad norm (``zero/norm_axes.py``): each optimizer group's partition group
         (an expert set's edp group, None for dense), the params split over the expert tensor group, that group."""
-        sets = [self.expert_groups_of(g.params) for g in live]
+        axes = self.shard_axes(live)
         split = frozenset(id(p) for g in live for p in g.params if self.tp is not None and is_tensor_parallel_param(p))
-        return [None if eg is None else eg.edp_group for eg in sets], split, None if self.tp is None else self.tp.group
-
-
-class _SinkView:
-    """One part reducer's window on the engine's gradient sink (offload): its group numbers mapped to the
-    optimizer's; the sink's bytes counted by the first part only."""
-
-    def __init__(self, sink: Any, groups: list[int], first: bool) -> None:
-        self.sink, self.groups, self.first = sink, groups, first
-
-    def add(self, g: int, lo: int, values: torch.Tensor) -> None:
-        self.sink.add(self.groups[g], lo, values)
-
-    def end_micro_step(self) -> None:
-        self.sink.end_micro_step()
-
-    def zero(self) -> None:
-        self.sink.zero()
-
-    def host_bytes(self) -> int:
-        return self.sink.host_bytes() if self.first else 0
-
-
-class MoEGradReducer:
-    """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
-
-    @property
-    def sink(self) -> Any:
-        """Where reduced gradients go under offload (set by ``runtime/build.py``); each part writes through
-        a view that numbers its groups as the optimizer does."""
-        return self._sink
-
-    @sink.setter
-    def sink(self, value: Any) -> None:
-        self._sink = value
-        for n, (r, idx) in enumerate(self.parts):
-            r.sink = None if value is None else _SinkView(value, idx, n == 0)
-
-    def __init__(self, parts: list[tuple[GradReducer, list[int]]], wiring: ReducerWiring | None = None) -> None:
-        self._sink = None if wiring is None else wiring.sink
-        self.heap_trimmer = None if wiring is None else wiring.heap_trimmer
-        self.parts = parts
-        self.index = {gi: (r, local) for r, idx in parts for local, gi in enumerate(idx)}
-        self.groups = [self.index[gi][0].groups[self.index[gi][1]] for gi in range(len(self.index))]
-        # parameter -> (group, index), groups numbered as the optimizer's (the pipeline's tied-weight reduction)
-        self.where = {p: (gi, i) for gi, grp in enumerate(self.groups) for i, p in enumerate(grp.params)}
-
-    def _bucket_buffer(self, g: int, b: int) -> torch.Tensor:
-        reducer, local = self.index[g]
-        return reducer._bucket_buffer(local, b)
-
-    def partition_buffer(self, g: int) -> torch.Tensor:
-        reducer, local = self.index[g]
-        return reducer.partition_buffer(local)
-
-    def begin_micro_step(self, communicate: bool) -> None:
-        for r, _ in self.parts:
-            r.begin_micro_step(communicate)
-
-    def end_micro_step(self) -> None:
-        for r, _ in self.parts:
-            r.end_micro_step()
-
-    def zero(self) -> None:
-        for r, _ in self.parts:
-            r.zero()
-
-    def grad_bytes(self) -> int:
-        return sum(r.grad_bytes() for r, _ in self.parts)
-
-    def remove_hooks(self) -> None:
-        for r, _ in self.parts:
-            r.remove_hooks()
-
-    # --- unused parameters and failure recovery (each part agrees over its own group) ---------------
-    def settle_late(self) -> None:
-        for r, _ in self.parts:
-            r.settle_late()
-
-    def release_in_flight(self) -> None:
-        for r, _ in self.parts:
-            r.release_in_flight()
-
-    def reset(self) -> None:
-        for r, _ in self.parts:
-            r.reset()
-
-    @property
-    def ignore_unused_parameters(self) -> bool:
-        return all(r.ignore_unused_parameters for r, _ in self.parts)
-
-    @ignore_unused_parameters.setter
-    def ignore_unused_parameters(self, value: bool) -> None:
-        for r, _ in self.parts:
-            r.ignore_unused_parameters = value
-
-    @property
-    def names(self) -> dict:
-        return self.parts[0][0].names if self.parts else {}
-
-    @names.setter
-    def names(self, value: dict) -> None:
-        for r, _ in self.parts:
-            r.names = value
+        return [None if a is None else a.group for a in axes], split, None if self.tp is None else self.tp.group
