@@ -20,6 +20,8 @@ from ..config import ConfigError, ZeroSpeedConfig
 from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler
 from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
+from ..zero.norm_axes import NormAxes
+from ..zero.parted_reducer import reducer_over_axes
 from ..zero.topk_momentum import install_momentum_exchange
 from .facts import built_optimizer_facts
 from .plan import ModelFacts, TrainPlan, plan_training
@@ -180,7 +182,8 @@ def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings
 
 def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int,
-                         moe: Any = None, heap_trimmer: Any = None, names: dict[Any, str] | None = None) -> ZeroOptimizer:
+                         moe: Any = None, heap_trimmer: Any = None, names: dict[Any, str] | None = None,
+                         norm_axes: NormAxes | None = None) -> ZeroOptimizer:
     if not live:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     check_zero_optimizer(cfg, base)
@@ -193,7 +196,8 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
                            allreduce_gate=gate, names=dict(names or {}),
                            ignore_unused_parameters=zcfg.ignore_unused_parameters)
     if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
-        reducer = moe.make_reducer(live, settings, stage3, wiring)
+        make = GradReducer if stage3 is None else stage3.make_reducer
+        reducer = reducer_over_axes(live, moe.shard_axes(live), settings, dp_group, wiring, make)
     elif stage3 is None:
         reducer = GradReducer(live, settings, dp_group, wiring)
     else:
@@ -204,9 +208,10 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,
-                             check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow))
+                             check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
+                             norm_axes=norm_axes)
     install_momentum_exchange(cfg.gradient_compression, zero_opt, dp_group)
-    return zero_opt if moe is None else moe.wrap_optimizer(zero_opt)
+    return zero_opt
 
 
 def build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimizer | None) -> Any:
@@ -230,14 +235,20 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
         return None, None
     names = {p: n for n, p in model.named_parameters()}
     zero_opt = build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, grids.dp_size, grids.dp_rank, moe,
-                                    heap_trimmer, names)
+                                    heap_trimmer, names, norm_axes(plan, grids, model, live))
     if plan.compressing:  # a 1-bit optimizer averages its compressed momentum over the data-parallel group
         base.bind(dp_group)  # type: ignore[union-attr]
-    if plan.pipelined:  # one grad norm / overflow verdict over every stage
-        from ..parallel.pipeline.optimizer import PipelineZeroOptimizer
-
-        wrap = PipelineZeroOptimizer.wrap if moe is None else moe.wrap_pipeline  # MoE: its own norm, then stages
-        zero_opt = wrap(zero_opt, grids.grid.get_pipe_parallel_group(), model.replicated)
-    if grids.tp is not None:  # one grad norm / overflow verdict over the split model
-        zero_opt = grids.tp.wrap_optimizer(zero_opt)
     return zero_opt, base
+
+
+def norm_axes(plan: TrainPlan, grids: Any, model: nn.Module, live: list[ShardedGroup]) -> NormAxes:
+    """What pipeline, tensor and expert parallelism add to the one grad norm / overflow verdict."""
+    shard_groups, split, tp_group = None, frozenset(), None
+    if grids.moe is not None:  # experts' groups partitioned over their expert-data-parallel group
+        shard_groups, split, tp_group = grids.moe.norm_axes_parts(live)
+    if grids.tp is not None:  # the split model: split params' slices on every tensor rank
+        split, tp_group = frozenset(grids.tp.split), grids.tp.tp_group
+    pipe_group, replicated = None, frozenset()
+    if plan.pipelined:  # the stages' layers; a tied weight counted on one stage
+        pipe_group, replicated = grids.grid.get_pipe_parallel_group(), frozenset(model.replicated)
+    return NormAxes.of(shard_groups, split, tp_group, replicated, pipe_group)

@@ -24,6 +24,7 @@ from ..accelerator.huge_pages import empty_buffer
 from ..optim.frozen_variance import frozen_variance_step, preconditioner
 from ..precision import LossScaler
 from .grad_reducer import GradReducer
+from .norm_axes import NormAxes
 from .partition import reduce_bucket_numel
 from .sharded_group import ShardedGroup
 
@@ -34,7 +35,9 @@ class ZeroOptimizer:
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
                  allgather_bucket_numel: int, stepper: Any = None, allgather_partitions: bool = True,
-                 check_grad_overflow: bool = False) -> None:
+                 check_grad_overflow: bool = False, norm_axes: NormAxes | None = None) -> None:
+        # the parallelisms beyond data parallelism that the norm and the overflow flag span (zero/norm_axes.py)
+        self.norm_axes = NormAxes() if norm_axes is None else norm_axes
         # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
         self.stepper = stepper
         # gradient_compression.freeze_variance: Adam's variance is frozen after this many steps (the top-k
@@ -119,20 +122,33 @@ class ZeroOptimizer:
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
         if self._sink is not None and not self._sink.resident:
             local = local or not self._sink.all_finite()
-        return comm.all_reduce_max_flag(local, group=self.dp_group)  # also a commit point: the scale changes
+        # one verdict over every axis; also a commit point: the scale changes
+        return comm.all_reduce_max_flag(local, group=self.norm_axes.union(self.dp_group))
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-        for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-        if self._sink is not None and not self._sink.resident:  # sums of squares recorded as they were written
-            sq += self._sink.sum_sq()
-        if self.partitioned:
-            sq = sq.to(comm.device_for_backend(self.dp_group))  # offloaded grads live on host; NCCL needs the device
-            comm.all_reduce(sq, group=self.dp_group)
-        elif comm.get_world_size(self.dp_group) > 1:  # same value everywhere: only the commit point
-            comm.all_reduce_max_flag(False, group=self.dp_group)
-        return math.sqrt(float(sq))
+        axes, sink = self.norm_axes, self._sink
+        nvme = sink is not None and not sink.resident
+        if not axes.multi_axis and not self.partitioned:  # every rank holds every gradient: no sum to take
+            sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+            for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
+                sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if nvme:  # sums of squares recorded as they were written
+                sq += sink.sum_sq()
+            if comm.get_world_size(self.dp_group) > 1:  # same value everywhere: only the commit point
+                comm.all_reduce_max_flag(False, group=self.dp_group)
+            return math.sqrt(float(sq))
+        if nvme and (axes.tp_group is not None or axes.replicated):
+            raise ValueError("tensor or pipeline parallelism with NVMe optimizer offload of gradients is not "
+                             "supported yet by zerospeed")
+        sq = axes.owned_squares(self.groups, grads, self.dp_group)
+        if nvme:  # squares recorded per (group, sub-group) as they were written
+            for (gi, _), v in sink.sq.items():
+                if axes.owns_group(gi, self.groups[gi], self.dp_group):
+                    sq = sq + v.to(sq.device)
+        union = axes.union(self.dp_group)
+        sq = sq.to(comm.device_for_backend(union)).reshape(1)  # offloaded grads live on host; NCCL needs the device
+        comm.all_reduce(sq, group=union)
+        return math.sqrt(max(float(sq), 0.0))
 
     def _sum_over_shards(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a flat vector of per-parameter partial sums over the data-parallel shards (one all-reduce)."""
@@ -238,7 +254,7 @@ class ZeroOptimizer:
 
     def gather_group(self, grp: ShardedGroup) -> comm.Group | None:
         """The group over which ``grp`` is partitioned (MoE: experts' over their expert-data-parallel group)."""
-        return self.dp_group
+        return self.norm_axes.shard_group(self.groups.index(grp), self.dp_group)
 
     def _write_back(self) -> None:
         for gi, grp in enumerate(self.groups):

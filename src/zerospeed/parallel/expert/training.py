@@ -13,7 +13,7 @@ of its expert-data-parallel (``edp``) group. So, as in DeepSpeed:
 * the global gradient norm (clipping) is the true norm: dense squares summed over the dense shards,
   expert squares over the ``edp`` shards and then over the ``ep`` ranks (which hold different experts),
   parameters split over a tensor group (expert tensor parallelism) over that group, and, inside a
-  pipeline, everything over the stages;
+  pipeline, everything over the stages: ``norm_axes_parts`` describes it to ``zero/norm_axes.py``;
 * at start, dense parameters come from data-parallel rank 0, expert parameters from ``edp`` rank 0.
 
 With a pipeline or a tensor-parallel ``mpu`` (``grid``) the expert groups are cut inside the grid's
@@ -22,8 +22,6 @@ data-parallel groups (``groups.expert_rank_lists``).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -31,7 +29,8 @@ from torch import nn
 
 from ... import comm
 from ...config.errors import NotSupportedYetError
-from ...zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
+from ...zero import ShardedGroup
+from ...zero.parted_reducer import ShardAxis
 from .groups import ExpertGroups
 from .layer import MoE
 from .tensor_parallel import is_tensor_parallel_param
@@ -129,218 +128,14 @@ class MoETraining:
                     comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
 
     # --- reduction and the step -------------------------------------------------------------------------
-    def make_reducer(self, live: list[ShardedGroup], settings: ReduceSettings, stage3: Any = None,
-                     wiring: ReducerWiring | None = None) -> "MoEGradReducer":
-        by_set: dict[str, list[int]] = {}
-        for gi, grp in enumerate(live):
-            eg = self.expert_groups_of(grp.params)
-            by_set.setdefault("" if eg is None else eg.name, []).append(gi)
-        w = ReducerWiring() if wiring is None else wiring
-        parts = []
-        for n, name in enumerate(sorted(by_set)):  # dense ("") first, then expert groups by name: the same order on every rank
-            idx = by_set[name]
-            if name == "":
-                group, s = self.dp_group, settings
-            else:
-                eg = self.registry[name]
-                group, s = eg.edp_group, dataclasses.replace(settings, dp_size=eg.edp_size)
-            grps = [live[i] for i in idx]
-            # each part writes through a view of the sink that numbers its groups as the optimizer does
-            pw = dataclasses.replace(w, heap_trimmer=None, sink=None if w.sink is None else _SinkView(w.sink, idx, n == 0))
-            parts.append((GradReducer(grps, s, group, pw) if stage3 is None else stage3.make_reducer(grps, s, group, pw),
-                          idx))
-        return MoEGradReducer(parts, w)
+    def shard_axes(self, live: list[ShardedGroup]) -> list[ShardAxis | None]:
+        """Each optimizer group's own partition axis: an expert set's edp group (None: dense, data-parallel)."""
+        sets = [self.expert_groups_of(g.params) for g in live]
+        return [None if eg is None else ShardAxis(eg.name, eg.edp_group, eg.edp_size) for eg in sets]
 
-    def wrap_optimizer(self, opt: ZeroOptimizer) -> "MoEZeroOptimizer":
-        return MoEZeroOptimizer.wrap(opt, self)
-
-    def wrap_pipeline(self, opt: "MoEZeroOptimizer", pipe_group: Any, replicated: set[int]) -> "MoEZeroOptimizer":
-        """Inside a pipeline: the norm and overflow verdict also over the stages (a tied weight counted once)."""
-        opt.pipe_group = pipe_group
-        opt.replicated = frozenset(replicated)
-        return opt
-
-
-class _SinkView:
-    """One part reducer's window on the engine's gradient sink (offload): its group numbers mapped to the
-    optimizer's; the sink's bytes counted by the first part only."""
-
-    def __init__(self, sink: Any, groups: list[int], first: bool) -> None:
-        self.sink, self.groups, self.first = sink, groups, first
-
-    def add(self, g: int, lo: int, values: torch.Tensor) -> None:
-        self.sink.add(self.groups[g], lo, values)
-
-    def end_micro_step(self) -> None:
-        self.sink.end_micro_step()
-
-    def zero(self) -> None:
-        self.sink.zero()
-
-    def host_bytes(self) -> int:
-        return self.sink.host_bytes() if self.first else 0
-
-
-class MoEGradReducer:
-    """Several ``GradReducer``s (dense over dp, each expert set over its edp) behind one reducer interface."""
-
-    @property
-    def sink(self) -> Any:
-        """Where reduced gradients go under offload (set by ``runtime/build.py``); each part writes through
-        a view that numbers its groups as the optimizer does."""
-        return self._sink
-
-    @sink.setter
-    def sink(self, value: Any) -> None:
-        self._sink = value
-        for n, (r, idx) in enumerate(self.parts):
-            r.sink = None if value is None else _SinkView(value, idx, n == 0)
-
-    def __init__(self, parts: list[tuple[GradReducer, list[int]]], wiring: ReducerWiring | None = None) -> None:
-        self._sink = None if wiring is None else wiring.sink
-        self.heap_trimmer = None if wiring is None else wiring.heap_trimmer
-        self.parts = parts
-        self.index = {gi: (r, local) for r, idx in parts for local, gi in enumerate(idx)}
-        self.groups = [self.index[gi][0].groups[self.index[gi][1]] for gi in range(len(self.index))]
-        # parameter -> (group, index), groups numbered as the optimizer's (the pipeline's tied-weight reduction)
-        self.where = {p: (gi, i) for gi, grp in enumerate(self.groups) for i, p in enumerate(grp.params)}
-
-    def _bucket_buffer(self, g: int, b: int) -> torch.Tensor:
-        reducer, local = self.index[g]
-        return reducer._bucket_buffer(local, b)
-
-    def partition_buffer(self, g: int) -> torch.Tensor:
-        reducer, local = self.index[g]
-        return reducer.partition_buffer(local)
-
-    def begin_micro_step(self, communicate: bool) -> None:
-        for r, _ in self.parts:
-            r.begin_micro_step(communicate)
-
-    def end_micro_step(self) -> None:
-        for r, _ in self.parts:
-            r.end_micro_step()
-
-    def zero(self) -> None:
-        for r, _ in self.parts:
-            r.zero()
-
-    def grad_bytes(self) -> int:
-        return sum(r.grad_bytes() for r, _ in self.parts)
-
-    def remove_hooks(self) -> None:
-        for r, _ in self.parts:
-            r.remove_hooks()
-
-    # --- unused parameters and failure recovery (each part agrees over its own group) ---------------
-    def settle_late(self) -> None:
-        for r, _ in self.parts:
-            r.settle_late()
-
-    def release_in_flight(self) -> None:
-        for r, _ in self.parts:
-            r.release_in_flight()
-
-    def reset(self) -> None:
-        for r, _ in self.parts:
-            r.reset()
-
-    @property
-    def ignore_unused_parameters(self) -> bool:
-        return all(r.ignore_unused_parameters for r, _ in self.parts)
-
-    @ignore_unused_parameters.setter
-    def ignore_unused_parameters(self, value: bool) -> None:
-        for r, _ in self.parts:
-            r.ignore_unused_parameters = value
-
-    @property
-    def names(self) -> dict:
-        return self.parts[0][0].names if self.parts else {}
-
-    @names.setter
-    def names(self, value: dict) -> None:
-        for r, _ in self.parts:
-            r.names = value
-
-
-class MoEZeroOptimizer(ZeroOptimizer):
-    """The ZeRO optimizer with expert groups: per-group gather groups, the true global norm, world overflow.
-    Inside a pipeline (``pipe_group`` set) the norm and the overflow verdict are also taken over the stages."""
-
-    moe: MoETraining
-    pipe_group: Any = None
-    replicated: frozenset[int] = frozenset()  # tied weights held by several stages: counted on one
-
-    @classmethod
-    def wrap(cls, opt: ZeroOptimizer, moe: MoETraining) -> "MoEZeroOptimizer":
-        out = cls.__new__(cls)
-        out.__dict__.update(opt.__dict__)
-        out.moe = moe
-        out._expert_sets = [moe.expert_groups_of(g.params) for g in opt.groups]
-        return out
-
-    def gather_group(self, grp: ShardedGroup) -> Any:
-        eg = self._expert_sets[self.groups.index(grp)]
-        return self.dp_group if eg is None else eg.edp_group
-
-    def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
-        local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        if self._sink is not None and not self._sink.resident:  # NVMe offload: flags kept as grads were written
-            local = local or not self._sink.all_finite()
-        flag = comm.all_reduce_max_flag(local, group=self.dp_group)  # experts differ between ranks
-        if self.moe.tp is not None:
-            flag = comm.all_reduce_max_flag(flag, group=self.moe.tp.group)
-        return flag if self.pipe_group is None else comm.all_reduce_max_flag(flag, group=self.pipe_group)
-
-    def _squares(self, grp: ShardedGroup, g: torch.Tensor) -> torch.Tensor:
-        """[squares of params replicated over the tensor group, of params split over it] in ``g``, leaving
-        out tied weights another pipeline stage counts."""
-        out = torch.zeros(2, dtype=torch.float32, device=g.device)
-        if not self.replicated and self.moe.tp is None:
-            out[0] = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-            return out
-        for i, p in enumerate(grp.params):
-            if id(p) not in self.replicated:
-                out[int(self.moe.tp is not None and is_tensor_parallel_param(p))] += \
-                    torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square()
-        return out
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """Dense squares over the dense shards; each expert set's over its edp shards and its ep ranks;
-        params split over the tensor group over that group too; then over the pipeline stages."""
-        dev = comm.device_for_backend(self.dp_group)
-        dense = torch.zeros(2, dtype=torch.float32, device=dev)
-        experts: dict[str, torch.Tensor] = {}
-        for grp, g, eg in zip(self.groups, grads, self._expert_sets):
-            sq = self._squares(grp, g).to(dev)
-            if eg is None:
-                dense += sq
-            else:
-                experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32, device=dev)).add_(sq)
-        if self._sink is not None and not self._sink.resident:  # NVMe offload: squares recorded per group
-            for (gi, _), sq in self._sink.sq.items():
-                eg = self._expert_sets[gi]
-                into = dense if eg is None else experts.setdefault(eg.name, torch.zeros(2, dtype=torch.float32,
-                                                                                        device=dev))
-                into[0] += sq.to(dev)
-        if any(g.num_partitions > 1 for g, eg in zip(self.groups, self._expert_sets) if eg is None):
-            comm.all_reduce(dense, group=self.dp_group)
-        total = dense
-        for name in sorted(self.moe.registry):
-            eg = self.moe.registry[name]
-            sq = experts.get(name, torch.zeros(2, dtype=torch.float32, device=dev))
-            if any(g.num_partitions > 1 for g, e in zip(self.groups, self._expert_sets) if e is eg):
-                comm.all_reduce(sq, group=eg.edp_group)  # shards of the same experts
-            if eg.ep_size > 1:
-                comm.all_reduce(sq, group=eg.ep_group)   # different experts
-            total = total + sq
-        if self.moe.tp is not None:
-            split = total[1:].clone()
-            comm.all_reduce(split, group=self.moe.tp.group)  # the other slices of split params
-            total = total[:1] + split
-        else:
-            total = total[:1] + total[1:]
-        if self.pipe_group is not None:
-            comm.all_reduce(total, group=self.pipe_group)  # the other stages' layers
-        return math.sqrt(max(float(total), 0.0))
+    def norm_axes_parts(self, live: list[ShardedGroup]) -> tuple[list[Any], frozenset[int], Any]:
+        """What experts add to the grad norm (``zero/norm_axes.py``): each optimizer group's partition group
+        (an expert set's edp group, None for dense), the params split over the expert tensor group, that group."""
+        axes = self.shard_axes(live)
+        split = frozenset(id(p) for g in live for p in g.params if self.tp is not None and is_tensor_parallel_param(p))
+        return [None if a is None else a.group for a in axes], split, None if self.tp is None else self.tp.group

@@ -9,13 +9,13 @@ over the ``model`` axis and trains it with ZeRO over the ``data`` axis only:
 Gradients of every parameter are reduced over its data-parallel group; those of replicated parameters are
 already equal across the tensor-parallel group (their inputs and output gradients are), so nothing else is
 summed. The global gradient norm sums squares over the data-parallel partitions, then adds the split
-parameters' squares over the tensor-parallel group and counts the replicated ones once. The data loader is
+parameters' squares over the tensor-parallel group and counts the replicated ones once (``zero/norm_axes.py``,
+described by ``runtime/build_optimizer.norm_axes`` from ``split`` and ``tp_group``). The data loader is
 built over the data-parallel rank, so every rank of a tensor-parallel group reads the same batch.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -23,7 +23,6 @@ from torch import nn
 
 from ... import comm
 from ...config.tensor_parallel import TensorParallelConfig
-from ...zero import ZeroOptimizer
 from .model_init import REQUEST_ATTR, TensorParallelModel, autotp_shard, merge_request
 
 
@@ -55,58 +54,3 @@ class TensorParallelTraining:
         self.tp_group = grid.get_slice_parallel_group()
         self.model: TensorParallelModel = autotp_shard(model, self.tp_group, section, dtype)
         self.split = self.model.split_params(model)
-
-    def wrap_optimizer(self, opt: ZeroOptimizer) -> "TensorParallelZeroOptimizer":
-        return TensorParallelZeroOptimizer.wrap(opt, self.tp_group, self.split)
-
-
-def split_and_replicated_sq(opt: ZeroOptimizer, grads: list[torch.Tensor], split: frozenset[int],
-                            skip: frozenset[int] = frozenset()) -> torch.Tensor:
-    """``[sum of squares over split params, over replicated params]`` of this rank's gradient partitions
-    (``skip``: tied copies another pipeline stage counts)."""
-    out = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
-    for grp, g in zip(opt.groups, grads):  # each slot on its own: "total - split" would round differently per rank
-        for i, p in enumerate(grp.params):
-            if id(p) not in skip:
-                out[0 if id(p) in split else 1] += torch.linalg.vector_norm(grp.slot_view(g, i),
-                                                                            dtype=torch.float32).square()
-    return out
-
-
-class TensorParallelZeroOptimizer(ZeroOptimizer):
-    """The ZeRO optimizer over the data-parallel group, with norm and overflow over the tensor-parallel group
-    (and, wrapping a pipeline's optimizer, over the pipeline stages: ``pipe_group``, tied copies counted once)."""
-
-    tp_group: Any = None
-    split: frozenset[int] = frozenset()
-    pipe_group: Any = None
-    replicated: frozenset[int] = frozenset()
-
-    @classmethod
-    def wrap(cls, opt: ZeroOptimizer, tp_group: Any, split: set[int]) -> "TensorParallelZeroOptimizer":
-        out = cls.__new__(cls)
-        out.__dict__.update(opt.__dict__)
-        out.tp_group = tp_group
-        out.split = frozenset(split)
-        return out
-
-    def _has_overflow(self, grads: list[torch.Tensor]) -> bool:
-        local = super()._has_overflow(grads)
-        if self.pipe_group is not None:
-            local = comm.all_reduce_max_flag(local, group=self.pipe_group)
-        return comm.all_reduce_max_flag(local, group=self.tp_group)
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        if self._sink is not None and not self._sink.resident:
-            raise ValueError("tensor parallelism with NVMe optimizer offload of gradients is not supported yet by "
-                             "zerospeed")
-        sq = split_and_replicated_sq(self, grads, self.split, self.replicated).to(comm.device_for_backend(self.dp_group))
-        if self.partitioned:
-            comm.all_reduce(sq, group=self.dp_group)
-        elif comm.get_world_size(self.dp_group) > 1:
-            comm.all_reduce_max_flag(False, group=self.dp_group)  # the commit point, as in ZeroOptimizer
-        if self.pipe_group is not None:
-            comm.all_reduce(sq, group=self.pipe_group)
-        split_sq = sq[:1].clone()
-        comm.all_reduce(split_sq, group=self.tp_group)
-        return math.sqrt(max(float(split_sq[0] + sq[1]), 0.0))
