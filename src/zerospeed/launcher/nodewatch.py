@@ -196,9 +196,9 @@ class NodeWatch:
         else:
             return
         sock.settimeout(None)
+        _send_line(sock, f"node {self.node_rank} {self.host}")  # the hello first: no heartbeat before it
         with self._lock:
             self._peers[0] = sock
-        _send_line(sock, f"node {self.node_rank} {self.host}")
         self._watch(0, sock)
 
     def finish(self, code: int, message: str = "") -> None:
