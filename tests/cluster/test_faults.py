@@ -76,10 +76,11 @@ def _cmdline(pid: int) -> str:
         return f"{pid}: (gone)"
 
 
-def _fault_run(cluster: Cluster, env: dict[str, str], tmp: Path, fault: Callable[[], None]) -> tuple[int, str, float]:
+def _fault_run(cluster: Cluster, env: dict[str, str], tmp: Path, fault: Callable[[], None],
+               launcher: str = "ssh") -> tuple[int, str, float]:
     hostfile = cluster.write_hostfile(tmp / "hostfile", slots=2, hosts=[0, 1])
     out = tmp / "out"
-    argv = launch_argv(hostfile, "ssh", out, 200, "--shutdown-timeout", "3",
+    argv = launch_argv(hostfile, launcher, out, 200, "--shutdown-timeout", "3",
                        script_args=("--timeout", str(TIMEOUT_S), "--sleep", "0.2"))
     with open(tmp / "launcher.log", "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
         proc = cluster.popen(0, argv, cwd=str(tmp), env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -104,6 +105,18 @@ def test_host_lost_is_named(cluster: Cluster, cluster_env: dict[str, str], tmp_p
     assert code != 0
     assert "host node1 (node 1) failed" in err, err[-3000:]
     assert elapsed < TIMEOUT_S + 5, f"named after {elapsed:.1f} s"
+    _assert_nothing_left(cluster)
+
+
+@full_only
+def test_pdsh_names_a_silently_cut_host(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
+                                        node1_reset: None) -> None:
+    """pdsh gives no per-host exit: node0's launcher names node1 from the node watch's missing heartbeats
+    (measured 13.5 s here with comms_timeout_s 5: the ranks' timeout, torchrun's stop, then the summary)."""
+    code, err, elapsed = _fault_run(cluster, cluster_env, tmp_path, lambda: faults.drop(cluster.hosts[1]), "pdsh")
+    assert code != 0
+    assert "node 1 (node1) unreachable: nothing heard" in err, err[-3000:]
+    assert elapsed < TIMEOUT_S + 15, f"named after {elapsed:.1f} s"
     _assert_nothing_left(cluster)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,8 +41,8 @@ def test_hung_rank_goes_first_after_a_timeout() -> None:
 
 
 def test_hung_rank_is_not_blamed_for_a_crash() -> None:
-    failing, _ = failures.blame_hung([_failure(0, "ValueError: bad batch")], [1], [(1, "sleeping")], 3)
-    assert [f.rank for f in failing] == [0, 1]
+    failing, stopped = failures.blame_hung([_failure(0, "ValueError: bad batch")], [], [(1, "sleeping")], 3)
+    assert [f.rank for f in failing] == [0] and stopped == [1]
     assert failures.blame_hung([_failure(0, "x")], [1], [], 3) == ([_failure(0, "x")], [1])
 
 
@@ -76,9 +77,8 @@ def test_shutdown_deadline_spares_a_restarted_group(tmp_path: Path) -> None:
     new = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         (tmp_path / "rank_0.pid").write_text(json.dumps({"pid": old.pid, "rank": 0, "start": time.time()}))
-        (tmp_path / "rank_1.err").write_text("{}")
         deadline = shutdown.ShutdownDeadline(str(tmp_path), timeout_s=0.1)
-        deadline.poll("")
+        deadline.poll("Sending process 1 closing signal SIGTERM")
         old.wait(timeout=10)
         (tmp_path / "rank_0.pid").write_text(json.dumps({"pid": new.pid, "rank": 0, "start": time.time()}))
         time.sleep(0.15)
@@ -87,3 +87,24 @@ def test_shutdown_deadline_spares_a_restarted_group(tmp_path: Path) -> None:
     finally:
         new.kill()
         new.wait()
+
+
+def test_node_watch_heartbeats_and_names_a_silent_peer() -> None:
+    from zerospeed.launcher import nodewatch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1] % 20000 + 20000
+    node0 = nodewatch.NodeWatch(0, 2, "127.0.0.1", port, "h0", lambda n, t: None, join_timeout=10)
+    node1 = nodewatch.NodeWatch(1, 2, "127.0.0.1", port, "h1", lambda n, t: None, join_timeout=10)
+    node0.start()
+    node1.start()
+    try:
+        time.sleep(nodewatch.HEARTBEAT_S * 2.5)
+        assert node0.silent(nodewatch.HEARTBEAT_S * 1.5) == [] and node1.silent(nodewatch.HEARTBEAT_S * 1.5) == []
+        node0._heard[1] -= 10  # a link cut silently: nothing heard from node 1 for 10 s
+        node0.blame_silent()
+        assert node0.event is not None and node0.event.startswith("node 1 (h1) unreachable: nothing heard")
+    finally:
+        node1.finish(0)
+        node0.finish(0)

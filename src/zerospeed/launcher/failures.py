@@ -175,7 +175,7 @@ def blame_hung(failing: list[RankFailure], stopped: list[int], hung: list[tuple[
                shutdown_timeout: float) -> tuple[list[RankFailure], list[int]]:
     """Ranks still alive ``shutdown_timeout`` s after the agent began stopping ranks (``hung``: (rank,
     process state)) did not react to SIGTERM. When the first failure is a collective timeout, such a rank is
-    the one that never joined: it goes first. Otherwise it is listed after the others."""
+    the one that never joined: it goes first. Otherwise it only counts as stopped (killed when slow to go)."""
     if not hung:
         return failing, stopped
     ranks = {rank for rank, _ in hung}
@@ -183,10 +183,9 @@ def blame_hung(failing: list[RankFailure], stopped: list[int], hung: list[tuple[
         f"never joined: hung (process {state}), it ignored SIGTERM for --shutdown-timeout {shutdown_timeout:g} s "
         "and was killed")) for rank, state in hung]
     rest = [f for f in failing if f.rank not in ranks]
-    left = [r for r in stopped if r not in ranks]
-    if rest and not _timed_out(rest[0]):
-        return rest + named, left
-    return named + rest, left
+    if rest and not _timed_out(rest[0]):  # a crash elsewhere: those ranks were merely slow to stop
+        return rest, sorted(set(stopped) | ranks)
+    return named + rest, [r for r in stopped if r not in ranks]
 
 
 def summarize(failing: list[RankFailure], stopped: list[int], agent_exitcode: int) -> str:

@@ -320,8 +320,10 @@ def launch(plan: LaunchPlan, exports: dict[str, str] | None = None) -> int:
         if result.exitcode == 0:
             code = 0
             return 0
-        if watch is not None and watch.event is None:
+        if watch is not None and watch.event is None and not watch.silent():
             time.sleep(2.0)  # a peer's report of its own failure (often the cause of ours) is on its way
+        if watch is not None:
+            watch.blame_silent()  # no report came: a peer not heard from is the likely cause
         agent = failures.parse_torchrun_failures(result.stderr_tail)
         closed = failures.stopped_ranks(result.stderr_tail, launch_dir)
         failing, stopped = failures.merge_failures(failures.read_rank_reports(launch_dir), agent, closed)

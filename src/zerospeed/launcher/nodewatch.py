@@ -7,6 +7,11 @@ that line means the peer launcher died (killed, host down); a non-zero code mean
 Either way ``on_event(node, text)`` is called once, and the launcher stops its own ranks and names that
 node. Node 0 also names the nodes that have not connected within ``join_timeout`` seconds.
 
+Each side also sends ``alive`` every ``HEARTBEAT_S``: a link cut silently (down, or packets dropped, so no
+FIN or RST ever comes) shows as a peer not heard from. That alone stops nothing (a network hiccup must not
+end a job); when this node's ranks then fail - typically a collective timeout - ``blame_silent()`` names the
+silent node as the likely cause instead of the local rank that timed out.
+
 Used with a fixed ``--nnodes`` only: under ``--elastic_training`` nodes may come and go.
 """
 
@@ -18,6 +23,8 @@ import time
 from collections.abc import Callable
 
 WATCH_PORT_OFFSET = 1
+HEARTBEAT_S = 1.0
+SILENT_AFTER_S = 3.0  # a peer not heard from for this long is named when this node's ranks fail
 EventHandler = Callable[[int, str], None]
 
 
@@ -28,8 +35,9 @@ def _send_line(sock: socket.socket, text: str) -> None:
         pass
 
 
-def _read_lines(sock: socket.socket) -> tuple[list[str], bool]:
-    """Read until the peer closes: (lines, True) - or stop at the first ``exit`` line: (lines, False)."""
+def _read_lines(sock: socket.socket, heard: Callable[[], None] = lambda: None) -> tuple[list[str], bool]:
+    """Read until the peer closes: (lines, True) - or stop at the first ``exit`` line: (lines, False).
+    ``heard()`` is called for every chunk received; ``alive`` heartbeats are not kept."""
     buf = b""
     lines: list[str] = []
     while True:
@@ -39,9 +47,12 @@ def _read_lines(sock: socket.socket) -> tuple[list[str], bool]:
             return lines, True
         if not chunk:
             return lines, True
+        heard()
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
+            if line == b"alive":
+                continue
             lines.append(line.decode("utf-8", "replace"))
             if lines[-1].startswith("exit "):
                 return lines, False
@@ -74,6 +85,8 @@ class NodeWatch:
         self._done = threading.Event()
         self._fired = False
         self._server: socket.socket | None = None
+        self._heard: dict[int, float] = {}
+        self._send_lock = threading.Lock()
         self.event: str | None = None
 
     def start(self) -> None:
@@ -87,6 +100,30 @@ class NodeWatch:
             server.listen(self.nnodes)
             self._server = server
         threading.Thread(target=target, daemon=True, name="zerospeed-nodewatch").start()
+        threading.Thread(target=self._heartbeat, daemon=True, name="zerospeed-nodewatch-heartbeat").start()
+
+    def _heartbeat(self) -> None:
+        while not self._done.wait(HEARTBEAT_S):
+            with self._lock:
+                peers = list(self._peers.values())
+            for sock in peers:
+                with self._send_lock:
+                    _send_line(sock, "alive")
+
+    def silent(self, after_s: float = SILENT_AFTER_S) -> list[tuple[int, float]]:
+        """``(node, seconds)`` for each connected peer not heard from for more than ``after_s``."""
+        now = time.monotonic()
+        with self._lock:
+            heard = dict(self._heard)
+        return [(node, now - t) for node, t in sorted(heard.items()) if now - t > after_s]
+
+    def blame_silent(self, after_s: float = SILENT_AFTER_S) -> None:
+        """This node's ranks failed and no peer reported anything: name a silent peer as the cause."""
+        quiet = self.silent(after_s)
+        if self.event is None and quiet:
+            node, seconds = quiet[0]
+            self.event = (f"{self._who(node)} unreachable: nothing heard from its launcher for {seconds:.0f} s "
+                          "(link down, packets dropped, or the host hung)")
 
     def _fire(self, node: int, text: str | None) -> None:
         if text is None or self._done.is_set():
@@ -102,8 +139,13 @@ class NodeWatch:
         host = self._hosts.get(node)
         return f"node {node}" + (f" ({host})" if host else "")
 
+    def _mark_heard(self, node: int) -> None:
+        with self._lock:
+            self._heard[node] = time.monotonic()
+
     def _watch(self, node: int, sock: socket.socket) -> None:
-        lines, closed = _read_lines(sock)
+        self._mark_heard(node)
+        lines, closed = _read_lines(sock, lambda: self._mark_heard(node))
         self._fire(node, describe(lines, closed, self._who(node)))
 
     def _serve(self) -> None:
@@ -154,9 +196,9 @@ class NodeWatch:
         else:
             return
         sock.settimeout(None)
+        _send_line(sock, f"node {self.node_rank} {self.host}")  # the hello first: no heartbeat before it
         with self._lock:
             self._peers[0] = sock
-        _send_line(sock, f"node {self.node_rank} {self.host}")
         self._watch(0, sock)
 
     def finish(self, code: int, message: str = "") -> None:
@@ -165,7 +207,8 @@ class NodeWatch:
         with self._lock:
             peers = list(self._peers.values())
         for sock in peers:
-            _send_line(sock, f"exit {code} {message}".rstrip())
+            with self._send_lock:
+                _send_line(sock, f"exit {code} {message}".rstrip())
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:

@@ -4,7 +4,7 @@ When a rank fails, torch 2.13's agent stops the others with SIGTERM and waits a 
 (``_stop_workers`` ignores its ``shutdown_timeout``). A rank that is hung - stopped, or spinning in native
 code - ignores SIGTERM, so the job would end 30 s after the failure whatever the user asked. The launcher
 watches for the moment the agent starts stopping ranks (its ``Sending process ... closing signal`` log
-line, or a rank's failure report); ``timeout_s`` later it SIGKILLs every rank still alive, with its process
+line); ``timeout_s`` later it SIGKILLs every rank still alive, with its process
 group. A rank killed that way that had not reported a failure itself is *hung*: it never got to the
 collective the others timed out in, which makes it the likely cause (``failures.py`` names it first).
 """
@@ -44,7 +44,7 @@ def _reports(launch_dir: str) -> set[tuple[str, int]]:
 class ShutdownDeadline:
     """Call ``poll(stderr_tail)`` every monitor tick while torchrun runs.
 
-    Each new failure (a pid torchrun sends a closing signal to, or a new failure report) starts a deadline
+    Each new failure (a pid torchrun sends a closing signal to) starts a deadline
     for the ranks alive *then* (their pids): a group torchrun restarts meanwhile (``--max_restarts``) has
     new pids and is never touched."""
 
@@ -56,7 +56,9 @@ class ShutdownDeadline:
     _pids: dict[int, int] = field(default_factory=dict)
 
     def _new_failure(self, stderr_tail: str) -> bool:
-        now = {int(m.group(1)) for m in _CLOSING.finditer(stderr_tail)} | _reports(self.launch_dir)
+        # Only torchrun's closing signal starts the clock: a failing rank still on its way out (its report
+        # written, Python shutting down) is not cut short, and keeps its own exit code.
+        now = {int(m.group(1)) for m in _CLOSING.finditer(stderr_tail)}
         fresh = bool(now - self._seen)
         self._seen |= now
         return fresh
