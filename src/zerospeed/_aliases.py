@@ -77,6 +77,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils.torch": "zerospeed.compat.torch_version",
     "zerospeed.runtime.precision_config": "zerospeed.compat.precision_config",
     "zerospeed.runtime.config": "zerospeed.compat.runtime_config",
+    "zerospeed.git_version_info": "zerospeed.compat.git_version_info",
 }
 
 
