@@ -78,6 +78,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.precision_config": "zerospeed.compat.precision_config",
     "zerospeed.runtime.config": "zerospeed.compat.runtime_config",
     "zerospeed.git_version_info": "zerospeed.compat.git_version_info",
+    "zerospeed.runtime.zero.partition_parameters": "zerospeed.compat.partition_parameters",
 }
 
 

@@ -71,3 +71,13 @@ def test_engine_name_accelerator_and_comm_names(monkeypatch):
         assert dist.COMMS_LOGGER.enabled and dist.COMMS_LOGGER.prof_ops == ["all_reduce"]
     finally:
         dist.configure(enabled=False, prof_ops=[])
+
+
+def test_partition_parameters_status_and_version_info():
+    from zerospeed.git_version_info import installed_ops, torch_info
+    from zerospeed.runtime.zero.partition_parameters import ZeroParamStatus, is_zero_param, param_status
+
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert param_status(plain) is ZeroParamStatus.AVAILABLE and not is_zero_param(plain)
+    assert torch_info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert not any(installed_ops.values())  # zerospeed compiles no ops
