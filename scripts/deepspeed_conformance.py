@@ -152,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, area in enumerate(areas):
             got = run_area(checkout, area, args, Path(tmp) / f"{i}.json")
             outcomes.update(got)
+            if args.record:  # stored area by area: an interrupted recording keeps what it finished
+                record(got, [area])
             print(f"{area}: {sum(o == 'passed' for o in got.values())} passed of {len(got)} run", flush=True)
     if args.results:
         args.results.write_text(json.dumps(outcomes, indent=0, sort_keys=True))
     if args.record:
-        record(outcomes, areas)
         print(f"recorded {sum(o == 'passed' for o in outcomes.values())} passing ids in {PASSING}")
         return 0
     names = {a.replace("/*.py", "") for a in areas}

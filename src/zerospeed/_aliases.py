@@ -79,6 +79,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.config": "zerospeed.compat.runtime_config",
     "zerospeed.git_version_info": "zerospeed.compat.git_version_info",
     "zerospeed.runtime.zero.partition_parameters": "zerospeed.compat.partition_parameters",
+    "zerospeed.utils.numa": "zerospeed.compat.numa",
 }
 
 

@@ -81,3 +81,12 @@ def test_partition_parameters_status_and_version_info():
     assert param_status(plain) is ZeroParamStatus.AVAILABLE and not is_zero_param(plain)
     assert torch_info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
     assert not any(installed_ops.values())  # zerospeed compiles no ops
+
+
+def test_core_range_list():
+    from zerospeed.utils.numa import parse_range_list
+
+    assert parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad in ("0,2-6,5-9", "8,2-6", "1,6-2", "1-2-3"):
+        with pytest.raises(ValueError):
+            parse_range_list(bad)
