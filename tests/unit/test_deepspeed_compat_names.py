@@ -90,3 +90,16 @@ def test_core_range_list():
     for bad in ("0,2-6,5-9", "8,2-6", "1,6-2", "1-2-3"):
         with pytest.raises(ValueError):
             parse_range_list(bad)
+
+
+def test_hjson_config_file(tmp_path):
+    pytest.importorskip("hjson")
+    from zerospeed.config import ConfigError, load_config
+
+    f = tmp_path / "ds_config.hjson"
+    f.write_text("{\n  # a comment, as DeepSpeed's HJSON reader allows\n  train_batch_size: 4\n}\n")
+    assert load_config(str(f)).train_batch_size == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(bad))
