@@ -28,7 +28,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils": ("zerospeed.data.repeating", "zerospeed.runtime.log", "zerospeed.zero.fragments"),
     "zerospeed.utils.logging": "zerospeed.runtime.log",
     "zerospeed.utils.tensor_fragment": "zerospeed.zero.fragments",
-    "zerospeed.runtime.lr_schedules": "zerospeed.optim.schedules",
+    "zerospeed.runtime.lr_schedules": ("zerospeed.optim.schedules", "zerospeed.compat.lr_schedule_names"),
     "zerospeed.runtime.zero": "zerospeed.zero",
     "zerospeed.runtime.compiler": "zerospeed.runtime.compile",
     "zerospeed.runtime.zero.stage_1_and_2": "zerospeed.zero.estimate",

@@ -103,3 +103,11 @@ def test_hjson_config_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(str(bad))
+
+
+def test_lr_schedule_constants_name_our_schedulers():
+    from zerospeed.optim.schedules import SCHEDULER_NAMES
+    from zerospeed.runtime import lr_schedules
+
+    assert set(lr_schedules.VALID_LR_SCHEDULES) == set(SCHEDULER_NAMES)
+    assert lr_schedules.WARMUP_NUM_STEPS == "warmup_num_steps" and lr_schedules.WarmupLR.__name__ == "WarmupLR"
