@@ -99,7 +99,8 @@ def run_area(checkout: Path, area: str, args: argparse.Namespace, out: Path) -> 
     mode = "deepspeed" if args.record else "zerospeed"
     src = HERE.parent / "src"
     env = dict(os.environ, ZS_CONFORMANCE_MODE=mode, ZS_CONFORMANCE_OUT=str(out),
-               ZS_CONFORMANCE_TIMEOUT=str(args.timeout), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
+               ZS_CONFORMANCE_TIMEOUT=str(args.timeout), DS_ACCELERATOR="cpu",
+               LOCAL_SIZE=str(args.local_size), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(
                    [str(HERE)] + ([] if args.record else [str(src)]) + [os.environ.get("PYTHONPATH", "")]))
     cmd = [args.python or sys.executable, "-m", "pytest", "-p", "deepspeed_conformance_plugin", "-q",
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run real DeepSpeed (--python of a venv that has it) and store its passing ids")
     p.add_argument("--python", help="interpreter to run pytest with (default: this one)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per distributed test")
+    p.add_argument("--local-size", type=int, default=4,
+                   help="LOCAL_SIZE for the parent: the CPU 'devices' DeepSpeed's harness may use (ranks per test)")
     p.add_argument("--area-timeout", type=float, default=3600.0, help="seconds per area")
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "deepspeed-conformance.log"))
     p.add_argument("--results", type=Path, help="also write every outcome here (JSON)")
@@ -152,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, area in enumerate(areas):
             got = run_area(checkout, area, args, Path(tmp) / f"{i}.json")
             outcomes.update(got)
+            if args.record:  # stored area by area: an interrupted recording keeps what it finished
+                record(got, [area])
             print(f"{area}: {sum(o == 'passed' for o in got.values())} passed of {len(got)} run", flush=True)
     if args.results:
         args.results.write_text(json.dumps(outcomes, indent=0, sort_keys=True))
     if args.record:
-        record(outcomes, areas)
         print(f"recorded {sum(o == 'passed' for o in outcomes.values())} passing ids in {PASSING}")
         return 0
     names = {a.replace("/*.py", "") for a in areas}

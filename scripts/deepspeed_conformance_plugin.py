@@ -99,6 +99,16 @@ def pytest_runtest_logreport(report: Any) -> None:
         _OUTCOMES[report.nodeid] = "skipped"
     elif report.when == "call" and report.passed and previous is None:
         _OUTCOMES[report.nodeid] = "passed"
+    if report.when == "teardown":
+        _write()  # after every test: a run stopped by the area timeout keeps what it finished
+
+
+def _write() -> None:
+    out = os.environ.get("ZS_CONFORMANCE_OUT")
+    if out:
+        with open(out + ".tmp", "w") as f:
+            json.dump(_OUTCOMES, f, indent=0, sort_keys=True)
+        os.replace(out + ".tmp", out)
 
 
 def pytest_collectreport(report: Any) -> None:
@@ -107,7 +117,4 @@ def pytest_collectreport(report: Any) -> None:
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    out = os.environ.get("ZS_CONFORMANCE_OUT")
-    if out:
-        with open(out, "w") as f:
-            json.dump(_OUTCOMES, f, indent=0, sort_keys=True)
+    _write()

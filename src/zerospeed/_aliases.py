@@ -28,7 +28,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils": ("zerospeed.data.repeating", "zerospeed.runtime.log", "zerospeed.zero.fragments"),
     "zerospeed.utils.logging": "zerospeed.runtime.log",
     "zerospeed.utils.tensor_fragment": "zerospeed.zero.fragments",
-    "zerospeed.runtime.lr_schedules": "zerospeed.optim.schedules",
+    "zerospeed.runtime.lr_schedules": ("zerospeed.optim.schedules", "zerospeed.compat.lr_schedule_names"),
     "zerospeed.runtime.zero": "zerospeed.zero",
     "zerospeed.runtime.compiler": "zerospeed.runtime.compile",
     "zerospeed.runtime.zero.stage_1_and_2": "zerospeed.zero.estimate",
@@ -77,17 +77,17 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils.torch": "zerospeed.compat.torch_version",
     "zerospeed.runtime.precision_config": "zerospeed.compat.precision_config",
     "zerospeed.runtime.config": "zerospeed.compat.runtime_config",
+    "zerospeed.git_version_info": "zerospeed.compat.git_version_info",
+    "zerospeed.runtime.zero.partition_parameters": "zerospeed.compat.partition_parameters",
+    "zerospeed.utils.numa": "zerospeed.compat.numa",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
 ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
-                                "zerospeed.integrations.deepspeed_paths.runtime_utils"),  # see_memory_usage
-    "zerospeed.runtime.lr_schedules": ("zerospeed.integrations.deepspeed_paths.lr_schedules",),  # Accelerate
-    "zerospeed.runtime.zero.partition_parameters": (  # transformers' from_pretrained under zero.Init
-        "zerospeed.integrations.deepspeed_paths.partition_parameters",),
-    "zerospeed.compression": ("zerospeed.integrations.deepspeed_paths.compression_helper",),  # DS-Chat LoRA
-    "zerospeed.compression.helper": ("zerospeed.integrations.deepspeed_paths.compression_helper",),
+                                "zerospeed.compat.runtime_utils"),  # see_memory_usage
+    "zerospeed.compression": ("zerospeed.compat.compression_helper",),  # DS-Chat LoRA
+    "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",),
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

@@ -105,6 +105,8 @@ STATE_ALLOWED = {
     "zero/stage3/setup.py:_UNITS": "zero.Init's identity-keyed side table (sanctioned)",
     "compat/op_builder.py:__compatible_ops__": "DeepSpeed's public table users and frameworks read and set "
                                                "(deepspeed.ops.__compatible_ops__)",
+    "compat/git_version_info.py:installed_ops": "DeepSpeed's build facts (deepspeed.git_version_info), made once",
+    "compat/git_version_info.py:compatible_ops": "ditto", "compat/git_version_info.py:torch_info": "ditto",
     "inference/logits_process.py:PLAIN": "a frozen default LogitsOptions (the fast path checks identity with it)",
 }
 

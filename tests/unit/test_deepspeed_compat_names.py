@@ -71,3 +71,43 @@ def test_engine_name_accelerator_and_comm_names(monkeypatch):
         assert dist.COMMS_LOGGER.enabled and dist.COMMS_LOGGER.prof_ops == ["all_reduce"]
     finally:
         dist.configure(enabled=False, prof_ops=[])
+
+
+def test_partition_parameters_status_and_version_info():
+    from zerospeed.git_version_info import installed_ops, torch_info
+    from zerospeed.runtime.zero.partition_parameters import ZeroParamStatus, is_zero_param, param_status
+
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert param_status(plain) is ZeroParamStatus.AVAILABLE and not is_zero_param(plain)
+    assert torch_info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert not any(installed_ops.values())  # zerospeed compiles no ops
+
+
+def test_core_range_list():
+    from zerospeed.utils.numa import parse_range_list
+
+    assert parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad in ("0,2-6,5-9", "8,2-6", "1,6-2", "1-2-3"):
+        with pytest.raises(ValueError):
+            parse_range_list(bad)
+
+
+def test_hjson_config_file(tmp_path):
+    pytest.importorskip("hjson")
+    from zerospeed.config import ConfigError, load_config
+
+    f = tmp_path / "ds_config.hjson"
+    f.write_text("{\n  # a comment, as DeepSpeed's HJSON reader allows\n  train_batch_size: 4\n}\n")
+    assert load_config(str(f)).train_batch_size == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(bad))
+
+
+def test_lr_schedule_constants_name_our_schedulers():
+    from zerospeed.optim.schedules import SCHEDULER_NAMES
+    from zerospeed.runtime import lr_schedules
+
+    assert set(lr_schedules.VALID_LR_SCHEDULES) == set(SCHEDULER_NAMES)
+    assert lr_schedules.WARMUP_NUM_STEPS == "warmup_num_steps" and lr_schedules.WarmupLR.__name__ == "WarmupLR"

@@ -21,6 +21,7 @@ from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
+from .hjson_file import read_hjson
 from .fp8 import Fp8Config
 from .offload import AioConfig
 from .monitoring import (
@@ -215,7 +216,7 @@ def _read(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError("", f"config file {str(path)!r} is not valid JSON: {exc}") from None
+        data = read_hjson(path, exc)  # DeepSpeed reads config files as HJSON
     if not isinstance(data, dict):
         raise ConfigError("", f"config file {str(path)!r} must hold a JSON object")
     return data

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ...profiling.memory import see_memory_usage
+from ..profiling.memory import see_memory_usage
 
 __all__ = ["see_memory_usage"]

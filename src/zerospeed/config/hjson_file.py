@@ -1,0 +1,27 @@
+"""HJSON config files, as DeepSpeed reads them (``hjson`` is a superset of JSON: comments, unquoted keys).
+
+A file that is not valid JSON is read with ``hjson`` when it is installed (the ``deepspeed-compat``
+extra); otherwise the error says how to get it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+def read_hjson(path: Path, json_error: json.JSONDecodeError) -> Any:
+    """The file's value read as HJSON; ConfigError naming the file when that fails or hjson is absent."""
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError("", f"config file {str(path)!r} is not valid JSON ({json_error}); if it is HJSON, "
+                              "install the hjson package (pip install 'zerospeed[deepspeed-compat]')") from None
+    try:
+        return hjson.loads(path.read_text())
+    except hjson.HjsonDecodeError as exc:
+        raise ConfigError("", f"config file {str(path)!r} is not valid JSON ({json_error}), nor HJSON "
+                              f"({exc})") from None
