@@ -79,6 +79,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
     p.add_argument("steps", type=int)
+    p.add_argument("--local_rank", type=int, default=-1)  # zerospeed launch passes it, as DeepSpeed's launcher does
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--hang_rank", type=int, default=-1)
