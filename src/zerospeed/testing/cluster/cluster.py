@@ -192,7 +192,10 @@ class Cluster:
         """Processes on host ``index`` besides its holder, sshd listener and daemons (what a job left)."""
         assert self.net is not None
         keep = {p.pid for p in (self.hosts[index].holder, self.sshd.get(index), *self.daemons) if p is not None}
-        return [pid for pid in namespace_pids(self.hosts[index].netns) if pid not in keep]
+        # a daemon's own helpers (slurmctld's slurmscriptd) are not a job's; slurmd's children are (job steps)
+        helpers = {p.pid for p in self.daemons if "slurmd" not in " ".join(map(str, p.args))}
+        pids = namespace_pids(self.hosts[index].netns)
+        return [pid for pid in pids if pid not in keep and not _descends_from(pid, helpers)]
 
     def close(self) -> None:
         if self.net is not None:
@@ -209,6 +212,24 @@ class Cluster:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = ""
         atexit.unregister(self.close)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state letter
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _descends_from(pid: int, ancestors: set[int]) -> bool:
+    """Whether ``pid`` is a (grand)child of one of ``ancestors`` (slurmctld's slurmscriptd, say)."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        pid, seen = _parent(pid), seen + 1
+        if pid in ancestors:
+            return True
+    return False
 
 
 def free_port() -> int:
