@@ -15,13 +15,13 @@ class ConfigError(ValueError):
 
     def __reduce__(self) -> tuple:
         """Pickle by state, not by ``__init__`` arguments: a worker process's config error reaches its parent."""
-        return (_restore, (type(self), self.args, dict(self.__dict__)))
+        return (_blank, (type(self), self.args), dict(self.__dict__))  # pickle sets the state itself
 
 
-def _restore(cls: type[ConfigError], args: tuple, state: dict) -> ConfigError:
-    err = cls.__new__(cls)
+def _blank(cls: type[ConfigError], args: tuple) -> ConfigError:
+    """An instance of ``cls`` with ``args`` and no ``__init__`` run (its attributes come from the pickle)."""
+    err = ValueError.__new__(cls)
     err.args = args
-    err.__dict__.update(state)
     return err
 
 

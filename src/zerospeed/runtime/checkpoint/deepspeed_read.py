@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .layout import read_pointer
 
 
 # --- inert stand-ins for the DeepSpeed classes its checkpoints pickle -------------------------------
@@ -107,14 +108,9 @@ DEEPSPEED_KEYS = frozenset({
 def tag_dir(ds_dir: str, tag: str | None) -> str:
     if tag is None:
         latest = os.path.join(ds_dir, "latest")
-        if not os.path.isfile(latest):
+        if not os.path.lexists(latest):
             raise CheckpointError(f"{ds_dir} has no 'latest' file: pass the tag (the checkpoint's sub-directory)")
-        with open(latest, "rb") as f:
-            raw = f.read(4096)
-        try:
-            tag = raw.decode().strip()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{latest} is not a text file naming a tag") from None
+        tag = read_pointer(latest)
     path = os.path.join(ds_dir, str(tag))
     if not os.path.isdir(path):
         raise CheckpointError(f"DeepSpeed checkpoint directory {path} does not exist")

@@ -304,6 +304,18 @@ def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]],
 
 
 # --- loading --------------------------------------------------------------------------------------
+def read_pointer(pointer: str) -> str:
+    """The tag a ``latest`` file names (zerospeed's and DeepSpeed's alike); CheckpointError if it is not one."""
+    if not os.path.isfile(pointer):
+        raise CheckpointError(f"{pointer} is not a file naming a tag (a directory?); pass tag= or remove it")
+    with open(pointer, "rb") as f:
+        raw = f.read(4096)
+    try:
+        return raw.decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} is not a text file naming a tag (binary content)") from None
+
+
 def resolve(load_dir: str, tag: str | None) -> str | None:
     """The checkpoint directory for ``tag`` (default: the one ``latest`` names); None if there is none.
 
@@ -314,14 +326,7 @@ def resolve(load_dir: str, tag: str | None) -> str | None:
         pointer = os.path.join(load_dir, LATEST)
         if not os.path.lexists(pointer):
             return None
-        if not os.path.isfile(pointer):
-            raise CheckpointError(f"{pointer} is not a file naming a tag (a directory?); pass tag= or remove it")
-        with open(pointer, "rb") as f:
-            raw = f.read(4096)
-        try:
-            tag = raw.decode().strip()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{pointer} is not a text file naming a tag (binary content)") from None
+        tag = read_pointer(pointer)
         try:
             check_tag(tag)
         except ValueError as exc:
