@@ -65,6 +65,10 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.sequence_parallel.ulysses_sp": "zerospeed.parallel.sequence.ulysses_sp",
     "zerospeed.runtime.data_pipeline": "zerospeed.data_pipeline",
     "zerospeed.runtime.data_pipeline.curriculum_scheduler": "zerospeed.data_pipeline.curriculum_scheduler",
+    "zerospeed.runtime.data_pipeline.data_sampling": "zerospeed.data_pipeline.sampler",
+    "zerospeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr": (
+        "zerospeed.data_pipeline.variable_batch", "zerospeed.data_pipeline.variable_lr",
+        "zerospeed.data_pipeline.dynamic_batching"),
     "zerospeed.runtime.data_pipeline.data_routing": "zerospeed.data_pipeline.random_ltd",
     "zerospeed.runtime.data_pipeline.data_routing.basic_layer": "zerospeed.data_pipeline.random_ltd",
     "zerospeed.runtime.data_pipeline.data_routing.helper": "zerospeed.data_pipeline.random_ltd",

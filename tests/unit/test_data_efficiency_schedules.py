@@ -103,9 +103,8 @@ def test_pld_theta_follows_deepspeeds_formula() -> None:
 def test_sections_off_are_accepted_and_unfinished_keys_refused() -> None:
     load_config({"train_batch_size": 1, "progressive_layer_drop": {"enabled": False},
                  "curriculum_learning": {"enabled": False}, "data_efficiency": {"enabled": False}})
-    with pytest.raises(NotSupportedYetError, match="dynamic_batching"):
-        load_config({"train_batch_size": 1, "data_efficiency": {"data_sampling": {"dynamic_batching": {
-            "enabled": True, "max_tokens": 100}}}})
+    load_config({"train_batch_size": 1, "data_efficiency": {"data_sampling": {"dynamic_batching": {
+        "enabled": True, "max_tokens": 100}}}})  # (implemented: tests/unit/test_dynamic_batching.py)
     with pytest.raises(NotSupportedYetError, match="layer_token_lr_schedule"):
         load_config({"train_batch_size": 1, "data_efficiency": {"data_routing": {"random_ltd": {
             "layer_token_lr_schedule": {"enabled": True}}}}})

@@ -102,12 +102,37 @@ class SamplingCurriculumConfig(Section):
         return self
 
 
+class DynamicBatchingConfig(Section):
+    """``data_efficiency.data_sampling.dynamic_batching``: samples packed into micro-batches of at most
+    ``max_tokens`` tokens, the learning rate scaled by each batch's sample count
+    (``data_pipeline/variable_batch.py``; built by ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``,
+    as in DeepSpeed). Defaults are DeepSpeed's (``runtime/data_pipeline/constants.py``)."""
+
+    enabled: bool = False
+    max_tokens: int | None = Field(None, gt=0)
+    """The most tokens (summed sequence lengths) in one micro-batch; required when enabled."""
+    lr_scaling_method: Literal["linear", "sqrt", "none", "None", "NONE"] = "linear"
+    min_batch_size: int = Field(1, ge=0)
+    max_batch_size: int | None = Field(None, ge=0)
+    sequence_picking_order: Literal["dataloader", "random", "seqlen"] = "dataloader"
+    metrics_path: str | None = None
+    """Where ``seqlen/seqlen_sample_to_metric`` (DeepSpeed's data-analyzer output) is read or written."""
+    verbose: bool = False
+
+    @model_validator(mode="after")
+    def _max_tokens_given(self) -> DynamicBatchingConfig:
+        if self.enabled and self.max_tokens is None:
+            raise ValueError("dynamic batching is enabled, so max_tokens must be specified")
+        return self
+
+
 class DataSamplingConfig(Section):
     enabled: bool = False
     num_epochs: int = Field(1000, ge=1)
     num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     curriculum_learning: SamplingCurriculumConfig = Field(default_factory=SamplingCurriculumConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
 
 
 class RandomLTDScheduleParams(Section):

@@ -22,6 +22,10 @@ def training_loader(cfg: ZeroSpeedConfig, training_data: Any, batch: BatchSizes,
             warnings.warn("data_efficiency.data_sampling.curriculum_learning is enabled but initialize() got no "
                           "training_data: the curriculum sampler drives only the training loader initialize() builds")
         return None
+    if cfg.data_efficiency.data_sampling.dynamic_batching.enabled:  # DeepSpeed's initialize() ignores it here too
+        warnings.warn("data_efficiency.data_sampling.dynamic_batching is enabled: the loader initialize() returns "
+                      "has fixed batches; build the packed loader and its scaled LR schedule with "
+                      "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, ...)")
     if curriculum:
         from ..data_pipeline.sampler import build_curriculum_dataloader  # DeepSpeed's curriculum data sampler
 
