@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from .base import Section
@@ -34,6 +36,39 @@ class WandbConfig(Section):
     group: str | None = None
     team: str | None = None
     project: str = "deepspeed"
+
+
+class CometConfig(Section):
+    """``comet``: metrics to a Comet experiment from rank 0 (optional extra ``zerospeed[comet]``); each metric
+    at most once per ``samples_log_interval`` samples. ``online: false`` keeps an offline experiment (a zip
+    to upload later). The other keys are handed to ``comet_ml.start`` (DeepSpeed's keys and defaults)."""
+
+    enabled: bool = False
+    samples_log_interval: int = Field(100, ge=1)
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: bool | None = None
+    mode: Literal["get", "create", "get_or_create"] | None = None
+
+
+class ThroughputTimerConfig(Section):
+    """``timers.throughput``: ``enabled`` false stops ``engine.tput_timer`` (its average stays ``-inf``, as
+    DeepSpeed's); ``synchronized`` waits for the device before each reading of the clock."""
+
+    enabled: bool = True
+    synchronized: bool = True
+
+
+class TimersConfig(Section):
+    """``timers`` (DeepSpeed's ``utils/config.py``): only ``throughput`` exists."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 class CommsLoggerConfig(Section):

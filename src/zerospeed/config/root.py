@@ -26,10 +26,13 @@ from .fp8 import Fp8Config
 from .offload import AioConfig
 from .monitoring import (
     ActivationCheckpointingConfig,
+    CometConfig,
     CommsLoggerConfig,
     CsvMonitorConfig,
     FlopsProfilerConfig,
+    LogLevel,
     TensorBoardConfig,
+    TimersConfig,
     WandbConfig,
 )
 from .optimizer import OptimizerConfig, SchedulerConfig
@@ -82,6 +85,10 @@ class ZeroSpeedConfig(Section):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    log_level: LogLevel | None = None
+    """The ``zerospeed`` logger's level (and its handlers'), set when the engine is built; case-insensitive."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
@@ -150,6 +157,11 @@ class ZeroSpeedConfig(Section):
     def _print_never(cls, v: Any) -> Any:
         """Accelerate and the HF Trainer write ``float("inf")`` (JSON ``Infinity``): never print, as DeepSpeed."""
         return None if isinstance(v, float) and math.isinf(v) and v > 0 else v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
 
     @field_validator("communication_data_type", mode="before")
     @classmethod

@@ -1,18 +1,27 @@
 """DeepSpeed's ``engine.tput_timer``: samples per second averaged over the optimizer steps so far.
 
 The engine's observer measures each step (the wall time between accumulation boundaries) and hands it
-here; as in DeepSpeed the first ``start_step`` steps (warm-up) are left out of the average.
+here; as in DeepSpeed the first ``start_step`` steps (warm-up) are left out of the average. The
+``timers.throughput`` section: ``enabled: false`` records nothing (the average stays ``-inf``), and
+``synchronized`` waits for the device before the clock is read (``read_clock``), so a step's time includes
+its queued kernels.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+from ._device import synchronize as _device_sync
 
 
 class ThroughputTimer:
     """Running average throughput of a training engine (DeepSpeed's names and meaning)."""
 
-    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output: int | None = None) -> None:
+    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output: int | None = None,
+                 enabled: bool = True, synchronized: bool = True,
+                 synchronize: Callable[[], None] = _device_sync) -> None:
+        self.enabled, self.synchronized, self._sync = enabled, synchronized, synchronize
         self.batch_size = 1 if batch_size is None else batch_size
         self.start_step = start_step
         self.steps_per_output = steps_per_output
@@ -28,10 +37,18 @@ class ThroughputTimer:
         self.epoch_count += 1
         self.micro_step_count = 0
 
+    def read_clock(self) -> float:
+        """``time.perf_counter()``, after the device's queued work when enabled and synchronized."""
+        if self.enabled and self.synchronized:
+            self._sync()
+        return time.perf_counter()
+
     def start(self) -> None:
         """Begin timing a micro-step by hand (the engine times its own steps without it)."""
+        if not self.enabled:
+            return
         self.started = True
-        self._start_time = time.perf_counter()
+        self._start_time = self.read_clock()
 
     def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
         """End a micro-step timed with :meth:`start`; ``global_step`` ends an optimizer step."""
@@ -40,10 +57,12 @@ class ThroughputTimer:
         self.started = False
         self.micro_step_count += 1
         if global_step:
-            self.record_step(time.perf_counter() - self._start_time, micro_steps=0)
+            self.record_step(self.read_clock() - self._start_time, micro_steps=0)
 
     def record_step(self, seconds: float, micro_steps: int = 1) -> None:
         """One optimizer step took ``seconds``; steps after the warm-up count toward the average."""
+        if not self.enabled:
+            return
         self.micro_step_count += micro_steps
         self.global_step_count += 1
         self.step_elapsed_time = seconds

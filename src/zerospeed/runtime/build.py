@@ -26,6 +26,7 @@ from .deepspeed_rules import check_data_parallel_size, prefer_client_objects
 from .engine import Engine
 from .facts import model_facts
 from .lockstep import check_same_model
+from .log import set_log_level_from_string
 from .parts import EngineParts
 from .plan import TrainPlan, plan_training
 from .state_dump import engine_state
@@ -135,6 +136,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """DeepSpeed's contract: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     model, optimizer = _model_and_optimizer(model, optimizer, model_parameters, kwargs)
     early = load_config(_config_from(args, config, config_params))  # checked before any process group exists
+    if early.log_level is not None:  # DeepSpeed's log_level: the library logger and its handlers, from here on
+        set_log_level_from_string(early.log_level)
     _joined(dist_init_required, distributed_port, early)
     check_data_parallel_size(early, comm.get_world_size())
     early = prefer_client_objects(early, optimizer, lr_scheduler)  # DeepSpeed's rule: the client object wins

@@ -36,11 +36,15 @@ def log_dist_once(message: str, ranks: Iterable[int] | None = None, level: int =
 
 
 def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
-    """DeepSpeed's helper: ``"info"``, ``"debug"``, ... (case-insensitive)."""
+    """DeepSpeed's helper: ``"info"``, ``"debug"``, ... (case-insensitive), set on the logger and on each of
+    its handlers."""
     level = logging.getLevelName(log_level_str.upper())
     if not isinstance(level, int):
         raise ValueError(f"invalid log level {log_level_str!r}; one of debug, info, warning, error, critical")
-    (custom_logger or logger).setLevel(level)
+    target = custom_logger or logger
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
 
 
 __all__ = ["log_dist", "log_dist_once", "logger", "set_log_level_from_string"]

@@ -1,7 +1,7 @@
 """What the engine reports each step: wall-clock breakdown, monitors, the flops profile, throughput.
 
 The engine calls four hooks (forward start/end, backward start/end, step end); everything that
-depends on the ``wall_clock_breakdown``, ``tensorboard`` / ``csv_monitor`` / ``wandb``,
+depends on the ``wall_clock_breakdown``, ``tensorboard`` / ``csv_monitor`` / ``wandb`` / ``comet``, ``timers``,
 ``flops_profiler`` and ``comms_logger`` sections lives here.
 """
 
@@ -33,7 +33,8 @@ class StepObserver:
         self.rank = rank
         self.timers = Timers()
         self.breakdown = config.wall_clock_breakdown
-        self.monitor = build_monitors(config.tensorboard, config.csv_monitor, config.wandb, rank=rank)
+        self.monitor = build_monitors(config.tensorboard, config.csv_monitor, config.wandb, rank=rank,
+                                      comet=config.comet)
         self.flops_profiler = (FlopsProfiler(engine.module, engine, config=config.flops_profiler)
                                if config.flops_profiler.enabled and rank == 0 else None)
         self.loss_sum: torch.Tensor | float = 0.0
@@ -43,7 +44,9 @@ class StepObserver:
         self._comm_seconds = 0.0
         # memory_breakdown: measure each step's real peak (transient buffers included) beside the accounting
         self.memory_meter = PeakMeter(engine.device) if config.memory_breakdown else None
-        self.tput_timer = ThroughputTimer(engine.train_batch_size(), steps_per_output=config.steps_per_print)
+        throughput = config.timers.throughput
+        self.tput_timer = ThroughputTimer(engine.train_batch_size(), steps_per_output=config.steps_per_print,
+                                          enabled=throughput.enabled, synchronized=throughput.synchronized)
 
     # --- hooks ------------------------------------------------------------------------------------
     def forward_start(self) -> None:
@@ -82,7 +85,7 @@ class StepObserver:
         if self.memory_meter is not None:
             self.memory_meter.stop()
         eng = self.engine
-        now = time.perf_counter()
+        now = self.tput_timer.read_clock()
         self.last_step_seconds = now - self.step_started
         self.step_started = now
         self.tput_timer.record_step(self.last_step_seconds, eng.gradient_accumulation_steps())

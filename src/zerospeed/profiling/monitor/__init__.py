@@ -1,14 +1,16 @@
-"""Monitors: TensorBoard, CSV and W&B sinks for ``(name, value, step)`` events, fanned out from rank 0."""
+"""Monitors: TensorBoard, CSV, W&B and Comet sinks for ``(name, value, step)`` events, fanned out from rank 0."""
 
 from __future__ import annotations
 
-from ...config.monitoring import CsvMonitorConfig, TensorBoardConfig, WandbConfig
+from ...config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from .base import Event, Monitor, MonitorMaster
+from .comet import CometMonitor
 from .csv import CsvMonitor
 from .tensorboard import TensorBoardMonitor
 from .wandb import WandbMonitor
 
 __all__ = [
+    "CometMonitor",
     "CsvMonitor",
     "Event",
     "Monitor",
@@ -24,10 +26,11 @@ def build_monitors(
     csv_monitor: CsvMonitorConfig | None = None,
     wandb: WandbConfig | None = None,
     rank: int = 0,
+    comet: CometConfig | None = None,
 ) -> MonitorMaster:
     """One fan-out monitor for the enabled sections; on ranks other than 0 it is disabled and writes nothing.
 
-    A missing optional package (tensorboard, wandb) for an enabled section raises ``ConfigError`` naming
+    A missing optional package (tensorboard, wandb, comet_ml) for an enabled section raises ``ConfigError`` naming
     ``<section>.enabled`` on rank 0.
     """
     if rank != 0:
@@ -39,4 +42,6 @@ def build_monitors(
         monitors.append(CsvMonitor(csv_monitor))
     if wandb is not None and wandb.enabled:
         monitors.append(WandbMonitor(wandb))
+    if comet is not None and comet.enabled:
+        monitors.append(CometMonitor(comet))
     return MonitorMaster(monitors)
