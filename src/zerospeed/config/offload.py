@@ -44,6 +44,10 @@ class OffloadOptimizerConfig(Section):
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = Field(1.0, ge=0.0, le=1.0)
+    super_offload: bool = False
+    """SuperOffload (``offload/super_offload.py``): each sub-group's host step starts during backward, as soon
+    as its gradient is complete, and is validated (kept, or rolled back on overflow) at ``step()``. ZeRO
+    stage 3, ``device: cpu``, ``ratio: 1``; speculates only with ``gradient_clipping: 0`` (as DeepSpeed)."""
 
     @field_validator("device", mode="before")
     @classmethod
@@ -57,6 +61,10 @@ class OffloadOptimizerConfig(Section):
         if self.device == "nvme" and self.buffer_count < 3:
             raise ValueError(f"device 'nvme' needs buffer_count >= 3 (read-ahead, update, write-behind), got "
                              f"{self.buffer_count}")
+        if self.super_offload and (self.device != "cpu" or self.ratio != 1.0):
+            raise ValueError(f"super_offload steps on the host: it needs device 'cpu' (got {self.device!r}) and "
+                             f"ratio 1.0 (got {self.ratio}; partial offload with super_offload is not supported yet "
+                             "by zerospeed)")
         if self.device == "nvme" and self.ratio != 1.0:
             raise ValueError(f"ratio {self.ratio} (partial offload) with device 'nvme' is not supported yet by "
                              "zerospeed; use device 'cpu' or ratio 1.0")

@@ -210,6 +210,10 @@ class OffloadStepper:
             raise RuntimeError("the offloaded optimizer step failed on another rank (see its error); the weights "
                                "were not updated")
 
+    def on_skipped_step(self) -> None:
+        """The optimizer skipped this step (overflow) before calling ``step``: nothing to undo here
+        (SuperOffload's speculative stepper overrides it)."""
+
     def _begin(self) -> None:
         for s in self.steps:
             s += 1

@@ -139,6 +139,8 @@ def gradients_off_device(cfg: ZeroSpeedConfig, live: list[ShardedGroup]) -> bool
     device = cfg.zero_optimization.offload_optimizer.device
     on_accelerator = any(g.device.type != "cpu" for g in live)
     partial = cfg.zero_optimization.offload_optimizer.ratio < 1.0  # the device share steps device gradients
+    if cfg.zero_optimization.offload_optimizer.super_offload:  # its sink starts each sub-group's step
+        return True
     return (device == "nvme" and cfg.zero_stage >= 2) or (device == "cpu" and on_accelerator and not partial)
 
 
@@ -165,19 +167,31 @@ def _reduce_settings(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], 
 
 
 def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings: ReduceSettings,
-             dp_group: comm.Group | None, dp_rank: int) -> Any:
-    """ZeRO-Offload's host stepper (ZenFlow's when its section is set), or None without offload."""
+             dp_group: comm.Group | None, dp_rank: int, scaler: Any) -> Any:
+    """ZeRO-Offload's host stepper (ZenFlow's or SuperOffload's when set), or None without offload."""
     zcfg = cfg.zero_optimization
     if not zcfg.offload_optimizer.enabled:
         return None
     from ..offload import OffloadStepper
 
     stepper_args = (live, base, zcfg.offload_optimizer, cfg.aio, zcfg.sub_group_size, dp_group, dp_rank)
+    if zcfg.offload_optimizer.super_offload:
+        from ..offload.super_offload import SuperOffloadStepper
+
+        return SuperOffloadStepper(*stepper_args, stream_grads=settings.partition_sink,
+                                   speculate=cfg.gradient_clipping == 0, undoable=_may_skip(cfg, scaler),
+                                   inv_scale=lambda: 1.0 / scaler.loss_scale)
     if zcfg.zenflow is not None:
         from ..offload.zenflow import ZenFlowStepper
 
         return ZenFlowStepper(*stepper_args, stream_grads=settings.partition_sink, zenflow=zcfg.zenflow)
     return OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
+
+
+def _may_skip(cfg: ZeroSpeedConfig, scaler: Any) -> bool:
+    """Whether the ZeRO optimizer checks for overflow, and so may skip a step (its ``check`` rule)."""
+    check = cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
+    return bool(check or scaler.dynamic or scaler.loss_scale != 1.0)
 
 
 def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
@@ -189,7 +203,8 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     check_zero_optimizer(cfg, base)
     zcfg = cfg.zero_optimization
     settings = _reduce_settings(cfg, base, live, policy, dp_size)
-    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank)
+    scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
+    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank, scaler)
     # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer)
     gate = base.wants_backward_allreduce if getattr(base, "compresses_communication", False) else None  # type: ignore[attr-defined]
     wiring = ReducerWiring(sink=None if stepper is None else stepper.sink, heap_trimmer=heap_trimmer,
@@ -205,7 +220,8 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     if not zcfg.ignore_unused_parameters and cfg.zero_stage not in (1, 2):
         warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
                       "(as in DeepSpeed, it checks stages 1 and 2 only)")
-    scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
+    if hasattr(getattr(stepper, "sink", None), "follow"):  # SuperOffload speculates on the boundary micro-step
+        stepper.sink.follow(reducer)
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,
                              check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),

@@ -145,6 +145,10 @@ RULES: tuple[Rule, ...] = (
          _const("Muon with the optimizer offloaded to NVMe is not supported yet by zerospeed (cpu offload is)")),
     Rule(lambda p, c, f: p.compressing and p.moe, "optimizer",
          lambda p, c, f: f"{f.optimizer.deepspeed_name} with Mixture-of-Experts layers" + _NOT_YET),
+    Rule(lambda p, c, f: c.zero_optimization.offload_optimizer.super_offload and (p.stage != 3 or p.zenflow),
+         "zero_optimization.offload_optimizer.super_offload",
+         lambda p, c, f: "SuperOffload is DeepSpeed's stage-3 optimizer: it needs zero_optimization.stage 3 (got "
+                         f"{p.stage}) and no zenflow section", ConfigError),
     Rule(lambda p, c, f: p.zenflow and p.moe, "zero_optimization.zenflow",
          _const("ZenFlow with MoE expert parameters" + _NOT_YET)),
     Rule(lambda p, c, f: p.data_efficiency and p.pipelined, "curriculum_learning",

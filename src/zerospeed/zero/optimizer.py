@@ -166,6 +166,8 @@ class ZeroOptimizer:
         self.overflow = self._has_overflow(grads) if check else False
         if self.overflow:
             self.global_grad_norm = None
+            if self.stepper is not None:
+                self.stepper.on_skipped_step()  # SuperOffload: undo the steps it started during backward
             self._release()
             self.loss_scaler.update(True)  # may raise (fp16 at its minimum scale): gradients already released
             return False
