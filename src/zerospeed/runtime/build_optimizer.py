@@ -220,7 +220,7 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     if not zcfg.ignore_unused_parameters and cfg.zero_stage not in (1, 2):
         warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
                       "(as in DeepSpeed, it checks stages 1 and 2 only)")
-    if hasattr(getattr(stepper, "sink", None), "follow"):  # SuperOffload speculates on the boundary micro-step
+    if zcfg.offload_optimizer.super_offload:  # its sink speculates on the reducer's boundary micro-step
         stepper.sink.follow(reducer)
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from typing import Any
+
+from ...config.errors import ConfigError
 
 Event = tuple[str, float, int]
+
+
+def import_optional(module: str, section: str, install: str) -> Any:
+    """An optional monitor package, or a ``ConfigError`` naming ``<section>.enabled`` and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{section}.enabled", f"is true but the '{module}' package is not installed; `{install}` or "
+                                                f"set {section}.enabled to false") from exc
 
 
 class Monitor:

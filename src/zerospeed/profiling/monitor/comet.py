@@ -5,24 +5,15 @@ samples have passed since it was last logged)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from ...config.errors import ConfigError
 from ...config.monitoring import CometConfig
-from .base import Event, Monitor, check_event
+from .base import Event, Monitor, check_event, import_optional
 
 
 def import_comet() -> Any:
-    try:
-        return importlib.import_module("comet_ml")
-    except ImportError as exc:
-        raise ConfigError(
-            "comet.enabled",
-            "is true but the 'comet_ml' package is not installed; `pip install zerospeed[comet]` (or comet_ml) "
-            "or set comet.enabled to false",
-        ) from exc
+    return import_optional("comet_ml", "comet", "pip install zerospeed[comet]")
 
 
 class SampleIntervalGate:

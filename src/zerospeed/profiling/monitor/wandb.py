@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from ...config.errors import ConfigError
 from ...config.monitoring import WandbConfig
-from .base import Event, Monitor, check_event
+from .base import Event, Monitor, check_event, import_optional
 
 
 def import_wandb() -> Any:
-    try:
-        return importlib.import_module("wandb")
-    except ImportError as exc:
-        raise ConfigError(
-            "wandb.enabled",
-            "is true but the 'wandb' package is not installed; `pip install wandb` or set wandb.enabled to false",
-        ) from exc
+    return import_optional("wandb", "wandb", "pip install wandb")
 
 
 class WandbMonitor(Monitor):
