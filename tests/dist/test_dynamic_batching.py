@@ -4,6 +4,7 @@ same micro-batches (train_batch_size 4), averages their gradients and scales the
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -51,8 +52,10 @@ def _ranks() -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 2},
               "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": MAX_TOKENS}}}}
-    engine, *_ = zerospeed.initialize(model=_Pooled(), config=config)
     data, lengths = _dataset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = zerospeed.initialize(model=_Pooled(), config=config, training_data=data, collate_fn=_collate)
     loader, scheduler, _ = get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         data, engine, dataset_seqlens=lengths, dataloader_collate_fn=_collate)
     engine.lr_scheduler = scheduler  # the engine steps it at each boundary
@@ -67,7 +70,9 @@ def _ranks() -> dict[str, Any]:
             total += loss.detach()
         comm.all_reduce(total)
         losses.append(float(total) / engine.train_batch_size())
-    return {"losses": losses, "lrs": lrs, "weight": engine.module.out.weight.detach().clone()}
+    return {"losses": losses, "lrs": lrs, "weight": engine.module.out.weight.detach().clone(),
+            "warned": any("get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed" in str(w.message)
+                          for w in caught)}
 
 
 def _reference() -> dict[str, Any]:
@@ -99,6 +104,7 @@ def test_dynamic_batching_at_world_two_equals_one_process() -> None:
     ref = _reference()
     assert len(set(ref["sizes"])) > 1  # the batches really vary, so the LR does too
     for got in results:
+        assert got["warned"]  # initialize(training_data=...) builds fixed batches, and says where the packed ones are
         assert got["lrs"] == pytest.approx(ref["lrs"], rel=1e-12)
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         torch.testing.assert_close(got["weight"], ref["weight"], rtol=1e-5, atol=1e-6)

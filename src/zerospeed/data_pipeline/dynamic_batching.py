@@ -14,6 +14,7 @@ dataset and written there for the next run.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,10 +113,10 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     if dataset_seqlens is None:
         dataset_seqlens = dataset_seqlens_from(dataset, batching.metrics_path, batch_seqlens_fn, dataloader_collate_fn,
                                                write=comm.get_rank() == 0)
-    from ..parallel.pipeline.engine import PipelineEngine  # (at call time: the engine stack is built by then)
-
+    # DeepSpeed's path (served by _aliases), read at call time: the engine stack is built by then
+    pipe_engine = importlib.import_module("zerospeed.runtime.pipe.engine").PipelineEngine
     group = engine.data_parallel_group
-    pipelined = isinstance(engine, PipelineEngine)
+    pipelined = isinstance(engine, pipe_engine)
     return get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset, dataset_seqlens, batching.max_tokens, engine.train_batch_size(), dataset_filter_ids=dataset_filter_ids,
         lr_scaling_method=batching.lr_scaling_method, min_batch_size=batching.min_batch_size,
