@@ -1,5 +1,6 @@
 """Step time and convergence of CPU offload variants on a small GPT (``zerospeed.models.gpt``), world 2, ZeRO-2:
-full offload (``ratio: 1``), partial offload (``ratio: 0.5``), ZenFlow (sync, and ``overlap_step``).
+full offload (``ratio: 1``), partial offload (``ratio: 0.5``), ZenFlow (sync, and ``overlap_step``); and, at
+ZeRO-3 without clipping, full offload against SuperOffload (``super_offload``: host steps started in backward).
 
 Every rank builds one engine per contender (same seed, same model) and trains them on identical batches of the
 bundled corpus, interleaved: each round gives every contender ``--round-steps`` steps in turn, so machine load
@@ -28,15 +29,21 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "ratio-0.5": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     "zenflow": {"offload_optimizer": {"device": "cpu"}, "zenflow": {}},
     "zenflow-overlap": {"offload_optimizer": {"device": "cpu"}, "zenflow": {"overlap_step": True}},
+    # SuperOffload speculates only without clipping (as DeepSpeed), at stage 3: compare it with its own baseline
+    "offload-z3-noclip": {"stage": 3, "gradient_clipping": 0.0, "offload_optimizer": {"device": "cpu"}},
+    "super-offload": {"stage": 3, "gradient_clipping": 0.0, "offload_optimizer": {"device": "cpu",
+                                                                                "super_offload": True}},
 }
 
 
 def config(name: str, micro: int, lr: float, topk: float, update: int, select: int) -> dict[str, Any]:
-    zero = {"stage": 2, "sub_group_size": 200_000, **json.loads(json.dumps(CONTENDERS[name]))}
+    contender = json.loads(json.dumps(CONTENDERS[name]))
+    clip = contender.pop("gradient_clipping", 1.0)
+    zero = {"stage": 2, "sub_group_size": 200_000, **contender}
     if "zenflow" in zero:
         zero["zenflow"].update(topk_ratio=topk, select_strategy="step", select_interval=select, update_interval=update)
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+            "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
             "zero_optimization": zero}
 
 
@@ -124,7 +131,7 @@ def main() -> None:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"model {a.model}, world 2, ZeRO-2, micro-batch {a.micro}, {a.rounds} rounds x {a.round_steps} steps "
+    print(f"model {a.model}, world 2, ZeRO-2 (the -z3 / super contenders: ZeRO-3, no clipping), micro-batch {a.micro}, {a.rounds} rounds x {a.round_steps} steps "
           f"(interleaved), zenflow topk {a.topk} update {a.update} select {a.select}")
     print(f"{'contender':<16}{'iter s':>9}{'step s':>9}{'cpu s':>9}{'first':>8}{'tail loss':>11}{'gap':>8}")
     for row in rows:
