@@ -7,6 +7,7 @@ import glob
 import importlib.util
 import json
 import socket
+import sys
 import zipfile
 
 import pytest
@@ -27,10 +28,12 @@ def test_sample_interval_gate_is_deepspeeds_events_log_scheduler() -> None:
 
 
 def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Offline means offline: any name lookup or connection fails here, before it leaves the machine."""
+    """Offline means offline: any name lookup or connection fails here, before it leaves the machine; comet_ml's
+    error reporting, host and environment logging and framework patching are switched off."""
     def refuse(*args: object, **kwargs: object) -> None:
         raise OSError(f"network refused in this test: {args[:2]!r}")
 
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # comet_ml installs its own on import: put ours back
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
     for key, value in {"COMET_ERROR_TRACKING_ENABLE": "false", "COMET_AUTO_LOG_ENV_HOST": "false",
