@@ -160,8 +160,10 @@ class SuperOffloadStepper(OffloadStepper):
     def _restore(self, key: Key, sg: SubGroup) -> None:
         assert self.host is not None
         if key not in self.saved:
-            raise RuntimeError(f"SuperOffload: sub-group {sg.name} was stepped speculatively and must be rolled back, "
-                               "but no copy was kept (a gradient arrived after its step started)")
+            raise RuntimeError(f"SuperOffload: sub-group {sg.name} was stepped during backward, then more of its "
+                               "gradient arrived (a parameter unused in an earlier step got a gradient again), and "
+                               "without an overflow check no copy was kept to roll it back: SuperOffload with "
+                               "parameters that are used only in some steps is not supported yet by zerospeed")
         masters, states = self.saved.pop(key)
         for dst, src in zip(sg.masters, masters):
             dst.copy_(src)
