@@ -60,7 +60,7 @@ def train_on_corpus(n_layer: int, steps: int) -> torch.nn.Module:
     for _ in range(steps):
         at = torch.randint(0, data.numel() - 129, (16,), generator=g)
         x = torch.stack([data[i:i + 129] for i in at.tolist()])
-        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss = model(x[:, :-1], x[:, 1:])[1]
         opt.zero_grad()
         loss.backward()
         opt.step()
