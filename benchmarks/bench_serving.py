@@ -19,6 +19,10 @@ exactly its output length). Contenders:
   the shared-prefix workload, e.g. ``--requests 32 --shared-prefix 512 --prompt 16 64 --output 16 32``.
 * ``zerospeed-ngram``: the same with prompt-lookup speculative decoding (``--spec-tokens`` drafts per step);
   single-stream decode: ``--requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-ngram``.
+* ``zerospeed-draft``: the same with a draft model (``--spec-tokens`` drafts per step). With ``--model zs-corpus``
+  the target is a 6-layer zerospeed GPT and the draft a 2-layer one, both trained for ``--train-steps`` steps
+  on the bundled corpus (same seed), and the prompts are corpus text:
+  ``--model zs-corpus --requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-draft``.
 * ``hf-static``: Hugging Face ``generate`` on static batches of ``--static-batch`` requests in arrival order
   (left-padded; a batch starts when its last request has arrived and the previous batch is done, and runs to
   its longest output). Token times come from a logits processor called once per decode step.
@@ -41,12 +45,35 @@ import time
 import torch
 
 V = 1024
+SPEC_STATS: dict = {}
 
 
-def build(kind: str) -> torch.nn.Module:
+def train_on_corpus(n_layer: int, steps: int) -> torch.nn.Module:
+    """A zerospeed GPT (bytes, d 128) trained ``steps`` steps on the bundled corpus (batch 16 x 128, AdamW)."""
+    from zerospeed.data import load_corpus
+    from zerospeed.models.gpt import GPT, GPTConfig
+
+    data = torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8).long()
+    model = GPT(GPTConfig(block_size=1024, n_layer=n_layer, n_head=4, n_embd=128), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        at = torch.randint(0, data.numel() - 129, (16,), generator=g)
+        x = torch.stack([data[i:i + 129] for i in at.tolist()])
+        loss = model(x[:, :-1], x[:, 1:])[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"# trained a {n_layer}-layer GPT for {steps} steps on the corpus: last loss {loss.item():.3f}")
+    return model.eval()
+
+
+def build(kind: str, train_steps: int = 300) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    if kind == "zs-corpus":
+        return train_on_corpus(6, train_steps)
     if kind == "zs-loop":  # zerospeed's GPT (bytes): its greedy text falls into loops (zerospeed contenders only)
         from zerospeed.models.gpt import GPT, GPTConfig
 
@@ -92,6 +119,8 @@ def run_zerospeed(model, reqs, args, prefix_caching=False, speculative=None):
                              "max_tracked_sequences": len(reqs), "max_context": 2048, "kv_block_size": block,
                              "memory_config": {"mode": "allocate", "size": blocks}}}
     eng = ServingEngine(model, cfg, compile=args.compile, prefix_caching=prefix_caching, speculative=speculative)
+    if speculative is not None:  # the acceptance of the last run of each kind (drafts accepted / proposed)
+        SPEC_STATS["zerospeed-draft" if "model" in speculative else "zerospeed-ngram"] = eng
     if args.compile:  # compile outside the timed run
         eng.generate([reqs[0][1], reqs[1][1][:5]], SamplingParams(max_tokens=3))
     uid_of, times, tokens = {}, {}, {}
@@ -194,7 +223,7 @@ def summarize(reqs, times, tokens, ref_tokens):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama", choices=["llama", "gpt2", "zs-loop"])
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2", "zs-loop", "zs-corpus"])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
     ap.add_argument("--prompt", type=int, nargs=2, default=[16, 256])
@@ -211,19 +240,28 @@ def main() -> None:
     ap.add_argument("--repetitive", type=int, default=0,
                     help="prompts repeat a pattern of this many tokens (a repetitive prompt for n-gram drafting)")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request shares")
+    ap.add_argument("--train-steps", type=int, default=300, help="zs-corpus: training steps of target and draft")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args.model)
+    model = build(args.model, args.train_steps)
+    draft = train_on_corpus(2, args.train_steps) if "zerospeed-draft" in args.contenders else None
     reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed,
                     args.shared_prefix)
     if args.model == "zs-loop":  # a byte vocabulary
         reqs = [(t, [x % 256 for x in p], o) for t, p, o in reqs]
+    if args.model == "zs-corpus":  # prompts of corpus text (from its val end: not what the models saw most)
+        from zerospeed.data import load_corpus
+
+        text = load_corpus()[-200_000:]
+        reqs = [(t, list(text[(7919 * i) % 190_000:][:len(p)]), o) for i, (t, p, o) in enumerate(reqs)]
     if args.repetitive:
         reqs = [(t, (p[:args.repetitive] * (len(p) // args.repetitive + 1))[:len(p)], o) for t, p, o in reqs]
     runners = {"zerospeed": run_zerospeed, "hf-static": run_hf_static, "hf-cb": run_hf_cb,
                "zerospeed-prefix": lambda m, r, a: run_zerospeed(m, r, a, prefix_caching=True),
                "zerospeed-ngram": lambda m, r, a: run_zerospeed(m, r, a, speculative={
-                   "method": "ngram", "num_speculative_tokens": a.spec_tokens})}
+                   "method": "ngram", "num_speculative_tokens": a.spec_tokens}),
+               "zerospeed-draft": lambda m, r, a: run_zerospeed(m, r, a, speculative={
+                   "model": draft, "num_speculative_tokens": a.spec_tokens})}
     warm = [(0.0, p, min(o, 8)) for _, p, o in reqs[:8]]
     for name in args.contenders:  # untimed: first-call costs (allocator, oneDNN, compile) out of the figures
         runners[name](model, warm, args)
@@ -263,10 +301,12 @@ def main() -> None:
         print(f"# prefix caching, paired per round: TTFT p50 {', '.join(f'{x:.2f}' for x in ttft)}x lower "
               f"(median {ttft[len(ttft) // 2]:.2f}); tok/s {', '.join(f'{x:.2f}' for x in tput)}x "
               f"(median {tput[len(tput) // 2]:.2f})")
-    if all("zerospeed" in r and "zerospeed-ngram" in r for r in rounds):
-        tput = sorted(r["zerospeed-ngram"]["tok_per_s"] / r["zerospeed"]["tok_per_s"] for r in rounds)
-        print(f"# n-gram speculation, paired per round: tok/s {', '.join(f'{x:.2f}' for x in tput)}x "
-              f"(median {tput[len(tput) // 2]:.2f})")
+    for spec in ("zerospeed-ngram", "zerospeed-draft"):
+        if all("zerospeed" in r and spec in r for r in rounds):
+            tput = sorted(r[spec]["tok_per_s"] / r["zerospeed"]["tok_per_s"] for r in rounds)
+            print(f"# {spec} speculation, paired per round: tok/s {', '.join(f'{x:.2f}' for x in tput)}x "
+                  f"(median {tput[len(tput) // 2]:.2f}); last run accepted "
+                  f"{SPEC_STATS[spec].accepted}/{SPEC_STATS[spec].drafted} drafts")
     if all("hf-static" in r for r in rounds):
         for name in args.contenders:
             wall = sorted(r[name]["x_static"] for r in rounds)

@@ -8,6 +8,7 @@ live in them), no mount, no process.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,13 +25,22 @@ full_only = pytest.mark.skipif(os.environ.get("ZEROSPEED_CLUSTER_FULL") != "1",
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}: tearing the test cluster down")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     reason = unavailable_reason(PROGRAMS)
     if reason is not None:
         pytest.skip(f"no test cluster on this machine: {reason}")
-    with Cluster(3) as c:
-        yield c
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed test run still tears the cluster down
+    try:
+        with Cluster(3) as c:
+            yield c
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     left = remaining()
     assert not left, f"the test cluster left these behind: {left}"
 

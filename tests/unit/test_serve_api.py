@@ -236,7 +236,7 @@ def test_vllm_command_line(tmp_path, monkeypatch, capsys):
     assert main(["serve", str(d), "--kv-cache-memory", "lots"]) == 2
     assert "--kv-cache-memory" in capsys.readouterr().err
     assert main(["serve", str(d), "--speculative-config", '{"model": "draft-dir"}']) == 2
-    assert "draft model is not supported yet" in capsys.readouterr().err
+    assert "cannot load the draft model 'draft-dir'" in capsys.readouterr().err
     seen = {}
 
     def fake_serve_app(make_app, host, port, options):

@@ -113,3 +113,37 @@ def test_logprobs_echo_bias_over_http(tmp_path):
         got = [x for c in chunks for x in (json.loads(c[6:])["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
         assert got == pytest.approx(want_lp, abs=1e-4)
     assert not engine.requests
+
+
+def test_echo_with_logprobs_reports_the_prompt_tokens(tmp_path):
+    """``echo`` + ``logprobs``: the prompt's tokens come first, the first with null logprob and top, each next
+    one its log-probability under the model's full forward; then the completion's, offsets running on."""
+    pytest.importorskip("fastapi")
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from zerospeed.inference.model_dir import load_model_dir, save_gpt_dir
+    from zerospeed.inference.server import create_app
+
+    loaded = load_model_dir(save_gpt_dir(_model(), tmp_path / "tiny"))
+    prompt = list(b"Hey")
+    with torch.no_grad():
+        full = torch.log_softmax(loaded.model(torch.tensor([prompt]))[0][0].float(), -1)
+    want = [float(full[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    gen, gen_lp = _reference(loaded.model, prompt, 4)
+    with TestClient(create_app(loaded, _engine(loaded.model))) as http:
+        body = {"prompt": "Hey", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+        r = http.post("/v1/completions", json=body).json()["choices"][0]
+        lp = r["logprobs"]
+        assert r["text"] == "Hey" + loaded.tokenizer.decode(gen)
+        assert lp["tokens"][:3] == ["H", "e", "y"] and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:3] == pytest.approx(want, abs=1e-4)
+        assert lp["token_logprobs"][3:] == pytest.approx(gen_lp, abs=1e-4) and len(lp["top_logprobs"][1]) == 2
+        assert lp["text_offset"] == list(range(7))  # one character per byte token
+        chunks = [json.loads(c[6:]) for c in http.post("/v1/completions", json={**body, "stream": True}).text.split(
+            "\n\n") if c.startswith("data: {")]
+        streamed = [x for c in chunks for x in (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(want + gen_lp, abs=1e-4)
+        bad = http.post("/v1/completions", json={**body, "prompt": [1, 999]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"

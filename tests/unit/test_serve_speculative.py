@@ -21,8 +21,11 @@ def test_propose_ngram():
     assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], cfg, 4) == [3, 1, 2, 3]
     assert propose_ngram([7, 8, 9, 1, 2], cfg, 4) == []
     assert propose_ngram([1, 2, 9, 5, 1, 2], cfg, 2) == [9, 5]  # the limit (room left) wins
-    with pytest.raises(ValueError, match="draft model"):
-        SpeculativeConfig.parse({"model": "/some/dir", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.parse({"model": "/some/dir", "num_speculative_tokens": 2}).model == "/some/dir"
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="eagle.*not supported yet"):
+        SpeculativeConfig.parse({"method": "eagle", "model": "/d", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown keys"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokenz": 2})
 
@@ -65,3 +68,37 @@ def test_rejection_sampling_keeps_the_target_distribution():
             second[out[1]] += 1
     assert torch.allclose(first / n, p0, atol=0.025), (first / n, p0)
     assert torch.allclose(second / second.sum(), p1, atol=0.045), (second / second.sum(), p1)
+
+
+def test_draft_model_greedy_identical_and_its_cache_follows_the_target():
+    """A draft model's greedy drafts: output token-identical to plain decoding; with the target as its own
+    draft every draft is accepted (so the draft's cache holds exactly the accepted tokens after each round);
+    a smaller unrelated draft still changes nothing; finished requests give their draft blocks back."""
+    target = GPT(GPTConfig(block_size=256, n_layer=3, n_head=2, n_embd=32), seed=5).eval()
+    small = GPT(GPTConfig(block_size=256, n_layer=1, n_head=2, n_embd=16), seed=9).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    plain = _engine(target, None).generate(prompts, SamplingParams(max_tokens=24))
+    for draft, k in ((target, 4), (small, 3)):
+        eng = _engine(target, {"model": draft, "num_speculative_tokens": k})
+        got = eng.generate(prompts, SamplingParams(max_tokens=24))
+        assert [r.output for r in got] == [r.output for r in plain]
+        assert eng.drafted > 0 and eng.proposer.forwards > 0
+        if draft is target:
+            assert eng.accepted == eng.drafted and eng.forwards <= 3 + 24 // (k + 1) + 2
+        eng.proposer.propose([], ())  # nothing live: every request's draft blocks come back
+        assert eng.proposer.allocator.num_free == eng.proposer.allocator.num_blocks
+    with pytest.raises(ValueError, match="vocabulary"):
+        _engine(target, {"model": GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=2, n_embd=16)),
+                         "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="cannot load the draft model"):
+        _engine(target, {"model": "/nonexistent/draft", "num_speculative_tokens": 2})
+
+
+def test_draft_model_sampling_keeps_seeded_requests_reproducible():
+    target = GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32), seed=2).eval()
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=11)
+    spec = {"model": target, "num_speculative_tokens": 3}
+    a = _engine(target, spec).generate([[1, 2, 3]], params)[0].output
+    b = _engine(target, spec).generate([[1, 2, 3]], params)[0].output
+    assert a == b and len(a) == 16

@@ -91,6 +91,10 @@ class DecoderAdapter(ABC):
         """Region 3: vocabulary logits of last-block outputs (final norm, LM head)."""
 
     @abstractmethod
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of last-block outputs (what ``head`` applies before the LM head; embeddings pool it)."""
+
+    @abstractmethod
     def tp_plan(self) -> tuple[tuple[str, str], ...]:
         """Tensor-parallel cut of a block: ``(path in the block, kind)``, kind ``qkv`` (fused, cut per head
         group), ``column`` (output features) or ``row`` (input features, outputs all-reduced)."""
@@ -157,6 +161,9 @@ class ZeroSpeedGPTAdapter(DecoderAdapter):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.ln_f(x))
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.ln_f(x)
+
     def tp_plan(self) -> tuple[tuple[str, str], ...]:
         return (("attn.qkv", "qkv"), ("attn.proj", "row"), ("mlp.fc", "column"), ("mlp.proj", "row"))
 
@@ -198,6 +205,9 @@ class GPT2Adapter(DecoderAdapter):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.transformer.ln_f(x))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer.ln_f(x)
 
     def tp_plan(self) -> tuple[tuple[str, str], ...]:
         return (("attn.c_attn", "qkv"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))
@@ -332,6 +342,9 @@ class LlamaAdapter(DecoderAdapter):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self.model.lm_head, _rms_norm(self.model.model.norm, x))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(self.model.model.norm, x)
 
     def tp_plan(self) -> tuple[tuple[str, str], ...]:
         return (("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),

@@ -61,11 +61,12 @@ PLAIN = LogitsOptions()  # the default: decoding checks identity with it to stay
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The chosen token's log-probability and the ``top`` alternatives ``(token id, logprob)``."""
+    """The chosen token's log-probability and the ``top`` alternatives ``(token id, logprob)``; both None for
+    a prompt's first token (prompt logprobs: nothing comes before it)."""
 
     token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] | None
 
 
 def process_logits(row: torch.Tensor, opts: LogitsOptions, prompt: Sequence[int], output: Sequence[int],

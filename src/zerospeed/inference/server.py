@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over ``ServingEngine`` (FastAPI + uvicorn; the ``serve`` extra).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as Server-Sent
-Events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Events ending in ``data: [DONE]``), ``POST /v1/embeddings`` (see ``server_embeddings``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 One asyncio task drives the engine: while requests are in flight it runs ``engine.step()`` and routes each
 new token to its request's queue; handlers only enqueue, await, and cancel (a dropped stream cancels its
 request and frees its KV blocks). All engine calls happen on the event loop thread, so no locks are needed
@@ -32,8 +32,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .metrics import ServerMetrics
 from .model_dir import LoadedModel
+from .prompt_forward import prompt_logprobs
 from .sampling import SamplingParams
 from .server_request import ApiError, ChatBody, CompletionBody, parse_body, sampling_params, structure_of
+from .server_embeddings import add_embeddings_route
 from .server_response import respond as _respond
 from .serving import QueueFullError, ServingEngine, TokenEvent
 
@@ -247,9 +249,19 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
                 raise ApiError(400, "a batch of prompts is not supported yet by zerospeed", "prompt")
             p = p[0]
         ids = encode(p) if isinstance(p, str) else list(p)
+        if not all(0 <= t < engine.adapter.vocab_size for t in ids):  # before echo decodes them
+            raise ApiError(400, f"prompt token ids must be in [0, {engine.adapter.vocab_size})", "prompt")
         params = sampling_params(body, len(ids), 16, limit, guide_for(body))
         echo = (p if isinstance(p, str) else tok.decode(ids)) if body.echo else ""
-        return await _respond(srv, ids, params, body, name, chat=False, echo=echo)
+        prompt_lps = None
+        if body.echo and body.logprobs is not None and ids:  # vLLM's prompt logprobs: one dense forward
+            if engine.tp_size > 1:
+                raise ApiError(400, "'echo' with 'logprobs' under tensor parallelism is not supported yet by "
+                               "zerospeed", "echo")
+            if len(ids) > limit:
+                raise ApiError(400, f"the prompt has {len(ids)} tokens; this model takes at most {limit}", "prompt")
+            prompt_lps = prompt_logprobs(engine.adapter, ids, body.logprobs)
+        return await _respond(srv, ids, params, body, name, chat=False, echo=echo, prompt_lps=prompt_lps)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -266,6 +278,7 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
         params = sampling_params(body, len(ids), None, limit, guide_for(body))
         return await _respond(srv, ids, params, body, name, chat=True)
 
+    add_embeddings_route(app, srv, model_name, encode, limit)
     return app
 
 

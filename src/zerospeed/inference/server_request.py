@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .logits_process import PLAIN, LogitsOptions
 from .sampling import SEED_MAX, SEED_MIN, SamplingParams
 
-__all__ = ["ApiError", "ChatBody", "CompletionBody", "parse_body", "sampling_params", "structure_of"]
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "EmbeddingBody", "parse_body", "sampling_params", "structure_of"]
 
 MAX_DEPTH = 64  # OpenAI bodies are a few levels deep; deeper JSON is refused before it is parsed
 
@@ -68,6 +68,17 @@ class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's and this many alternatives
     echo: bool = False
+
+
+class EmbeddingBody(BaseModel):
+    """``/v1/embeddings``: one text, a batch of texts, one token list or a batch of them."""
+
+    model_config = ConfigDict(extra="allow")  # unknown names are checked by parse_body
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
 
 
 class ChatMessage(BaseModel):
@@ -129,7 +140,7 @@ def _check_strings(obj: Any) -> None:
                                path.split(".")[0].split("[")[0] or None) from None
 
 
-def parse_body(raw: bytes, kind: type[_Body]) -> Any:
+def parse_body(raw: bytes, kind: type[BaseModel]) -> Any:
     """The validated body of ``kind`` from raw request bytes; ApiError (400) for anything malformed."""
     try:
         text = raw.decode("utf-8")
@@ -144,7 +155,7 @@ def parse_body(raw: bytes, kind: type[_Body]) -> Any:
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_strings(obj)
-    known = set(kind.model_fields) | set(_NEUTRAL) | set(_IGNORED)
+    known = set(kind.model_fields) | (set(_NEUTRAL) | set(_IGNORED) if issubclass(kind, _Body) else {"user"})
     for key in obj:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
@@ -217,8 +228,6 @@ def _logits_options(body: _Body, guide: Any) -> LogitsOptions:
         top = (body.top_logprobs or 0) if body.logprobs else None
     else:
         top = getattr(body, "logprobs", None)
-        if top is not None and getattr(body, "echo", False):
-            raise ApiError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported yet by zerospeed", "echo")
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
         if not key.lstrip("-").isdigit() or not -100.0 <= value <= 100.0:

@@ -67,14 +67,16 @@ def _logprobs(lps: list[Any], decode: Callable[[list[int]], str], chat: bool, of
     tokens = [tok(x.token) for x in lps]
     offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{tok(t): v for t, v in x.top} for x in lps], "text_offset": offsets}
+            "top_logprobs": [None if x.top is None else {tok(t): v for t, v in x.top} for x in lps],
+            "text_offset": offsets}
 
 
 async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, name: str, chat: bool,
-                  echo: str = "") -> Any:
+                  echo: str = "", prompt_lps: list[Any] | None = None) -> Any:
     """The response to one completion / chat request (``body`` gives ``n``, ``stream``, ``stream_options``).
 
-    ``echo``: text put before each choice's completion (the prompt, for ``echo: true``).
+    ``echo``: text put before each choice's completion (the prompt, for ``echo: true``); ``prompt_lps``: the
+    prompt tokens' logprobs, reported before the completion's (``echo`` with ``logprobs``).
     """
     uids = _submit_all(srv, ids, params, body.n)
     want_lp = params.process.logprobs is not None
@@ -116,7 +118,8 @@ async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, n
         finally:
             for u in uids:
                 srv.finish(u)
-        choices = [choice(i, echo + text_of(out, True, r), r, False, lps, len(echo))
+        head_lps = prompt_lps or []
+        choices = [choice(i, echo + text_of(out, True, r), r, False, head_lps + lps, 0 if head_lps else len(echo))
                    for i, (out, r, lps) in enumerate(results)]
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": usage(sum(len(out) for out, _, _ in results))}
@@ -134,7 +137,8 @@ async def respond(srv: Any, ids: list[int], params: SamplingParams, body: Any, n
         pending: list[list[Any]] = [[] for _ in uids]  # logprobs of tokens not yet sent
         if echo:
             for i in range(len(uids)):
-                yield f"data: {json.dumps({**chunk, 'choices': [choice(i, echo, None, True, [])]})}\n\n"
+                c = choice(i, echo, None, True, prompt_lps or [])
+                yield f"data: {json.dumps({**chunk, 'choices': [c]})}\n\n"
         try:
             async for i, ev in _merged(srv, uids):
                 outs[i].append(ev.token)

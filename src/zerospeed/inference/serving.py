@@ -37,6 +37,7 @@ from .tensor_parallel import resolve_tp_group
 from .kv_cache import BlockAllocator, PagedKVCache, RaggedBatch, SeqChunk, long_tensor
 from .logits_process import PLAIN, TokenLogprob, process_logits, token_logprob
 from .prefix_cache import PrefixCachingAllocator
+from .draft_model import DraftModelProposer
 from .speculative import SpeculativeConfig, propose_ngram
 from .structured import mask_logits
 from .speculative_step import spec_step
@@ -121,6 +122,8 @@ class ServingEngine:
         if self.speculative is not None and self.tp_size > 1:
             raise ValueError("speculative decoding with tensor parallelism is not supported yet by zerospeed")
         self.drafted = self.accepted = 0  # speculative tokens proposed / accepted
+        self.proposer = None if self.speculative is None or self.speculative.model is None else \
+            _draft_proposer(self.speculative, self.adapter, sm.kv_block_size, blocks)
         allocator = PrefixCachingAllocator(blocks) if prefix_caching else BlockAllocator(blocks)
         self.scheduler = Scheduler(self.limits, allocator, sm.kv_block_size)
         self.decode = decode
@@ -268,6 +271,7 @@ class ServingEngine:
         assert self.speculative is not None
         budget = self.limits.max_ragged_batch_size - sum(w.length for w in work)
         drafts: dict[int, list[int]] = {}
+        wanted: list[tuple[int, Work, Request, int]] = []  # draft model: one batched round for all of them
         for k, w in enumerate(work):
             if budget <= 0:
                 break
@@ -277,12 +281,25 @@ class ServingEngine:
             if req.spec_skip > 0:  # its last drafts all failed: back off (doubling, up to 16 steps)
                 req.spec_skip -= 1
                 continue
-            d = propose_ngram(req.prompt + req.output, self.speculative,
-                              min(budget, req.params.max_tokens - len(req.output) - 1))
+            limit = min(budget, req.params.max_tokens - len(req.output) - 1)
+            if self.proposer is not None:
+                limit = min(limit, self.speculative.num_speculative_tokens)
+                if limit > 0:
+                    wanted.append((k, w, req, limit))
+                    budget -= limit
+                continue
+            d = propose_ngram(req.prompt + req.output, self.speculative, limit)
             if d:
                 work[k] = self.scheduler.widen(w, len(d))
                 drafts[w.uid] = d
                 budget -= len(d)
+        if self.proposer is not None:
+            got = self.proposer.propose([(w.uid, req.prompt + req.output, n) for _, w, req, n in wanted],
+                                        self.requests)
+            for k, w, _, _ in wanted:
+                if got.get(w.uid):
+                    work[k] = self.scheduler.widen(w, len(got[w.uid]))
+                    drafts[w.uid] = got[w.uid]
         return drafts
 
     def _processed(self, req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
@@ -352,6 +369,22 @@ class ServingEngine:
         while self.has_work:
             self.step()
         return list(reqs.values())
+
+
+def _draft_proposer(spec: SpeculativeConfig, target: DecoderAdapter, block_size: int, blocks: int
+                    ) -> DraftModelProposer:
+    """The draft model of ``spec`` (a module, or a directory loaded in the target's dtype and device)."""
+    model = spec.model
+    if not isinstance(model, nn.Module):
+        from .model_dir import load_model_dir
+
+        try:
+            model = load_model_dir(model, dtype=target.dtype).model
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"speculative_config.model: cannot load the draft model {str(spec.model)!r}: {exc}"
+                             ) from None
+    return DraftModelProposer(model.to(target.device), spec.num_speculative_tokens, block_size, blocks,
+                              target.vocab_size)
 
 
 def _setup_tp(model: nn.Module, cfg: RaggedInferenceEngineConfig, group: Any) -> tuple[Any, int, int]:

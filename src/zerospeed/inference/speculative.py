@@ -15,8 +15,9 @@ ordinary ragged forward, which gives the target model's logits at every one of t
   each emitted token has exactly the target's distribution.
 
 The KV entries of rejected drafts are left in place past the request's computed length and overwritten later.
-``vLLM``'s config keys: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}``; a draft model (``"model"``) is not supported yet.
+vLLM's config keys: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}``, or a draft model: ``{"model": DIR, "num_speculative_tokens": k}`` (method
+``draft_model``; see ``draft_model``: its greedy drafts are point masses too, verified by the same rule).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ __all__ = ["SpeculativeConfig", "propose_ngram", "verify"]
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Prompt-lookup drafting: ``num_speculative_tokens`` drafts from n-grams of ``prompt_lookup_min..max``."""
+    """``num_speculative_tokens`` drafts per step: by prompt lookup (n-grams of ``prompt_lookup_min..max``), or
+    from a draft model when ``model`` is set (a model directory, or an ``nn.Module`` of the same vocabulary)."""
 
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: Any = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -49,23 +52,30 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, cfg: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """From vLLM's ``--speculative-config`` dict; ValueError for a draft model or an unknown key."""
+        """From vLLM's ``--speculative-config`` dict; ValueError for an unknown key or method."""
         if cfg is None or isinstance(cfg, SpeculativeConfig):
             return cfg
         cfg = dict(cfg)
-        if "model" in cfg and cfg["model"] not in (None, "ngram", "[ngram]"):
-            raise ValueError("speculative_config.model: a draft model is not supported yet by zerospeed; use "
-                             '{"method": "ngram", ...} (prompt lookup)')
-        cfg.pop("model", None)
-        method = cfg.pop("method", "ngram")
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method={method!r} is not supported yet by zerospeed (ngram is)")
+        model = cfg.pop("model", None)
+        if model in ("ngram", "[ngram]"):
+            model = None
+        method = cfg.pop("method", "ngram" if model is None else "draft_model")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method={method!r} is not supported yet by zerospeed "
+                             "(ngram and draft_model are)")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's directory), "
+                             "and 'ngram' takes none")
+        tp = cfg.pop("draft_tensor_parallel_size", None)
+        if tp not in (None, 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp!r}: a tensor-parallel draft is "
+                             "not supported yet by zerospeed (1 is)")
         known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         unknown = set(cfg) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (known: method, model, "
-                             f"{', '.join(sorted(known))})")
-        return cls(**cfg)
+                             f"draft_tensor_parallel_size, {', '.join(sorted(known))})")
+        return cls(**cfg, model=model)
 
 
 def propose_ngram(tokens: Sequence[int], cfg: SpeculativeConfig, limit: int) -> list[int]:

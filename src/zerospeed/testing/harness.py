@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import signal
 import threading
 import time
 import traceback
@@ -48,6 +49,7 @@ def _warm_up() -> None:
 
 def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
            conn: Any, timeout: float, backend: str) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (a test session's teardown hook)
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"})
