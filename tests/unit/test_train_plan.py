@@ -70,6 +70,8 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
      "optimizer.type", NotSupportedYetError),
     (dict(stage=1, progressive_layer_drop={"enabled": True}), ModelFacts(pipelined=True), "curriculum_learning",
      NotSupportedYetError),
+    (dict(stage=1, torch_autocast={"enabled": True}), ModelFacts(pipelined=True), "torch_autocast",
+     NotSupportedYetError),
     (dict(stage=1, gradient_compression={"type": "topk", "ratio": 0.1}, zero={"stage": 2}),
      ModelFacts(optimizer=OptimizerFacts(client=False)), "gradient_compression", ConfigError),
 ])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, field_validator
 
 from .base import Section
+from .data_types import DTYPE_NAMES
 
 
 class Fp16Config(Section):
@@ -38,3 +41,24 @@ class Bf16Config(Section):
     enabled: bool = False
     immediate_grad_update: bool = False
     check_grad_overflow: bool = True
+
+
+class TorchAutocastConfig(Section):
+    """``torch_autocast`` (DeepSpeed's names): the engine's forward runs inside ``torch.autocast``.
+
+    The parameters stay in the precision mode's dtype (fp32 unless fp16/bf16 is enabled); the ops that autocast
+    lists run in ``dtype``. ``dtype`` None: the device's autocast default (bf16 on CPU, fp16 on CUDA), as
+    ``torch.autocast`` without a dtype. ``lower_precision_safe_modules``: the classes (``package.Class``)
+    whose parameters' gradients DeepSpeed communicates in the autocast dtype; None: Linear, Conv1d/2d/3d.
+    """
+
+    enabled: bool = False
+    dtype: str | None = None
+    lower_precision_safe_modules: list[str] | None = None
+
+    @field_validator("dtype")
+    @classmethod
+    def _known(cls, v: Any) -> Any:
+        if v is not None and str(v).lower() not in DTYPE_NAMES:
+            raise ValueError(f"invalid dtype for torch autocast {v!r}; use one of bfloat16, float16 (bf16, fp16)")
+        return v

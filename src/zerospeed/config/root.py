@@ -34,7 +34,7 @@ from .monitoring import (
 )
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .pipeline import PipelineConfig
-from .precision import Bf16Config, Fp16Config
+from .precision import Bf16Config, Fp16Config, TorchAutocastConfig
 from .sparse_attention import SparseAttentionConfig
 from .tensor_parallel import TensorParallelConfig
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
@@ -64,6 +64,7 @@ class ZeroSpeedConfig(Section):
     """DeepSpeed 0.19.8's default is 1.0 (it was 0.0, off, before 0.19.3); 0 switches clipping off."""
     fp16: Fp16Config = Field(default_factory=Fp16Config)
     bf16: Bf16Config = Field(default_factory=Bf16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)

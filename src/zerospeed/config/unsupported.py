@@ -22,7 +22,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
-    "torch_autocast": "torch autocast mixed precision (torch_autocast)",
     "graph_harvesting": "graph harvesting (CUDA graphs)",
     "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
     "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",

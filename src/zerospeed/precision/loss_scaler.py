@@ -47,6 +47,13 @@ class LossScaler:
                    hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
                    min_scale=fp16.min_loss_scale, raise_error_at_min_scale=fp16.raise_error_at_min_scale)
 
+    @classmethod
+    def like_torch_grad_scaler(cls) -> LossScaler:
+        """``torch.amp.GradScaler``'s defaults (what DeepSpeed uses under fp16 ``torch_autocast``): start at
+        2**16, halve on every overflow (no hysteresis, no floor error), double after 2000 clean steps."""
+        return cls(2.0 ** 16, dynamic=True, window=2000, hysteresis=1, min_scale=2.0 ** -24,
+                   raise_error_at_min_scale=False)
+
     @property
     def loss_scale(self) -> float:
         return self.cur_scale

@@ -20,6 +20,7 @@ class PrecisionPolicy:
     compute: torch.dtype
     accum: torch.dtype
     comm: torch.dtype
+    autocast: torch.dtype | None = None  # torch_autocast: the forward's autocast dtype (params stay ``compute``)
 
     @property
     def mixed(self) -> bool:
@@ -27,10 +28,11 @@ class PrecisionPolicy:
 
     @property
     def uses_loss_scaling(self) -> bool:
-        return self.compute == torch.float16
+        return self.compute == torch.float16 or self.autocast == torch.float16
 
 
-def make_policy(fp16: bool, bf16: bool, communication_data_type: str | None) -> PrecisionPolicy:
+def make_policy(fp16: bool, bf16: bool, communication_data_type: str | None,
+                autocast: torch.dtype | None = None) -> PrecisionPolicy:
     if fp16 and bf16:
         raise ValueError("fp16 and bf16 cannot both be enabled")
     if fp16:
@@ -40,4 +42,4 @@ def make_policy(fp16: bool, bf16: bool, communication_data_type: str | None) -> 
     else:
         compute, accum = torch.float32, torch.float32
     comm = _COMM[communication_data_type] if communication_data_type else accum
-    return PrecisionPolicy(compute, accum, comm)
+    return PrecisionPolicy(compute, accum, comm, autocast)

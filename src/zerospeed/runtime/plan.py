@@ -149,6 +149,8 @@ RULES: tuple[Rule, ...] = (
          _const("ZenFlow with MoE expert parameters" + _NOT_YET)),
     Rule(lambda p, c, f: p.data_efficiency and p.pipelined, "curriculum_learning",
          _const("curriculum_learning, progressive_layer_drop and random-LTD with a PipelineModule" + _NOT_YET)),
+    Rule(lambda p, c, f: c.torch_autocast.enabled and p.pipelined, "torch_autocast",
+         _const("torch_autocast with a PipelineModule" + _NOT_YET + " (the engine's forward applies it)")),
     Rule(lambda p, c, f: not f.client_scheduler and c.scheduler is not None and not p.has_optimizer, "scheduler",
          _const("a scheduler needs an optimizer"), ConfigError),
 )

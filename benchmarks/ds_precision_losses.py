@@ -1,0 +1,68 @@
+"""DeepSpeed's losses for the precision variants, to pin in tests/dist/test_precision_variants.py.
+
+Runs the parity fixture (tests/dist/parity.py: TinyNet, its two parameter groups, its batches) through the real
+DeepSpeed on one process (CPU, Gloo) and prints one JSON line per case. Needs a venv with deepspeed==0.19.8:
+
+    cd <repo> && PYTHONPATH=$PWD DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/ds_precision_losses.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+CASES: dict[str, dict[str, Any]] = {
+    "autocast_bf16_stage1": {"zero_optimization": {"stage": 1},
+                             "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "autocast_bf16_stage2": {"zero_optimization": {"stage": 2},
+                             "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "autocast_bf16_stage0": {"zero_optimization": {"stage": 0},
+                             "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+}
+STEPS, MB, GAS, CLIP, LR = 6, 2, 2, 0.5, 1e-2
+
+
+def run(case: dict[str, Any]) -> list[float]:
+    import deepspeed
+
+    from tests.dist.parity import make_model, micro_batch, param_groups
+
+    model = make_model()
+    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                         "torch_adam": True}},
+              "steps_per_print": 1000, **case}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(GAS):
+            x, y = micro_batch(step, m, 0, 1, MB, GAS)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss) / GAS
+        losses.append(total)
+    engine.destroy()
+    return losses
+
+
+def main() -> None:
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 3-minute JIT build
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
+    names = sys.argv[1:] or list(CASES)
+    for name in names:
+        print(json.dumps({"case": name, "deepspeed": deepspeed.__version__, "losses": run(CASES[name])}), flush=True)
+
+
+if __name__ == "__main__":
+    import deepspeed
+
+    main()

@@ -1,0 +1,74 @@
+"""The precision variants of issue 32: each trains, matches one process at world 2, and (where DeepSpeed runs
+it on CPU) DeepSpeed 0.19.8's own losses on the parity fixture.
+
+DeepSpeed's losses are pinned from ``benchmarks/ds_precision_losses.py`` (one process, CPU, Gloo; the command is
+in its docstring): the same TinyNet, parameter groups, batches (global batch 4: micro-batch 2 x 2 accumulation
+steps), AdamW lr 1e-2, clipping 0.5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import zerospeed
+from zerospeed import comm
+from zerospeed.testing import run_distributed
+
+from .parity import engine_losses, make_model, micro_batch, reference_losses
+
+STEPS, MB, CLIP, LR = 6, 2, 0.5, 1e-2
+# DeepSpeed 0.19.8, torch_autocast bf16, ZeRO stage 2 (stage 0 gives the same numbers)
+DS_AUTOCAST_BF16 = [1.6147246211767197, 0.5622312426567078, 1.4381201267242432, 0.6487534493207932,
+                    0.6124220192432404, 0.8355250954627991]
+
+
+def _run(world: int, stage: int, extra: dict[str, Any]) -> list[list[float]]:
+    """Losses of every rank for the fixture's global batch of 4 (2 accumulation steps on one process)."""
+    gas = 2 // world
+    return [losses for losses, _ in run_distributed(engine_losses, world, stage, STEPS, MB, gas, CLIP, LR, extra,
+                                                    timeout=120)]
+
+
+def test_torch_autocast_bf16_at_world_2_matches_deepspeed_on_one_process() -> None:
+    extra = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    for losses in _run(2, 2, extra):  # (zerospeed on one process gives the same numbers)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(DS_AUTOCAST_BF16), rtol=1e-5, atol=1e-6)
+    fp32, _ = reference_losses(STEPS, MB, 2, 1, CLIP)
+    assert max(abs(a - b) for a, b in zip(DS_AUTOCAST_BF16, fp32)) > 1e-4  # the bf16 matmuls did run
+
+
+def _autocast_probes(cases: list[tuple[dict[str, Any] | None, bool]]) -> list[dict[str, Any]]:
+    return [_autocast_probe(section, outer) for section, outer in cases]
+
+
+def _autocast_probe(section: dict[str, Any] | None, outer: bool) -> dict[str, Any]:
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+                              "zero_optimization": {"stage": 1}}
+    if section is not None:
+        config["torch_autocast"] = section
+    model = make_model()
+    seen: list[str] = []
+    model.fc1.register_forward_hook(lambda m, a, out: seen.append(str(out.dtype)))
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    x, y = micro_batch(0, 0, comm.get_rank(), comm.get_world_size(), 2, 1)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=outer):
+        loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    return {"seen": seen, "param": str(model.fc1.weight.dtype), "scale": engine.loss_scale,
+            "applied": engine.was_step_applied(), "dtype": str(engine.torch_autocast_dtype()),
+            "safe": engine.torch_autocast_lower_precision_safe_modules()}
+
+
+def test_torch_autocast_region_dtype_nesting_and_fp16_scaler() -> None:
+    cases = [({"enabled": True}, False), ({"enabled": True, "dtype": "bf16"}, True), (None, True),
+             ({"enabled": True, "dtype": "fp16"}, False)]
+    (default, inner_wins, off, fp16), = run_distributed(_autocast_probes, 1, cases, timeout=60)
+    assert default["seen"] == ["torch.bfloat16"] and default["param"] == "torch.float32"  # CPU's default: bf16
+    assert default["safe"][0] == "torch.nn.modules.linear.Linear" and default["scale"] == 1.0
+    assert inner_wins["seen"] == ["torch.bfloat16"]  # the engine's section replaces the caller's fp16 autocast
+    assert off["seen"] == ["torch.float32"]  # torch_autocast off: the caller's autocast is switched off, as DeepSpeed
+    assert fp16["seen"] == ["torch.float16"] and fp16["applied"] and fp16["scale"] == 2.0 ** 16  # GradScaler's start
