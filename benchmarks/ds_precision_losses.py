@@ -1,7 +1,8 @@
 """DeepSpeed's losses for the precision variants, to pin in tests/dist/test_precision_variants.py.
 
 Runs the parity fixture (tests/dist/parity.py: TinyNet, its two parameter groups, its batches) through the real
-DeepSpeed on one process (CPU, Gloo) and prints one JSON line per case. Needs a venv with deepspeed==0.19.8:
+DeepSpeed on one process (CPU, Gloo) and prints one JSON line per case: the
+losses and the final L2 norm of every parameter (in fp32; more sensitive than bf16 losses). Needs a venv with deepspeed==0.19.8:
 
     cd <repo> && PYTHONPATH=$PWD DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/ds_precision_losses.py
 """
@@ -22,11 +23,25 @@ CASES: dict[str, dict[str, Any]] = {
                              "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
     "autocast_bf16_stage0": {"zero_optimization": {"stage": 0},
                              "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "bf16_stage2": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
+    "bf16_master_states_stage2": {"zero_optimization": {"stage": 2}, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+    "bf16_master_states_stage1": {"zero_optimization": {"stage": 1}, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+    # ZeRO-Offload: DeepSpeedCPUAdam (its JIT build takes minutes the first time)
+    "bf16_master_offload_stage2": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                   "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+    "bf16_master_states_offload_stage2": {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+    "bf16_offload_stage2": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                            "bf16": {"enabled": True}},
 }
+OFFLOADED = {name for name, case in CASES.items() if "offload_optimizer" in case["zero_optimization"]}
 STEPS, MB, GAS, CLIP, LR = 6, 2, 2, 0.5, 1e-2
 
 
-def run(case: dict[str, Any]) -> list[float]:
+def run(case: dict[str, Any], offloaded: bool) -> tuple[list[float], dict[str, float]]:
     import deepspeed
 
     from tests.dist.parity import make_model, micro_batch, param_groups
@@ -34,21 +49,23 @@ def run(case: dict[str, Any]) -> list[float]:
     model = make_model()
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                         "torch_adam": True}},
+                                                         **({} if offloaded else {"torch_adam": True})}},
               "steps_per_print": 1000, **case}
+    dtype = torch.bfloat16 if case.get("bf16", {}).get("enabled") else torch.float32
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     losses = []
     for step in range(STEPS):
         total = 0.0
         for m in range(GAS):
             x, y = micro_batch(step, m, 0, 1, MB, GAS)
-            loss = engine(x, y)
+            loss = engine(x.to(dtype), y.to(dtype))
             engine.backward(loss)
             engine.step()
             total += float(loss) / GAS
         losses.append(total)
+    norms = {n: float(p.detach().float().norm()) for n, p in model.named_parameters()}
     engine.destroy()
-    return losses
+    return losses, norms
 
 
 def main() -> None:
@@ -57,9 +74,11 @@ def main() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 3-minute JIT build
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or [n for n in CASES if n not in OFFLOADED]
     for name in names:
-        print(json.dumps({"case": name, "deepspeed": deepspeed.__version__, "losses": run(CASES[name])}), flush=True)
+        losses, norms = run(CASES[name], name in OFFLOADED)
+        print(json.dumps({"case": name, "deepspeed": deepspeed.__version__, "losses": losses, "norms": norms}),
+              flush=True)
 
 
 if __name__ == "__main__":

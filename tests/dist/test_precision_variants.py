@@ -72,3 +72,57 @@ def test_torch_autocast_region_dtype_nesting_and_fp16_scaler() -> None:
     assert inner_wins["seen"] == ["torch.bfloat16"]  # the engine's section replaces the caller's fp16 autocast
     assert off["seen"] == ["torch.float32"]  # torch_autocast off: the caller's autocast is switched off, as DeepSpeed
     assert fp16["seen"] == ["torch.float16"] and fp16["applied"] and fp16["scale"] == 2.0 ** 16  # GradScaler's start
+
+
+# --- 16-bit master weights and gradients; bf16 optimizer states -------------------------------------------------
+BF16_MASTER_STATES = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+# DeepSpeed 0.19.8, the same keys, ZeRO stage 2 (stage 1: the same losses): the final fp32 norm of each parameter
+DS_BF16_MASTER_STATES = {
+    "losses": [1.611328125, 0.5625, 1.4375, 0.650390625, 0.61328125, 0.8359375],
+    "norms": {"unused": 0.5976987481117249, "fc1.weight": 2.342665672302246, "fc1.bias": 0.7578210830688477,
+              "fc2.weight": 2.361464023590088, "fc2.bias": 0.6110250949859619, "head.weight": 1.2166777849197388,
+              "head.bias": 0.31805816292762756}}
+OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 200, "allgather_bucket_size": 300}
+
+
+def _dtypes(engine: Any) -> dict[str, Any]:
+    opt = engine.optimizer
+    states = {str(v.dtype) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1}
+    return {"master": str(opt.groups[0].master.dtype), "states": sorted(states), "breakdown": engine.memory_breakdown()}
+
+
+def _norms(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: float(v.norm()) for k, v in state.items() if k != "frozen"}
+
+
+def test_bf16_master_weights_and_optimizer_states_match_deepspeed() -> None:
+    """bf16 master, gradients and Adam state on the device: world 2 equals DeepSpeed's one process."""
+    for losses, state, info in run_distributed(engine_losses, 2, 2, STEPS, MB, 1, CLIP, LR, BF16_MASTER_STATES,
+                                               _dtypes, timeout=120):
+        assert losses == DS_BF16_MASTER_STATES["losses"]
+        for k, v in _norms(state).items():
+            assert abs(v - DS_BF16_MASTER_STATES["norms"][k]) <= 1e-6 * v, k
+        assert info["master"] == "torch.bfloat16" and info["states"] == ["torch.bfloat16"]
+
+
+def test_16bit_master_weights_under_cpu_offload_match_one_process() -> None:
+    """bf16 and fp16 master weights and gradients with the optimizer on the host (fp32 Adam state there, as
+    DeepSpeedCPUAdam's default), and bf16 state too: world 2 equals one process."""
+    cases = [({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "torch.float32"),
+             ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+              "torch.bfloat16"),
+             ({"fp16": {"enabled": True, "initial_scale_power": 8, "fp16_master_weights_and_grads": True}},
+              "torch.float32")]
+    extras = [{**extra, "zero_optimization": OFFLOAD} for extra, _ in cases]
+    (singles,) = run_distributed(_each, 1, extras, 2, timeout=120)
+    for ranks in run_distributed(_each, 2, extras, 1, timeout=120):
+        for (losses, state, info), (single, one, _), (_, state_dtype) in zip(ranks, singles, cases):
+            assert losses == single
+            for k, v in state.items():
+                torch.testing.assert_close(v, one[k], rtol=0, atol=0)
+            assert info["master"] in ("torch.bfloat16", "torch.float16") and info["states"] == [state_dtype]
+
+
+def _each(extras: list[dict[str, Any]], gas: int) -> list[Any]:
+    """Several stage-2 runs of the fixture in one process group (one fork for all of them)."""
+    return [engine_losses(2, STEPS, MB, gas, CLIP, LR, extra, _dtypes) for extra in extras]

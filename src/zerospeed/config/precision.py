@@ -13,6 +13,9 @@ from .data_types import DTYPE_NAMES
 class Fp16Config(Section):
     """fp16 compute with fp32 master weights. ``loss_scale: 0`` means dynamic loss scaling.
 
+    ``fp16_master_weights_and_grads`` (ZeRO 1-2 with CPU offload, as in DeepSpeed): the master partition is fp16
+    (the gradients already are); the offloaded optimizer keeps its state in fp32.
+
     ``auto_cast``: the engine's forward casts floating-point positional inputs (nested in lists, tuples and
     dicts) to fp16, as DeepSpeed does. ``raise_error_at_min_scale`` (zerospeed's key for DeepSpeed's
     ``DynamicLossScaler`` argument of that name, which DeepSpeed's config does not expose): an overflow with the
@@ -36,11 +39,16 @@ class Bf16Config(Section):
 
     ``check_grad_overflow`` (DeepSpeed >= 0.19.3 default: true): a step whose gradients hold inf/nan on any
     rank is skipped on every rank (weights, optimizer state and schedule untouched; there is no loss scale).
+    ``bf16_master_weights_and_grads`` (ZeRO 1-2): the master partition and the gradient buffers are bf16; the
+    optimizer state stays fp32 (so, as in DeepSpeed, the optimizer must be offloaded to the CPU) unless
+    ``bf16_optimizer_states`` keeps it in bf16 too (on the device, or on the host under CPU offload).
     """
 
     enabled: bool = False
     immediate_grad_update: bool = False
     check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
 
 
 class TorchAutocastConfig(Section):
@@ -62,3 +70,20 @@ class TorchAutocastConfig(Section):
         if v is not None and str(v).lower() not in DTYPE_NAMES:
             raise ValueError(f"invalid dtype for torch autocast {v!r}; use one of bfloat16, float16 (bf16, fp16)")
         return v
+
+
+def check_master_weights(fp16: Fp16Config, bf16: Bf16Config) -> None:
+    """DeepSpeed's rules for 16-bit master weights (its config asserts), as ConfigErrors naming the key; the
+    ones that involve the stage or offload are rows of ``runtime/plan.py``'s table."""
+    from .errors import ConfigError
+
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_optimizer_states", "requires bf16.bf16_master_weights_and_grads to be enabled "
+                                                        "(as in DeepSpeed)")
+    for section, key, name in ((fp16, "fp16_master_weights_and_grads", "fp16"),
+                               (bf16, "bf16_master_weights_and_grads", "bf16")):
+        if not getattr(section, key):
+            continue
+        if not section.enabled:
+            raise ConfigError(f"{name}.{key}", f"keeps the master weights in {name}, but {name}.enabled is false: "
+                                               f"enable {name} or remove the key")

@@ -51,9 +51,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
-    "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
-    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
-    "bf16.bf16_optimizer_states": "bf16 optimizer states",
     "bf16.immediate_grad_update": "bf16 immediate gradient update",
 }
 

@@ -149,7 +149,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     device = get_accelerator().device()
     autocast = AutocastRegion.from_config(cfg.torch_autocast, device.type)  # torch_autocast (precision/autocast.py)
     policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type,
-                         autocast.dtype if autocast.enabled else None)
+                         autocast.dtype if autocast.enabled else None,
+                         cfg.fp16.fp16_master_weights_and_grads or cfg.bf16.bf16_master_weights_and_grads,
+                         cfg.bf16.bf16_optimizer_states)
     limit_heap_retention()  # freed tensors leave the host RSS (accelerator/host_malloc.py)
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)

@@ -79,7 +79,8 @@ def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int)
 
 
 def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
-                 dp_size: int, dp_rank: int, moe: Any = None) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+                 dp_size: int, dp_rank: int, moe: Any = None,
+                 master_dtype: torch.dtype = torch.float32) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
     """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
     bucket = cfg.zero_optimization.reduce_bucket_size
     partitions = 1 if cfg.zero_stage == 0 else dp_size
@@ -105,7 +106,7 @@ def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3:
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
                                        _reduce_bucket(cfg, trainable, dp_size), compute,
-                                       defer_master=on_disk, separate_master=separate))
+                                       defer_master=on_disk, separate_master=separate, master_dtype=master_dtype))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         from ..offload import move_master_to_host
@@ -165,7 +166,7 @@ def _reduce_settings(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], 
 
 
 def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings: ReduceSettings,
-             dp_group: comm.Group | None, dp_rank: int) -> Any:
+             dp_group: comm.Group | None, dp_rank: int, state_dtype: torch.dtype = torch.float32) -> Any:
     """ZeRO-Offload's host stepper (ZenFlow's when its section is set), or None without offload."""
     zcfg = cfg.zero_optimization
     if not zcfg.offload_optimizer.enabled:
@@ -177,7 +178,7 @@ def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings
         from ..offload.zenflow import ZenFlowStepper
 
         return ZenFlowStepper(*stepper_args, stream_grads=settings.partition_sink, zenflow=zcfg.zenflow)
-    return OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
+    return OffloadStepper(*stepper_args, stream_grads=settings.partition_sink, state_dtype=state_dtype)
 
 
 def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
@@ -189,7 +190,7 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     check_zero_optimizer(cfg, base)
     zcfg = cfg.zero_optimization
     settings = _reduce_settings(cfg, base, live, policy, dp_size)
-    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank)
+    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank, policy.states)
     # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer)
     gate = base.wants_backward_allreduce if getattr(base, "compresses_communication", False) else None  # type: ignore[attr-defined]
     wiring = ReducerWiring(sink=None if stepper is None else stepper.sink, heap_trimmer=heap_trimmer,
@@ -229,7 +230,8 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
                     raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any) -> tuple[ZeroOptimizer | None, Any]:
     """The ZeRO optimizer over the base optimizer (None without one), with the parallelisms' norm axes."""
     moe, dp_group = grids.moe, grids.dp_group
-    groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe)
+    groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe,
+                                   policy.master)
     live = [g for g in groups if g is not None]
     base = build_base_optimizer(cfg, client, groups, options)
     if base is None:
