@@ -28,6 +28,13 @@ CASES: dict[str, dict[str, Any]] = {
         "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
     "bf16_master_states_stage1": {"zero_optimization": {"stage": 1}, "bf16": {
         "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+    # BF16_Optimizer (bf16 at stage 1 with fp32 gradient accumulation), its gradients moved as they arrive or not
+    "bf16_accum_fp32_immediate_stage1": {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"},
+                                         "bf16": {"enabled": True, "immediate_grad_update": True}},
+    "bf16_accum_fp32_stage1": {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"},
+                               "bf16": {"enabled": True}},
+    "bf16_accum_bf16_stage1": {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "bf16"},
+                               "bf16": {"enabled": True}},
     # ZeRO-Offload: DeepSpeedCPUAdam (its JIT build takes minutes the first time)
     "bf16_master_offload_stage2": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
                                    "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},

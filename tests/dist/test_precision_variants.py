@@ -114,8 +114,8 @@ def test_16bit_master_weights_under_cpu_offload_match_one_process() -> None:
              ({"fp16": {"enabled": True, "initial_scale_power": 8, "fp16_master_weights_and_grads": True}},
               "torch.float32")]
     extras = [{**extra, "zero_optimization": OFFLOAD} for extra, _ in cases]
-    (singles,) = run_distributed(_each, 1, extras, 2, timeout=120)
-    for ranks in run_distributed(_each, 2, extras, 1, timeout=120):
+    (singles,) = run_distributed(_each, 1, 2, extras, 2, timeout=120)
+    for ranks in run_distributed(_each, 2, 2, extras, 1, timeout=120):
         for (losses, state, info), (single, one, _), (_, state_dtype) in zip(ranks, singles, cases):
             assert losses == single
             for k, v in state.items():
@@ -123,6 +123,28 @@ def test_16bit_master_weights_under_cpu_offload_match_one_process() -> None:
             assert info["master"] in ("torch.bfloat16", "torch.float16") and info["states"] == [state_dtype]
 
 
-def _each(extras: list[dict[str, Any]], gas: int) -> list[Any]:
-    """Several stage-2 runs of the fixture in one process group (one fork for all of them)."""
-    return [engine_losses(2, STEPS, MB, gas, CLIP, LR, extra, _dtypes) for extra in extras]
+def _each(stage: int, extras: list[dict[str, Any]], gas: int) -> list[Any]:
+    """Several runs of the fixture in one process group (one fork for all of them)."""
+    return [engine_losses(stage, STEPS, MB, gas, CLIP, LR, extra, _dtypes) for extra in extras]
+
+
+# DeepSpeed 0.19.8's BF16_Optimizer (bf16, stage 1, data_types.grad_accum_dtype fp32), immediate_grad_update true
+# or false (the same numbers), and its ZeRO optimizer with grad_accum_dtype bf16 (the same numbers again here)
+DS_BF16_STAGE1 = {
+    "losses": [1.611328125, 0.5625, 1.4375, 0.650390625, 0.615234375, 0.837890625],
+    "norms": {"unused": 0.5937625765800476, "fc1.weight": 2.329244375228882, "fc1.bias": 0.7597234845161438,
+              "fc2.weight": 2.3487892150878906, "fc2.bias": 0.6102635860443115, "head.weight": 1.2098509073257446,
+              "head.bias": 0.3185659945011139}}
+
+
+def test_bf16_immediate_grad_update_trains_as_without_it() -> None:
+    """An accepted hint: zerospeed always moves each gradient into its buffer as it arrives (what true asks),
+    so true and false give the same weights, at world 2 as on one process."""
+    extras = [{"bf16": {"enabled": True, "immediate_grad_update": flag}} for flag in (True, False)]
+    (singles,) = run_distributed(_each, 1, 1, extras[:1], 2, timeout=120)
+    for on, off in run_distributed(_each, 2, 1, extras, 1, timeout=120):
+        assert on[0] == off[0] == singles[0][0]
+        for k, v in on[1].items():
+            assert torch.equal(v, off[1][k]) and torch.equal(v, singles[0][1][k]), k
+        for k, v in _norms(on[1]).items():  # DeepSpeed's: the decayed weights differ by ~1.3e-4 (not traced yet)
+            assert abs(v - DS_BF16_STAGE1["norms"][k]) <= 3e-4 * v, k

@@ -45,7 +45,7 @@ class Bf16Config(Section):
     """
 
     enabled: bool = False
-    immediate_grad_update: bool = False
+    immediate_grad_update: bool = False  # an accepted hint (config/hints.py): always what true asks for
     check_grad_overflow: bool = True
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False

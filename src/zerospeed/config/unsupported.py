@@ -51,7 +51,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
-    "bf16.immediate_grad_update": "bf16 immediate gradient update",
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
