@@ -128,8 +128,9 @@ def _each(stage: int, extras: list[dict[str, Any]], gas: int) -> list[Any]:
     return [engine_losses(stage, STEPS, MB, gas, CLIP, LR, extra, _dtypes) for extra in extras]
 
 
-# DeepSpeed 0.19.8's BF16_Optimizer (bf16, stage 1, data_types.grad_accum_dtype fp32), immediate_grad_update true
-# or false (the same numbers), and its ZeRO optimizer with grad_accum_dtype bf16 (the same numbers again here)
+# DeepSpeed 0.19.8, bf16 at stage 1: its BF16_Optimizer (data_types.grad_accum_dtype fp32), immediate_grad_update
+# true or false, and its ZeRO optimizer (grad_accum_dtype bf16, its default for a bf16 model) give these same numbers
+# (it rounds the accumulated gradients to bf16 either way); stage 2 gives them too.
 DS_BF16_STAGE1 = {
     "losses": [1.611328125, 0.5625, 1.4375, 0.650390625, 0.615234375, 0.837890625],
     "norms": {"unused": 0.5937625765800476, "fc1.weight": 2.329244375228882, "fc1.bias": 0.7597234845161438,
@@ -137,14 +138,22 @@ DS_BF16_STAGE1 = {
               "head.bias": 0.3185659945011139}}
 
 
-def test_bf16_immediate_grad_update_trains_as_without_it() -> None:
-    """An accepted hint: zerospeed always moves each gradient into its buffer as it arrives (what true asks),
-    so true and false give the same weights, at world 2 as on one process."""
-    extras = [{"bf16": {"enabled": True, "immediate_grad_update": flag}} for flag in (True, False)]
+def test_bf16_immediate_grad_update_and_grad_accum_dtype() -> None:
+    """immediate_grad_update (an accepted hint: zerospeed always moves each gradient into its buffer as it
+    arrives) trains as without it, at world 2 as on one process. data_types.grad_accum_dtype bf16 accumulates
+    in bf16 (half the gradient bytes) and equals DeepSpeed exactly; fp32 is zerospeed's default for bf16."""
+    bf16 = {"enabled": True}
+    extras = [{"bf16": {**bf16, "immediate_grad_update": True}}, {"bf16": {**bf16, "immediate_grad_update": False}},
+              {"bf16": bf16, "data_types": {"grad_accum_dtype": "bf16"}},
+              {"bf16": bf16, "data_types": {"grad_accum_dtype": "fp32"}}]
     (singles,) = run_distributed(_each, 1, 1, extras[:1], 2, timeout=120)
-    for on, off in run_distributed(_each, 2, 1, extras, 1, timeout=120):
-        assert on[0] == off[0] == singles[0][0]
+    for on, off, acc16, acc32 in run_distributed(_each, 2, 1, extras, 1, timeout=120):
+        assert on[0] == off[0] == acc32[0] == singles[0][0]
         for k, v in on[1].items():
-            assert torch.equal(v, off[1][k]) and torch.equal(v, singles[0][1][k]), k
-        for k, v in _norms(on[1]).items():  # DeepSpeed's: the decayed weights differ by ~1.3e-4 (not traced yet)
+            assert torch.equal(v, off[1][k]) and torch.equal(v, acc32[1][k]) and torch.equal(v, singles[0][1][k]), k
+        assert acc16[0] == DS_BF16_STAGE1["losses"]
+        for k, v in _norms(acc16[1]).items():
+            assert abs(v - DS_BF16_STAGE1["norms"][k]) <= 1e-6 * v, k
+        for k, v in _norms(on[1]).items():  # fp32 accumulation: within ~1.3e-4 of DeepSpeed's bf16-rounded sums
             assert abs(v - DS_BF16_STAGE1["norms"][k]) <= 3e-4 * v, k
+        assert acc16[2]["breakdown"]["grads"] * 2 == acc32[2]["breakdown"]["grads"] > 0

@@ -71,6 +71,9 @@ BF16_MASTER = {"enabled": True, "bf16_master_weights_and_grads": True}
      ConfigError),
     (3, {"bf16": {**BF16_MASTER, "bf16_optimizer_states": True}}, "bf16.bf16_master_weights_and_grads",
      NotSupportedYetError),
+    (2, {"bf16": BF16_MASTER, "data_types": {"grad_accum_dtype": "fp32"}, "zero": {"offload_optimizer": {
+        "device": "cpu"}}}, "data_types.grad_accum_dtype", ConfigError),
+    (2, {"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype", ConfigError),
     (2, {"bf16": BF16_MASTER, "zero": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "bf16.bf16_master_weights_and_grads", NotSupportedYetError),
 ])
@@ -84,5 +87,7 @@ def test_master_weight_dtypes_of_the_policy() -> None:
     _plan(2, bf16=BF16_MASTER, zero={"offload_optimizer": {"device": "cpu"}})  # accepted
     _plan(1, bf16={**BF16_MASTER, "bf16_optimizer_states": True})
     plain, master = make_policy(False, True, None), make_policy(False, True, None, None, True, True)
+    acc = make_policy(False, True, None, grad_accum=torch.bfloat16)
+    assert (acc.accum, acc.comm, acc.master) == (torch.bfloat16, torch.bfloat16, torch.float32)
     assert (plain.master, plain.accum, plain.states) == (torch.float32, torch.float32, torch.float32)
     assert (master.master, master.accum, master.comm, master.states) == (torch.bfloat16,) * 4

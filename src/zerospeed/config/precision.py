@@ -72,7 +72,7 @@ class TorchAutocastConfig(Section):
         return v
 
 
-def check_master_weights(fp16: Fp16Config, bf16: Bf16Config) -> None:
+def check_master_weights(fp16: Fp16Config, bf16: Bf16Config, grad_accum_dtype: str | None = None) -> None:
     """DeepSpeed's rules for 16-bit master weights (its config asserts), as ConfigErrors naming the key; the
     ones that involve the stage or offload are rows of ``runtime/plan.py``'s table."""
     from .errors import ConfigError
@@ -87,3 +87,6 @@ def check_master_weights(fp16: Fp16Config, bf16: Bf16Config) -> None:
         if not section.enabled:
             raise ConfigError(f"{name}.{key}", f"keeps the master weights in {name}, but {name}.enabled is false: "
                                                f"enable {name} or remove the key")
+        if grad_accum_dtype is not None and DTYPE_NAMES[grad_accum_dtype.lower()] != DTYPE_NAMES[name]:
+            raise ConfigError("data_types.grad_accum_dtype", f"{grad_accum_dtype!r} conflicts with {name}.{key} (the "
+                                                             f"gradients are {name} too): remove one")

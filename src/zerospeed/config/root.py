@@ -315,7 +315,7 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:
         raise ConfigError("fp16.auto_cast", "casts the forward's inputs to fp16, but fp16.enabled is false (the "
                                             "model is not fp16): set fp16.enabled true or remove auto_cast")
-    check_master_weights(cfg.fp16, cfg.bf16)
+    check_master_weights(cfg.fp16, cfg.bf16, cfg.data_types.grad_accum_dtype)
     if dp_world_size is not None:
         cfg.batch(dp_world_size)
     return cfg

@@ -37,9 +37,9 @@ class PrecisionPolicy:
 
 
 def make_policy(fp16: bool, bf16: bool, communication_data_type: str | None, autocast: torch.dtype | None = None,
-                master16: bool = False, states16: bool = False) -> PrecisionPolicy:
+                master16: bool = False, states16: bool = False, grad_accum: torch.dtype | None = None) -> PrecisionPolicy:
     """``master16``: the master (and so the gradient buffers) in the compute dtype; ``states16``: offloaded
-    optimizer state in bf16 too."""
+    optimizer state in bf16 too; ``grad_accum`` (``data_types.grad_accum_dtype``): the gradient buffers' dtype."""
     if fp16 and bf16:
         raise ValueError("fp16 and bf16 cannot both be enabled")
     if fp16:
@@ -49,6 +49,6 @@ def make_policy(fp16: bool, bf16: bool, communication_data_type: str | None, aut
     else:
         compute, accum = torch.float32, torch.float32
     master = compute if master16 else torch.float32
-    accum = master if master16 else accum  # DeepSpeed: "master weights and grads" share the dtype
+    accum = master if master16 else grad_accum or accum  # DeepSpeed: "master weights and grads" share the dtype
     comm = _COMM[communication_data_type] if communication_data_type else accum
     return PrecisionPolicy(compute, accum, comm, autocast, master, torch.bfloat16 if states16 else torch.float32)
