@@ -91,3 +91,24 @@ def test_master_weight_dtypes_of_the_policy() -> None:
     assert (acc.accum, acc.comm, acc.master) == (torch.bfloat16, torch.bfloat16, torch.float32)
     assert (plain.master, plain.accum, plain.states) == (torch.float32, torch.float32, torch.float32)
     assert (master.master, master.accum, master.comm, master.states) == (torch.bfloat16,) * 4
+
+
+def test_fp16_autocast_scaler_follows_torch_grad_scaler() -> None:
+    """Against torch.amp.GradScaler itself: the same scale after the same overflow pattern."""
+    from zerospeed.precision import GradScalerRule
+
+    ours, theirs = GradScalerRule(growth_interval=3), torch.amp.GradScaler("cpu", growth_interval=3)
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for overflow in [False, False, False, True, False, False, False, False, True, True, False]:
+        theirs.scale(p.sum()).backward()
+        if overflow:
+            p.grad.fill_(float("inf"))
+        theirs.step(opt)
+        theirs.update()
+        opt.zero_grad()
+        ours.update(overflow)
+        assert ours.loss_scale == theirs.get_scale()
+    restored = GradScalerRule(growth_interval=3)
+    restored.load_state_dict(ours.state_dict())
+    assert restored.growth_tracker == ours.growth_tracker and restored.loss_scale == ours.loss_scale

@@ -4,9 +4,8 @@ The parameters keep the precision mode's dtype (fp32 without fp16/bf16); the ops
 region's dtype, and autograd returns each gradient in its parameter's dtype. Nesting follows DeepSpeed: an
 autocast the caller opened around ``engine(x)`` is replaced by the engine's (its dtype wins) when
 ``torch_autocast`` is on, and switched off inside the engine's forward when it is off (the engine follows its
-own precision sections), with one warning each. fp16 autocast scales the loss as ``torch.amp.GradScaler``
-does at its defaults (DeepSpeed uses one): start at 2**16, halve on an overflow (the step is skipped), double
-after 2000 clean steps.
+own precision sections), with one warning each. fp16 autocast scales the loss by ``torch.amp.GradScaler``'s
+rule at its defaults, as DeepSpeed does (``precision/loss_scaler.py``: ``GradScalerRule``).
 
 ``lower_precision_safe_modules`` names the classes (exact classes, not subclasses) whose parameters DeepSpeed
 marks with the autocast dtype as their gradient communication dtype; :meth:`AutocastRegion.safe_parameters`

@@ -18,7 +18,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..config import ConfigError, ZeroSpeedConfig
 from ..optim.frozen_variance import check_freeze_variance
-from ..precision import LossScaler, NoScaler
+from ..precision import GradScalerRule, LossScaler, NoScaler
 from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.norm_axes import NormAxes
 from ..zero.parted_reducer import reducer_over_axes
@@ -207,7 +207,7 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
         warnings.warn(f"zero_optimization.ignore_unused_parameters: false has no effect at ZeRO stage {cfg.zero_stage} "
                       "(as in DeepSpeed, it checks stages 1 and 2 only)")
     scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else \
-        LossScaler.like_torch_grad_scaler() if policy.uses_loss_scaling else NoScaler()  # fp16 torch_autocast
+        GradScalerRule() if policy.uses_loss_scaling else NoScaler()  # fp16 torch_autocast
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,
                              check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
