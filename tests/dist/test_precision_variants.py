@@ -19,22 +19,16 @@ from zerospeed.testing import run_distributed
 from .parity import engine_losses, make_model, micro_batch, reference_losses
 
 STEPS, MB, CLIP, LR = 6, 2, 0.5, 1e-2
-# DeepSpeed 0.19.8, torch_autocast bf16, ZeRO stage 2 (stage 0 gives the same numbers)
+# DeepSpeed 0.19.8, torch_autocast bf16, ZeRO stage 2 (stage 0 gives the same numbers; zerospeed's stage 3 too)
 DS_AUTOCAST_BF16 = [1.6147246211767197, 0.5622312426567078, 1.4381201267242432, 0.6487534493207932,
                     0.6124220192432404, 0.8355250954627991]
 
 
-def _run(world: int, stage: int, extra: dict[str, Any]) -> list[list[float]]:
-    """Losses of every rank for the fixture's global batch of 4 (2 accumulation steps on one process)."""
-    gas = 2 // world
-    return [losses for losses, _ in run_distributed(engine_losses, world, stage, STEPS, MB, gas, CLIP, LR, extra,
-                                                    timeout=120)]
-
-
 def test_torch_autocast_bf16_at_world_2_matches_deepspeed_on_one_process() -> None:
     extra = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
-    for losses in _run(2, 2, extra):  # (zerospeed on one process gives the same numbers)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(DS_AUTOCAST_BF16), rtol=1e-5, atol=1e-6)
+    for ranks in run_distributed(_each, 2, [(stage, extra) for stage in (0, 2, 3)], 1, timeout=120):
+        for losses, _, _ in ranks:  # (zerospeed on one process gives the same numbers)
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(DS_AUTOCAST_BF16), rtol=1e-5, atol=1e-6)
     fp32, _ = reference_losses(STEPS, MB, 2, 1, CLIP)
     assert max(abs(a - b) for a, b in zip(DS_AUTOCAST_BF16, fp32)) > 1e-4  # the bf16 matmuls did run
 
@@ -88,7 +82,7 @@ OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_si
 def _dtypes(engine: Any) -> dict[str, Any]:
     opt = engine.optimizer
     states = {str(v.dtype) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1}
-    return {"master": str(opt.groups[0].master.dtype), "states": sorted(states), "breakdown": engine.memory_breakdown()}
+    return {"master": str(opt.groups[0].master_params[0].dtype), "states": sorted(states), "breakdown": engine.memory_breakdown()}
 
 
 def _norms(state: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -114,8 +108,9 @@ def test_16bit_master_weights_under_cpu_offload_match_one_process() -> None:
              ({"fp16": {"enabled": True, "initial_scale_power": 8, "fp16_master_weights_and_grads": True}},
               "torch.float32")]
     extras = [{**extra, "zero_optimization": OFFLOAD} for extra, _ in cases]
-    (singles,) = run_distributed(_each, 1, 2, extras, 2, timeout=120)
-    for ranks in run_distributed(_each, 2, 2, extras, 1, timeout=120):
+    runs = [(2, extra) for extra in extras]
+    (singles,) = run_distributed(_each, 1, runs, 2, timeout=120)
+    for ranks in run_distributed(_each, 2, runs, 1, timeout=120):
         for (losses, state, info), (single, one, _), (_, state_dtype) in zip(ranks, singles, cases):
             assert losses == single
             for k, v in state.items():
@@ -123,9 +118,9 @@ def test_16bit_master_weights_under_cpu_offload_match_one_process() -> None:
             assert info["master"] in ("torch.bfloat16", "torch.float16") and info["states"] == [state_dtype]
 
 
-def _each(stage: int, extras: list[dict[str, Any]], gas: int) -> list[Any]:
-    """Several runs of the fixture in one process group (one fork for all of them)."""
-    return [engine_losses(stage, STEPS, MB, gas, CLIP, LR, extra, _dtypes) for extra in extras]
+def _each(runs: list[tuple[int, dict[str, Any]]], gas: int) -> list[Any]:
+    """Several (stage, config) runs of the fixture in one process group (one fork for all of them)."""
+    return [engine_losses(stage, STEPS, MB, gas, CLIP, LR, extra, _dtypes) for stage, extra in runs]
 
 
 # DeepSpeed 0.19.8, bf16 at stage 1: its BF16_Optimizer (data_types.grad_accum_dtype fp32), immediate_grad_update
@@ -146,8 +141,8 @@ def test_bf16_immediate_grad_update_and_grad_accum_dtype() -> None:
     extras = [{"bf16": {**bf16, "immediate_grad_update": True}}, {"bf16": {**bf16, "immediate_grad_update": False}},
               {"bf16": bf16, "data_types": {"grad_accum_dtype": "bf16"}},
               {"bf16": bf16, "data_types": {"grad_accum_dtype": "fp32"}}]
-    (singles,) = run_distributed(_each, 1, 1, extras[:1], 2, timeout=120)
-    for on, off, acc16, acc32 in run_distributed(_each, 2, 1, extras, 1, timeout=120):
+    (singles,) = run_distributed(_each, 1, [(1, extras[0])], 2, timeout=120)
+    for on, off, acc16, acc32 in run_distributed(_each, 2, [(1, extra) for extra in extras], 1, timeout=120):
         assert on[0] == off[0] == acc32[0] == singles[0][0]
         for k, v in on[1].items():
             assert torch.equal(v, off[1][k]) and torch.equal(v, acc32[1][k]) and torch.equal(v, singles[0][1][k]), k
