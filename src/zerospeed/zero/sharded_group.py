@@ -42,7 +42,6 @@ class ShardedGroup:
                  bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None,
                  defer_master: bool = False, separate_master: bool = False,
                  master_dtype: torch.dtype = torch.float32) -> None:
-        self.master_dtype = master_dtype
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
