@@ -75,8 +75,25 @@ def run(case: dict[str, Any], offloaded: bool) -> tuple[list[float], dict[str, f
     return losses, norms
 
 
+def _prebuilt_cpu_adam(path: str) -> None:
+    """Load DeepSpeedCPUAdam's kernel from an already linked ``cpu_adam.so`` (``DS_CPU_ADAM_SO``) instead of its
+    JIT build (minutes, and it waits forever on a build lock another process left behind)."""
+    import importlib.machinery
+    import importlib.util
+
+    import deepspeed.ops.adam.cpu_adam as cpu_adam
+
+    loader = importlib.machinery.ExtensionFileLoader("cpu_adam", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("cpu_adam", loader))
+    loader.exec_module(module)
+    cpu_adam.CPUAdamBuilder.load = lambda self, verbose=True: module
+
+
 def main() -> None:
     import deepspeed.ops
+
+    if os.environ.get("DS_CPU_ADAM_SO"):
+        _prebuilt_cpu_adam(os.environ["DS_CPU_ADAM_SO"])
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 3-minute JIT build
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
