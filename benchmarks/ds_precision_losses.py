@@ -5,6 +5,10 @@ DeepSpeed on one process (CPU, Gloo) and prints one JSON line per case: the
 losses and the final L2 norm of every parameter (in fp32; more sensitive than bf16 losses). Needs a venv with deepspeed==0.19.8:
 
     cd <repo> && PYTHONPATH=$PWD DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/ds_precision_losses.py
+
+The ZeRO-Offload cases (named on the command line) need DeepSpeedCPUAdam's kernel: its JIT build, or a linked
+``cpu_adam.so`` named by ``DS_CPU_ADAM_SO`` (2026-12-02: its objects from DeepSpeed's build directory,
+``~/.cache/torch_extensions/py311_cpu/cpu_adam``, linked by hand with the link line of its ``build.ninja``).
 """
 
 from __future__ import annotations
