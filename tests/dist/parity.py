@@ -81,8 +81,9 @@ def reference_losses(steps: int, mb: int, gas: int, world: int, clip: float, lr:
 
 
 def engine_losses(stage: int, steps: int, mb: int, gas: int, clip: float, lr: float = 1e-2,
-                  extra: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same run through zerospeed on the current process group; returns per-step global losses."""
+                  extra: dict[str, Any] | None = None, probe: Any = None) -> Any:
+    """The same run through zerospeed on the current process group; returns per-step global losses and the
+    final state (and ``probe(engine)`` after the run as a third item, when given)."""
     import zerospeed
     from zerospeed import comm
 
@@ -110,4 +111,5 @@ def engine_losses(stage: int, steps: int, mb: int, gas: int, clip: float, lr: fl
             total += loss.detach().float() / gas
         comm.all_reduce(total)
         losses.append(float(total) / world)
-    return losses, {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    return (losses, state) if probe is None else (losses, state, probe(engine))

@@ -83,7 +83,9 @@ def _behaviour() -> dict:
     out["dp_ok"] = ok.dp_world_size
     out["dp_bad"] = _error({**base, "data_parallel_size": 4, "sequence_parallel_size": 1})
     out["param_dtype"] = _error({**base, "bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}})
-    out["grad_accum"] = _error({**base, "data_types": {"grad_accum_dtype": "fp32"}})
+    out["grad_accum"] = _error({**base, "data_types": {"grad_accum_dtype": "fp32"},  # supported (issue 32), but
+                                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,  # not against
+                                         "bf16_optimizer_states": True}})  # bf16 gradients
     out["log"] = records.lines
     return out
 

@@ -34,10 +34,14 @@ def test_auto_cast_needs_fp16_and_defaults() -> None:
 
 
 def test_deepspeed_bf16_master_keys_are_named_not_unknown() -> None:
-    """DeepSpeed 0.19's bf16.bf16_master_weights_and_grads / bf16_optimizer_states: off is fine, on is refused."""
-    from zerospeed.config.errors import NotSupportedYetError
+    """DeepSpeed 0.19's bf16.bf16_master_weights_and_grads / bf16_optimizer_states: read with its meaning (issue 32;
+    tests/dist/test_precision_variants.py), and its rule that the states key needs the master key."""
+    from zerospeed.config import ConfigError
 
     for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
         load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, key: False}})
-        with pytest.raises(NotSupportedYetError, match=f"bf16.{key}"):
-            load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, key: True}})
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}})
+    assert cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
+    with pytest.raises(ConfigError, match="bf16.bf16_optimizer_states"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, "bf16_optimizer_states": True}})

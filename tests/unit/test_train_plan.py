@@ -72,6 +72,8 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
      NotSupportedYetError),
     (dict(stage=2, zero={"offload_optimizer": {"device": "cpu", "super_offload": True}}), ModelFacts(),
      "zero_optimization.offload_optimizer.super_offload", ConfigError),
+    (dict(stage=1, torch_autocast={"enabled": True}), ModelFacts(pipelined=True), "torch_autocast",
+     NotSupportedYetError),
     (dict(stage=1, gradient_compression={"type": "topk", "ratio": 0.1}, zero={"stage": 2}),
      ModelFacts(optimizer=OptimizerFacts(client=False)), "gradient_compression", ConfigError),
 ])

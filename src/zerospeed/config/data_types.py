@@ -3,7 +3,9 @@
 As in DeepSpeed 0.19.8, ``initialize()`` casts the parameters to the precision mode's dtype (bf16/fp16)
 and leaves the buffers (rotary ``inv_freq``, norm statistics) at the dtype they were loaded with, unless
 ``buffer_dtype`` names one. ``param_dtype`` may only restate the precision mode's dtype (DeepSpeed
-asserts it). ``grad_accum_dtype`` is refused as not supported yet (``config/unsupported.py``).
+asserts it). ``grad_accum_dtype`` names the dtype of the gradient buffers (accumulation over micro-steps,
+reduction, partition); unset, zerospeed accumulates fp32 and bf16 models in fp32 and fp16 models in fp16
+(DeepSpeed's unset value is the model's dtype: bf16 for a bf16 model; set ``"bf16"`` for its numerics).
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ class DataTypesConfig(Section):
     """Must equal the precision mode's dtype (fp16 / bf16 enabled, else fp32); None: follow it."""
     buffer_dtype: str | None = None
     """None (DeepSpeed's default): floating buffers keep their dtype; else every floating buffer is cast to it."""
+    grad_accum_dtype: str | None = None
+    """The gradient buffers' dtype; None: fp32 for fp32 and bf16 models, fp16 for fp16 ones."""
 
-    @field_validator("param_dtype", "buffer_dtype")
+    @field_validator("param_dtype", "buffer_dtype", "grad_accum_dtype")
     @classmethod
     def _known(cls, v: Any) -> Any:
         if v is not None and str(v).lower() not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {v!r}; use one of fp32, fp16, bf16")
         return v
+
+    def resolved_grad_accum_dtype(self) -> torch.dtype | None:
+        return None if self.grad_accum_dtype is None else DTYPE_NAMES[self.grad_accum_dtype.lower()]
 
     def resolved_buffer_dtype(self) -> torch.dtype | None:
         return None if self.buffer_dtype is None else DTYPE_NAMES[self.buffer_dtype.lower()]

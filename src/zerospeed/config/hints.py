@@ -73,6 +73,11 @@ ACCEPTED_HINTS: dict[str, str] = {
     "pipeline.grad_partitioned": (
         "partitions activation gradients sent between stages across the tensor-parallel group; no effect without "
         "tensor parallelism (as in DeepSpeed), and a pipeline with a tensor-parallel axis is refused for now"),
+    "bf16.immediate_grad_update": (
+        "DeepSpeed's BF16_Optimizer adds each bf16 gradient into its fp32 buffer as soon as autograd produces it and "
+        "frees it (true), or keeps every bf16 gradient until the end of backward (false: 2 more bytes per parameter "
+        "at the peak); zerospeed's reducer always moves each gradient into its buffer as it arrives, what true "
+        "asks for, and the sums are the same either way"),
     "pipeline.use_reentrant": (
         "selects torch's reentrant or non-reentrant recomputation for the pipeline's activation checkpoints; "
         "zerospeed always uses its own non-reentrant checkpoint (RNG replayed), whose gradients are the same"),

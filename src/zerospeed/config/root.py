@@ -37,7 +37,7 @@ from .monitoring import (
 )
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .pipeline import PipelineConfig
-from .precision import Bf16Config, Fp16Config
+from .precision import Bf16Config, Fp16Config, TorchAutocastConfig, check_master_weights
 from .sparse_attention import SparseAttentionConfig
 from .tensor_parallel import TensorParallelConfig
 from .unsupported import NOT_SUPPORTED_YET, check_not_supported
@@ -67,6 +67,7 @@ class ZeroSpeedConfig(Section):
     """DeepSpeed 0.19.8's default is 1.0 (it was 0.0, off, before 0.19.3); 0 switches clipping off."""
     fp16: Fp16Config = Field(default_factory=Fp16Config)
     bf16: Bf16Config = Field(default_factory=Bf16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
@@ -326,6 +327,7 @@ def load_config(config: str | Path | dict[str, Any] | ZeroSpeedConfig | None,
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:
         raise ConfigError("fp16.auto_cast", "casts the forward's inputs to fp16, but fp16.enabled is false (the "
                                             "model is not fp16): set fp16.enabled true or remove auto_cast")
+    check_master_weights(cfg.fp16, cfg.bf16, cfg.data_types.grad_accum_dtype)
     if dp_world_size is not None:
         cfg.batch(dp_world_size)
     return cfg

@@ -21,14 +21,12 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
-    "torch_autocast": "torch autocast mixed precision (torch_autocast)",
     "graph_harvesting": "graph harvesting (CUDA graphs)",
     "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
     "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",
     "quantize_training": "quantization-aware training",
     "nebula": "Nebula checkpointing",
     "datastates_ckpt": "DataStates checkpointing",
-    "data_types.grad_accum_dtype": "data_types.grad_accum_dtype (the gradient accumulation dtype)",
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
@@ -47,10 +45,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "zero_optimization.enable_sanity_checks": "ZeRO internal sanity checks",
     "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
-    "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
-    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
-    "bf16.bf16_optimizer_states": "bf16 optimizer states",
-    "bf16.immediate_grad_update": "bf16 immediate gradient update",
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).

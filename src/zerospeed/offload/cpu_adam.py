@@ -39,7 +39,14 @@ class FlatKernel:
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: dict[str, list[torch.Tensor]],
              step: torch.Tensor, group: dict[str, Any]) -> None:
-        """One update of every piece; ``step`` is the count *after* this update (already incremented)."""
+        """One update of every piece; ``step`` is the count *after* this update (already incremented).
+
+        Pieces of mixed dtypes (a bf16/fp16 master with fp32 state, DeepSpeedCPUAdam's
+        ``fp32_optimizer_states``) are updated in fp32 and written back in their own dtypes."""
+        dtypes = {t.dtype for t in [*params, *grads, *(t for v in states.values() for t in v)]}
+        if len(dtypes) > 1:
+            self._step_in_fp32(params, grads, states, step, group)
+            return
         steps = [step] * len(params)
         if self.name == "adagrad":
             torch._fused_adagrad_(params, grads, states["sum"], steps, lr=float(group["lr"]),
@@ -52,6 +59,17 @@ class FlatKernel:
         fn(params, grads, states["exp_avg"], states["exp_avg_sq"], [], steps, lr=float(group["lr"]),
            beta1=float(beta1), beta2=float(beta2), weight_decay=float(group.get("weight_decay", 0.0)),
            eps=float(group["eps"]), amsgrad=False, maximize=False)
+
+
+    def _step_in_fp32(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                      states: dict[str, list[torch.Tensor]], step: torch.Tensor, group: dict[str, Any]) -> None:
+        up = {k: [t.float() for t in v] for k, v in states.items()}
+        p32 = [p.float() for p in params]
+        self.step(p32, [g.float() for g in grads], up, step, group)
+        for dst, src in zip([*params, *(t for v in states.values() for t in v)],
+                            [*p32, *(t for v in up.values() for t in v)]):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
 
 
 ADAM = FlatKernel("adam", ("exp_avg", "exp_avg_sq"))

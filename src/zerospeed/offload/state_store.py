@@ -39,12 +39,14 @@ def state_views(buf: torch.Tensor, sg: SubGroup, keys: tuple[str, ...]) -> dict[
 
 
 class HostStore:
-    """CPU offload: one flat fp32 host buffer per group and key; ``optimizer.state`` holds views of it."""
+    """CPU offload: one flat host buffer per group and key (fp32; bf16 under ``bf16_optimizer_states``);
+    ``optimizer.state`` holds views of it."""
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, kernel: FlatKernel,
-                 steps: list[torch.Tensor]) -> None:
+                 steps: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
         self.groups, self.optimizer, self.kernel, self.steps = groups, optimizer, kernel, steps
-        self.flat = [{k: torch.full((g.plan.partition_numel,), kernel.initial(k, optimizer.param_groups[gi]))
+        self.flat = [{k: torch.full((g.plan.partition_numel,), kernel.initial(k, optimizer.param_groups[gi]),
+                                    dtype=dtype)
                       for k in kernel.state_keys} for gi, g in enumerate(groups)]
         self.views: list[list[dict[str, torch.Tensor]]] = [
             [{k: g.slot_view(self.flat[gi][k], i) for k in kernel.state_keys} for i in range(len(g.params))]
@@ -84,7 +86,7 @@ class HostStore:
                    for gi, g in enumerate(self.groups) for i, mp in enumerate(g.master_params))
 
     def host_bytes(self) -> int:
-        return sum(t.numel() * 4 for d in self.flat for t in d.values())
+        return sum(t.numel() * t.element_size() for d in self.flat for t in d.values())
 
 
 class SwappedState(MutableMapping[nn.Parameter, dict[str, Any]]):

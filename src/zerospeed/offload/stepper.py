@@ -84,7 +84,7 @@ class OffloadStepper:
 
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, cfg: OffloadOptimizerConfig,
                  aio: AioConfig, sub_group_size: int, dp_group: comm.Group | None, rank: int = 0,
-                 stream_grads: bool = False) -> None:
+                 stream_grads: bool = False, state_dtype: torch.dtype = torch.float32) -> None:
         self.groups, self.optimizer, self.cfg, self.dp_group = groups, optimizer, cfg, dp_group
         self.kernel = kernel_for(optimizer)
         for g in groups:  # initialize() builds groups with a separate (host) master on an accelerator
@@ -111,9 +111,12 @@ class OffloadStepper:
         self.share: DeviceShare | None = None  # partial offload: the sub-groups stepped on the device
         self.worker: HostWorker | None = None
         self.host_thread = ""  # the thread that ran the last host step (a worker thread under partial offload)
+        if self.kernel is None and any(g.master is not None and g.master.dtype != torch.float32 for g in groups):
+            raise ConfigError(KEY, f"16-bit master weights under offload are stepped by the CPU Adam/AdamW/Adagrad "
+                                   f"kernel (DeepSpeedCPUAdam in DeepSpeed); {type(optimizer).__name__} has none")
         if cfg.device == "cpu":
             if self.kernel is not None:
-                self.host = HostStore(groups, optimizer, self.kernel, self.steps)
+                self.host = HostStore(groups, optimizer, self.kernel, self.steps, state_dtype)
             if cfg.ratio < 1.0:
                 self._init_partial()
             if stream_grads:  # on an accelerator: the gradient partitions live on the host too

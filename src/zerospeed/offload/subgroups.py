@@ -77,7 +77,7 @@ def move_master_to_host(grp: ShardedGroup, pin: bool = False) -> None:
     """
     if grp.master is None or grp.master.device.type == "cpu":
         return
-    host = torch.empty(grp.master.shape, dtype=torch.float32, pin_memory=pin and can_pin_memory())
+    host = torch.empty(grp.master.shape, dtype=grp.master.dtype, pin_memory=pin and can_pin_memory())
     host.copy_(grp.master)
     grp.master = host
     grp.master_params = [torch.nn.Parameter(grp.slot_view(host, i)) for i in range(len(grp.params))]

@@ -94,3 +94,33 @@ class NoScaler(LossScaler):
 
     def __init__(self) -> None:
         super().__init__(1.0, dynamic=False)
+
+
+class GradScalerRule(LossScaler):
+    """``torch.amp.GradScaler``'s rule at its defaults (what DeepSpeed uses under fp16 ``torch_autocast``):
+    start at 2**16; an overflow halves the scale (no hysteresis, no floor) and restarts the count; the 2000th
+    consecutive clean step doubles it."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000) -> None:
+        super().__init__(init_scale, dynamic=True, window=growth_interval, hysteresis=1, min_scale=0.0,
+                         raise_error_at_min_scale=False)
+        self.growth_tracker = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.cur_scale *= 0.5
+            self.growth_tracker = 0
+            self.last_overflow_iter = self.cur_iter
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.window:
+                self.cur_scale *= 2.0
+                self.growth_tracker = 0
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict(sd)
+        self.growth_tracker = int(sd.get("growth_tracker", 0))

@@ -18,7 +18,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..config import ConfigError, ZeroSpeedConfig
 from ..optim.frozen_variance import check_freeze_variance
-from ..precision import LossScaler, NoScaler
+from ..precision import GradScalerRule, LossScaler, NoScaler
 from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.norm_axes import NormAxes
 from ..zero.parted_reducer import reducer_over_axes
@@ -79,7 +79,8 @@ def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int)
 
 
 def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
-                 dp_size: int, dp_rank: int, moe: Any = None) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+                 dp_size: int, dp_rank: int, moe: Any = None,
+                 master_dtype: torch.dtype = torch.float32) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
     """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
     bucket = cfg.zero_optimization.reduce_bucket_size
     partitions = 1 if cfg.zero_stage == 0 else dp_size
@@ -105,7 +106,7 @@ def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3:
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
                                        _reduce_bucket(cfg, trainable, dp_size), compute,
-                                       defer_master=on_disk, separate_master=separate))
+                                       defer_master=on_disk, separate_master=separate, master_dtype=master_dtype))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         from ..offload import move_master_to_host
@@ -167,7 +168,7 @@ def _reduce_settings(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], 
 
 
 def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings: ReduceSettings,
-             dp_group: comm.Group | None, dp_rank: int, scaler: Any) -> Any:
+             dp_group: comm.Group | None, dp_rank: int, scaler: Any, state_dtype: torch.dtype = torch.float32) -> Any:
     """ZeRO-Offload's host stepper (ZenFlow's or SuperOffload's when set), or None without offload."""
     zcfg = cfg.zero_optimization
     if not zcfg.offload_optimizer.enabled:
@@ -185,7 +186,7 @@ def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings
         from ..offload.zenflow import ZenFlowStepper
 
         return ZenFlowStepper(*stepper_args, stream_grads=settings.partition_sink, zenflow=zcfg.zenflow)
-    return OffloadStepper(*stepper_args, stream_grads=settings.partition_sink)
+    return OffloadStepper(*stepper_args, stream_grads=settings.partition_sink, state_dtype=state_dtype)
 
 
 def _may_skip(cfg: ZeroSpeedConfig, scaler: Any) -> bool:
@@ -203,8 +204,9 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     check_zero_optimizer(cfg, base)
     zcfg = cfg.zero_optimization
     settings = _reduce_settings(cfg, base, live, policy, dp_size)
-    scaler = LossScaler.from_config(cfg.fp16) if policy.uses_loss_scaling else NoScaler()
-    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank, scaler)
+    scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else \
+        GradScalerRule() if policy.uses_loss_scaling else NoScaler()  # fp16 torch_autocast
+    stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank, scaler, policy.states)
     # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer)
     gate = base.wants_backward_allreduce if getattr(base, "compresses_communication", False) else None  # type: ignore[attr-defined]
     wiring = ReducerWiring(sink=None if stepper is None else stepper.sink, heap_trimmer=heap_trimmer,
@@ -244,7 +246,8 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
                     raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any) -> tuple[ZeroOptimizer | None, Any]:
     """The ZeRO optimizer over the base optimizer (None without one), with the parallelisms' norm axes."""
     moe, dp_group = grids.moe, grids.dp_group
-    groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe)
+    groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe,
+                                   policy.master)
     live = [g for g in groups if g is not None]
     base = build_base_optimizer(cfg, client, groups, options)
     if base is None:

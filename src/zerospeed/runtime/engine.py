@@ -16,7 +16,7 @@ nowhere; a failure after it (inside the parameter update) leaves the engine refu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -143,6 +143,15 @@ class Engine(nn.Module):
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return None if self.parts.autocast is None else self.parts.autocast.dtype
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        return [] if self.parts.autocast is None else self.parts.autocast.safe_module_names
+
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
@@ -262,9 +271,15 @@ class Engine(nn.Module):
             if self.data_efficiency is not None:  # curriculum_seqlen=, progressive_layer_drop=, pld_theta=
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             self.lockstep.forward_seen(self.module)
-            out = self.module(*inputs, **kwargs)
+            with self._autocast():
+                out = self.module(*inputs, **kwargs)
             self.observer.forward_end()
         return out
+
+    def _autocast(self) -> Any:
+        """torch_autocast's region around the module's forward (precision/autocast.py); DeepSpeed's nesting rules."""
+        region = self.parts.autocast
+        return nullcontext() if region is None else region.region()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by the accumulation steps, times the fp16 loss scale); returns, as

@@ -90,6 +90,24 @@ def _const(text: str) -> Message:
 
 _NOT_YET = " is not supported yet by zerospeed"
 
+
+def _master_rules(mode: str) -> tuple[Rule, Rule]:
+    """16-bit master weights (``fp16``/``bf16`` ``..._master_weights_and_grads``): DeepSpeed's stage rule, and
+    where zerospeed lacks them."""
+    key = f"{mode}_master_weights_and_grads"
+
+    def on(c: ZeroSpeedConfig) -> bool:
+        return bool(getattr(getattr(c, mode), key))
+
+    stage0 = Rule(lambda p, c, f: on(c) and p.stage == 0, f"{mode}.{key}",
+                  _const("is only supported with ZeRO stage 1, 2 or 3 (as in DeepSpeed), got stage 0"), ConfigError)
+    lacking = Rule(lambda p, c, f: on(c) and (p.stage == 3 or p.moe or p.zenflow or p.offload_optimizer == "nvme"
+                                              or c.zero_optimization.offload_optimizer.ratio < 1.0), f"{mode}.{key}",
+                   _const("16-bit master weights with ZeRO stage 3, MoE layers, ZenFlow, NVMe offload or partial "
+                          "offload (ratio < 1)" + _NOT_YET + " (stages 1 and 2, with or without CPU offload, are)"))
+    return stage0, lacking
+
+
 RULES: tuple[Rule, ...] = (
     Rule(lambda p, c, f: f.mpu_sequence_parallel is not None and "sequence_parallel_size" in c.model_fields_set
          and c.sequence_parallel_size != f.mpu_sequence_parallel, "sequence_parallel_size",
@@ -153,6 +171,18 @@ RULES: tuple[Rule, ...] = (
          _const("ZenFlow with MoE expert parameters" + _NOT_YET)),
     Rule(lambda p, c, f: p.data_efficiency and p.pipelined, "curriculum_learning",
          _const("curriculum_learning, progressive_layer_drop and random-LTD with a PipelineModule" + _NOT_YET)),
+    Rule(lambda p, c, f: c.fp16.fp16_master_weights_and_grads and p.offload_optimizer != "cpu",
+         "fp16.fp16_master_weights_and_grads", _const("requires ZeRO-Offload of the optimizer to the CPU "
+                                                      "(offload_optimizer.device: cpu), as in DeepSpeed"), ConfigError),
+    Rule(lambda p, c, f: c.bf16.bf16_master_weights_and_grads and not c.bf16.bf16_optimizer_states
+         and p.offload_optimizer != "cpu", "bf16.bf16_master_weights_and_grads",
+         _const("keeps the optimizer state in fp32, so it requires ZeRO-Offload of the optimizer to the CPU "
+                "(offload_optimizer.device: cpu), as in DeepSpeed; or set bf16.bf16_optimizer_states: true"),
+         ConfigError),
+    *_master_rules("fp16"),
+    *_master_rules("bf16"),
+    Rule(lambda p, c, f: c.torch_autocast.enabled and p.pipelined, "torch_autocast",
+         _const("torch_autocast with a PipelineModule" + _NOT_YET + " (the engine's forward applies it)")),
     Rule(lambda p, c, f: not f.client_scheduler and c.scheduler is not None and not p.has_optimizer, "scheduler",
          _const("a scheduler needs an optimizer"), ConfigError),
 )

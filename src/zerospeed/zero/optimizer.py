@@ -112,10 +112,11 @@ class ZeroOptimizer:
         grads = []
         for gi, grp in enumerate(self.groups):
             part = self.reducer.partition_buffer(gi) if sink is None else sink.partition(gi)  # host (offload)
-            fp32 = part if part.dtype == torch.float32 else part.float()
-            self._fp32_grads[gi] = fp32
-            grp.attach_grads(fp32)
-            grads.append(fp32)
+            want = grp.master.dtype if grp.master is not None else torch.float32  # a .grad has its master's dtype
+            grad = part if part.dtype == want else part.to(want)
+            self._fp32_grads[gi] = grad
+            grp.attach_grads(grad)
+            grads.append(grad)
         return grads
 
     def _has_overflow(self, grads: list[torch.Tensor]) -> bool:

@@ -1,5 +1,7 @@
 """One optimizer parameter group under ZeRO: its plan, fp32 master partition, and gradient partition.
 
+The master is fp32 unless ``master_dtype`` says otherwise (``bf16/fp16_master_weights_and_grads``: 16-bit).
+
 With ``N`` partitions the rank holds the fp32 master of its shards only (a flat tensor laid out as
 the plan's partition); the optimizer sees one ``nn.Parameter`` view per parameter shard, so state
 stays addressable per parameter. With one partition and fp32 compute the master *is* the model
@@ -38,7 +40,8 @@ class ShardedGroup:
 
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
                  bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None,
-                 defer_master: bool = False, separate_master: bool = False) -> None:
+                 defer_master: bool = False, separate_master: bool = False,
+                 master_dtype: torch.dtype = torch.float32) -> None:
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
@@ -61,11 +64,11 @@ class ShardedGroup:
         if self.alias:
             self.master_params = list(params)
         elif self.master_deferred:
-            self.master = torch.empty(self.plan.partition_numel, dtype=torch.float32)  # untouched: no RSS
+            self.master = torch.empty(self.plan.partition_numel, dtype=master_dtype)  # untouched: no RSS
             self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
             self.master.untyped_storage().resize_(0)
         else:
-            self.master = torch.zeros(self.plan.partition_numel, dtype=torch.float32, device=self.device)
+            self.master = torch.zeros(self.plan.partition_numel, dtype=master_dtype, device=self.device)
             self.master_params = [nn.Parameter(self.slot_view(self.master, i)) for i in range(len(params))]
             self.load_master_from_params()
 
@@ -129,7 +132,7 @@ class ShardedGroup:
         if home is None or self.master is None:
             return
         values = home.read(0, self.master.numel())
-        self.master.untyped_storage().resize_(self.master.numel() * 4)
+        self.master.untyped_storage().resize_(self.master.numel() * self.master.element_size())
         self.master_home = None
         self.master.copy_(values)
 
@@ -146,7 +149,7 @@ class ShardedGroup:
             slot = self.plan.slots[i]
             lo, hi = slot.owned_range(self.rank)
             start, _ = self.slot_range(i)
-            view = torch.zeros(slot.shard, dtype=torch.float32, device=self.master.device)
+            view = torch.zeros(slot.shard, dtype=self.master.dtype, device=self.master.device)
             if hi > lo:
                 view[: hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
             self.write_master_range(start, view)
