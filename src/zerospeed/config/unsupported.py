@@ -16,7 +16,6 @@ from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
-    "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
     "data_efficiency.data_sampling.dynamic_batching": "dynamic batching with learning-rate scaling",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "

@@ -138,6 +138,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     _joined(dist_init_required, distributed_port, early)
     check_data_parallel_size(early, comm.get_world_size())
     early = prefer_client_objects(early, optimizer, lr_scheduler)  # DeepSpeed's rule: the client object wins
+    from ..parallel.expert.auto import autoep_model
+
+    autoep_model(early.expert_parallel, model)  # AutoEP: HF MoE blocks' experts -> expert-parallel grouped ones
     plan = plan_training(early, model_facts(early, model, mpu, optimizer, lr_scheduler))
     grids = Grids(plan, early, model, mpu)
     cfg = load_config(early, grids.data_size)  # the batch sizes, over the data-parallel replicas
