@@ -6,14 +6,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM  # before the fork
 
 VOCAB, SEQ = 64, 8
 
 
 def tiny_moe(family: str, seed: int = 0) -> nn.Module:
     """A 2-layer Mixtral or Qwen2-MoE (4 experts, top-2) whose loss includes the load-balancing loss."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
-
     common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                   num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
                                   output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False)

@@ -37,6 +37,7 @@ def _train(family: str, ep: int, stage: int, steps: int = STEPS, adam: bool = Fa
         losses.append(float(loss))
     if save:
         engine.save_checkpoint(save, tag="t")
+        engine.save_16bit_model(save, "model.safetensors")
     with zerospeed.zero.GatheredParameters(list(model.parameters())):
         state = local_state(model)
     return losses, state, experts.global_expert_ids()[0]
@@ -59,6 +60,11 @@ def test_checkpoint_reshards_ep2_to_ep1_with_adam_state(tmp_path) -> None:
     """Saved at ep=2 after 2 Adam steps, loaded at ep=1 (dp 2): steps 3-4 equal the uninterrupted run, which
     they would not with zero or stale expert moments (DeepSpeed issue 8147)."""
     ckpt = str(tmp_path)
-    run_distributed(_train, 2, "mixtral", 2, 1, 2, True, ckpt, timeout=120)
+    saved = run_distributed(_train, 2, "mixtral", 2, 1, 2, True, ckpt, timeout=120)
+    from safetensors.torch import load_file
+
+    whole = load_file(str(tmp_path / "model.safetensors"))  # save_16bit_model: every expert, HF's shapes
+    name = "model.layers.1.mlp.experts.down_proj"
+    torch.testing.assert_close(whole[name], torch.cat([saved[0][1][name], saved[1][1][name]]), rtol=0, atol=0)
     results = run_distributed(_train, 2, "mixtral", 1, 2, 2, True, "", ckpt, timeout=120)
     _check(results, "mixtral", 2, steps=4, adam=True, skip=2)

@@ -2,7 +2,8 @@
 
 DeepSpeed's keys (master, 2026). zerospeed keeps the model's own router module and MoE block forward, and
 replaces only the experts' computation (``parallel/expert/auto/``), so the routing keys are honoured at
-their ``"auto"`` values (the model's semantics) and any other value is refused as "not supported yet":
+their defaults (the model's semantics) and any other value is refused as "not supported yet"
+(``unsupported.AUTOEP_ROUTING_KEYS``); the keys below are read:
 
 * ``enabled``, ``autoep_size`` (the expert-parallel degree; 1 keeps every expert local, no all-to-all);
 * detection: ``preset_model`` (``mixtral``, ``qwen2_moe``, ``qwen3_moe``), ``moe_layer_pattern`` (a regex
@@ -16,21 +17,13 @@ their ``"auto"`` values (the model's semantics) and any other value is refused a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
 from .base import Section
 
 PRESETS = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-# Keys whose only supported value is the model's own routing (the default): key -> accepted values.
-ROUTING_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "route_norm": (None,), "route_scale": (1.0, 1), "score_apply": ("auto",), "combine_impl": ("auto",),
-    "num_expert_groups": (None,), "num_limited_groups": (None,), "score_func": ("auto",), "top_k": ("auto",),
-    "routed_scaling_factor": ("auto",), "load_balance_coeff": (None,), "expert_tensor_parallel_size": (1,),
-    "validate_folding_routing": (False,), "has_shared_experts": (None, True, False),
-}
 
 
 class ExpertParallelConfig(Section):
@@ -59,8 +52,8 @@ class ExpertParallelConfig(Section):
     routed_scaling_factor: float | Literal["auto"] = "auto"
     expert_w1: str | None = None
     expert_w2: str | None = None
-    expert_w3: str | None = "<unset>"
-    """Absent: the detected layout; ``null``: gate and up fused in ``expert_w1``; a name: a separate up weight."""
+    expert_w3: str | None = None
+    """Absent or ``null``: gate and up fused in ``expert_w1`` (HF's layout); a name: a separate up weight."""
     num_experts_attr: str | None = None
     top_k_attr: str | None = None
     has_shared_experts: bool | None = None
@@ -74,14 +67,9 @@ class ExpertParallelConfig(Section):
             raise ValueError(f"unknown preset_model {v!r}; available presets: {list(PRESETS)}")
         return v
 
-    @field_validator("expert_w1", "expert_w2", "router_pattern", "expert_pattern", "num_experts_attr", "top_k_attr",
-                     "shared_experts_pattern", "shared_experts_gate_pattern")
+    @field_validator("expert_w1", "expert_w2", "expert_w3", "router_pattern", "expert_pattern")
     @classmethod
     def _attr_name(cls, v: str | None) -> str | None:
         if v is not None and (not v or "." in v):
             raise ValueError(f"{v!r} must be a direct attribute name (non-empty, no dots)")
         return v
-
-    def refused_routing(self) -> list[str]:
-        """Routing keys set to a value other than the model's own routing (each is "not supported yet")."""
-        return [k for k, ok in ROUTING_DEFAULTS.items() if getattr(self, k) not in ok]

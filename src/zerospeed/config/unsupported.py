@@ -74,6 +74,18 @@ for _k in DEEPCOMPILE_KEYS:
     NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
                                          "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
 
+# AutoEP keeps the HF model's own router (parallel/expert/auto/): its routing keys only at their defaults.
+AUTOEP_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
+    "route_norm": (None,), "route_scale": (None, 1.0), "score_apply": (None, "auto"),
+    "combine_impl": (None, "auto"), "num_expert_groups": (None,), "num_limited_groups": (None,),
+    "score_func": (None, "auto"), "top_k": (None, "auto"), "routed_scaling_factor": (None, "auto"),
+    "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1), "validate_folding_routing": (None, False),
+}
+for _k in AUTOEP_ROUTING_KEYS:
+    NOT_SUPPORTED_YET[f"expert_parallel.{_k}"] = (f"AutoEP routing other than the model's own ({_k})"
+                                                  if _k != "expert_tensor_parallel_size" else
+                                                  "AutoEP expert tensor parallelism")
+
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
@@ -87,6 +99,7 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "compile.offload_activation_pin_memory": (None, True),
     "compile.double_buffer": (None, True),
     "compile.keep_int_input_tensors": (None, True),
+    **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ....config.errors import ConfigError, NotSupportedYetError
+from ....config.errors import ConfigError
 from ....config.expert_parallel import ExpertParallelConfig
 from .detect import MoEBlockSpec, find_moe_blocks
 from .layer import AutoEPExperts, ExpertSlice, expert_slice
@@ -20,16 +20,16 @@ def autoep_model(section: ExpertParallelConfig, model: nn.Module) -> list[MoEBlo
     """Replace the experts of every detected MoE block in place (nothing when the section is off)."""
     if not section.enabled:
         return []
-    refused = section.refused_routing()
-    if refused:
-        raise NotSupportedYetError(f"expert_parallel.{refused[0]}", f"expert_parallel.{refused[0]} other than the "
-                                   "model's own routing is not supported yet by zerospeed (AutoEP keeps the HF "
-                                   "router: leave it at its default)")
     specs = find_moe_blocks(model, section)
     if not specs:
         raise ConfigError("expert_parallel", "enabled, but no MoE block was found (a module with a router "
                           "'weight' [E, H] and experts holding 3-D weights [E, 2I, H] / [E, H, I]); set "
                           "moe_layer_pattern, router_pattern, expert_pattern and expert_w1/expert_w2/expert_w3")
+    for spec in specs:
+        if spec.num_experts % section.autoep_size:
+            raise ValueError(f"expert_parallel.autoep_size {section.autoep_size} does not divide the "
+                             f"{spec.num_experts} experts of {spec.name!r}; valid sizes: "
+                             f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}")
     for spec in specs:
         block = model.get_submodule(spec.name)
         experts = getattr(block, spec.experts)

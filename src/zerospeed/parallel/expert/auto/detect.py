@@ -50,7 +50,7 @@ def _names(cfg: ExpertParallelConfig) -> dict[str, Any]:
                        ("w2", "expert_w2")):
         if getattr(cfg, field) is not None:
             names[key] = getattr(cfg, field)
-    if cfg.expert_w3 != "<unset>":
+    if cfg.expert_w3 is not None:
         names["w3"] = cfg.expert_w3
     return names
 

@@ -52,10 +52,6 @@ class AutoEPExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, spec: MoEBlockSpec, ep_size: int, use_grouped_mm: bool = True) -> None:
         super().__init__()
-        if spec.num_experts % ep_size:
-            raise ValueError(f"expert_parallel.autoep_size {ep_size} does not divide the {spec.num_experts} experts "
-                             f"of {spec.name!r}; valid sizes: "
-                             f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}")
         self.spec = spec
         self.ep_size = ep_size
         self.num_experts = spec.num_experts
@@ -105,11 +101,11 @@ class AutoEPExperts(nn.Module):
         token = order // k
         rows = hidden_states.index_select(0, token)                                   # [S k, H], by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.ep_size == 1 or self.ep_group is None:
-            if self.ep_size > 1:
-                raise RuntimeError("AutoEP experts with autoep_size > 1 have no expert-parallel group: pass the "
-                                   "model to zerospeed.initialize()")
+        if self.num_local_experts == self.num_experts:  # every expert here: no exchange
             out = self._local(rows, counts.tolist())
+        elif self.expert_groups is None:
+            raise RuntimeError("AutoEP experts spread over expert-parallel ranks have no expert-parallel group: "
+                               "pass the model to zerospeed.initialize()")
         else:
             out = self._exchange(rows, counts)
         weighted = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
