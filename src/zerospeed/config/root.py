@@ -20,6 +20,7 @@ from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
 from .expert_parallel import ExpertParallelConfig
+from .hybrid_engine import HybridEngineConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
 from .hjson_file import read_hjson
@@ -102,6 +103,8 @@ class ZeroSpeedConfig(Section):
     use_data_before_expert_parallelism: bool = False
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     """AutoEP: expert parallelism for Hugging Face MoE blocks (config/expert_parallel.py)."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """DeepSpeed-Chat's hybrid engine: ``engine.generate()`` rollout phases (config/hybrid_engine.py)."""
     """MoE groups: ``true`` puts expert-data-parallel peers adjacent ("D + E") instead of expert peers."""
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,

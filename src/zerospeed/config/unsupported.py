@@ -32,7 +32,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
-    "hybrid_engine": "the hybrid (RLHF) engine",
+    "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
+    "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
     "weight_quantization": "weight quantization",
     "comet": "the Comet monitor",
     "timers": "the timers section (throughput timer options)",
@@ -100,6 +101,7 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "compile.double_buffer": (None, True),
     "compile.keep_int_input_tensors": (None, True),
     **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
+    "hybrid_engine.inference_tp_size": (None, 1),
 }
 
 

@@ -25,6 +25,7 @@ from .build_parallel import Grids
 from .deepspeed_rules import check_data_parallel_size, prefer_client_objects
 from .engine import Engine
 from .facts import model_facts
+from .hybrid_engine import hybrid_engine
 from .lockstep import check_same_model
 from .parts import EngineParts
 from .plan import TrainPlan, plan_training
@@ -101,7 +102,8 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
     parts = EngineParts(checkpoint_group=None if tp is None else comm.world_group(), experts_sharded=experts_sharded,
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,
                         data_efficiency=data_efficiency(plan, cfg, batch.train_batch_size), tensor_parallel=grids.tp,
-                        sequence_grid=grids.seq, fp8_modules=fp8_modules, heap_trimmer=trimmer, comms=comms, plan=plan)
+                        sequence_grid=grids.seq, fp8_modules=fp8_modules, heap_trimmer=trimmer, comms=comms, plan=plan,
+                        hybrid=hybrid_engine(cfg.hybrid_engine, model))
     engine_cls: type[Engine] = Engine
     if plan.pipelined:
         from ..parallel.pipeline.engine import PipelineEngine
