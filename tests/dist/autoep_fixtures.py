@@ -56,7 +56,8 @@ def reference(family: str, steps: int, world: int, mb: int, lr: float, adam: boo
 
 def engine_config(stage: int, ep: int, mb: int, world: int, lr: float, adam: bool = False) -> dict[str, Any]:
     opt = {"type": "Adam", "params": {"lr": lr}} if adam else {"type": "SGD", "params": {"lr": lr}}
-    zero3 = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    zero3 = {"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True} \
+        if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": mb, "train_batch_size": mb * world, "gradient_clipping": 0.0,
             "optimizer": opt, "zero_optimization": {"stage": stage, **zero3},
             "expert_parallel": {"enabled": True, "autoep_size": ep}}

@@ -57,10 +57,10 @@ def test_parity_ep2(family: str, world: int, stage: int) -> None:
 
 
 def test_checkpoint_reshards_ep2_to_ep1_with_adam_state(tmp_path) -> None:
-    """Saved at ep=2 after 2 Adam steps, loaded at ep=1 (dp 2): steps 3-4 equal the uninterrupted run, which
-    they would not with zero or stale expert moments (DeepSpeed issue 8147)."""
+    """Saved at ep=2 (ZeRO-3) after 2 Adam steps, loaded at ep=1 (dp 2, ZeRO-2): steps 3-4 equal the uninterrupted
+    run, which they would not with zero or stale expert moments (DeepSpeed issue 8147)."""
     ckpt = str(tmp_path)
-    saved = run_distributed(_train, 2, "mixtral", 2, 1, 2, True, ckpt, timeout=120)
+    saved = run_distributed(_train, 2, "mixtral", 2, 3, 2, True, ckpt, timeout=120)  # ZeRO-3, ep 2
     from safetensors.torch import load_file
 
     whole = load_file(str(tmp_path / "model.safetensors"))  # save_16bit_model: every expert, HF's shapes
