@@ -76,6 +76,10 @@ class AutoEPExperts(nn.Module):
         self.expert_groups = create_expert_groups(self.ep_size, use_data_before_expert_parallel_, registry, mpu)
         self.ep_group = self.expert_groups.ep_group
         lo = self.expert_groups.ep_rank * self.num_local_experts
+        if self.num_local_experts < self.num_experts and not all(p.requires_grad for p in self.expert_parameters()):
+            raise NotImplementedError(f"frozen AutoEP experts ({self.spec.name}) spread over expert-parallel ranks are "
+                                      "not supported yet by zerospeed (their checkpoint slices); train them, or use "
+                                      "expert_parallel.autoep_size 1")
         for p in self.expert_parameters():
             full = expert_slice(p).shape if expert_slice(p) is not None else p.shape
             if p.shape[0] == self.num_experts:  # not cut yet
