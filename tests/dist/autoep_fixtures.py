@@ -64,7 +64,7 @@ def engine_config(stage: int, ep: int, mb: int, world: int, lr: float, adam: boo
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter; an AutoEP expert weight as (its global offset in experts, local values)."""
+    """Every parameter by name (an AutoEP expert weight: this rank's experts only)."""
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -80,7 +80,7 @@ class HybridEngine:
         get_accelerator().empty_cache()
 
     def _check_length(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        ids = inputs[0] if inputs else kwargs.get("input_ids")
+        ids = inputs[0] if inputs else kwargs.get("input_ids", kwargs.get("inputs"))
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ValueError("engine.generate() needs input_ids of shape [batch, prompt length]")
         new = kwargs.get("max_new_tokens")
