@@ -21,7 +21,7 @@ class CompileConfig(Section):
     deepcompile: bool = False
     """DeepCompile (ZeRO passes inside the compiled graph): not supported yet."""
     autoep_non_moe: bool = False
-    """Compile the parents of AutoEP layers only: not supported yet (zerospeed has no AutoEP)."""
+    """Compile the parents of AutoEP layers only (regional compile): not supported yet."""
     free_activation: bool = False
     free_activation_threshold: int = 10 * 1024 * 1024
     offload_activation: bool = False

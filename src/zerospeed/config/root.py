@@ -19,6 +19,8 @@ from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig
 from .compile import CompileConfig
+from .expert_parallel import ExpertParallelConfig
+from .hybrid_engine import HybridEngineConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
 from .hjson_file import read_hjson
@@ -107,6 +109,10 @@ class ZeroSpeedConfig(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP training (``zerospeed.tp_model_init``): degree, layer rules, presets."""
     use_data_before_expert_parallelism: bool = False
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    """AutoEP: expert parallelism for Hugging Face MoE blocks (config/expert_parallel.py)."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """DeepSpeed-Chat's hybrid engine: ``engine.generate()`` rollout phases (config/hybrid_engine.py)."""
     """MoE groups: ``true`` puts expert-data-parallel peers adjacent ("D + E") instead of expert peers."""
     comms_timeout_s: float | None = Field(None, gt=0)
     """zerospeed only: seconds a collective may wait for its peers before the rank fails naming the rank,

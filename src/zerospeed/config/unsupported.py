@@ -16,7 +16,6 @@ from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
-    "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
@@ -30,7 +29,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
-    "hybrid_engine": "the hybrid (RLHF) engine",
+    "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
+    "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
     "weight_quantization": "weight quantization",
     "checkpoint.parallel_write": "pipeline-stage parallel checkpoint writes (checkpoint.parallel_write)",
     "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
@@ -64,6 +64,18 @@ for _k in DEEPCOMPILE_KEYS:
     NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
                                          "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
 
+# AutoEP keeps the HF model's own router (parallel/expert/auto/): its routing keys only at their defaults.
+AUTOEP_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
+    "route_norm": (None,), "route_scale": (None, 1.0), "score_apply": (None, "auto"),
+    "combine_impl": (None, "auto"), "num_expert_groups": (None,), "num_limited_groups": (None,),
+    "score_func": (None, "auto"), "top_k": (None, "auto"), "routed_scaling_factor": (None, "auto"),
+    "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1), "validate_folding_routing": (None, False),
+}
+for _k in AUTOEP_ROUTING_KEYS:
+    NOT_SUPPORTED_YET[f"expert_parallel.{_k}"] = (f"AutoEP routing other than the model's own ({_k})"
+                                                  if _k != "expert_tensor_parallel_size" else
+                                                  "AutoEP expert tensor parallelism")
+
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
@@ -77,6 +89,8 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "compile.offload_activation_pin_memory": (None, True),
     "compile.double_buffer": (None, True),
     "compile.keep_int_input_tensors": (None, True),
+    **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
+    "hybrid_engine.inference_tp_size": (None, 1),
 }
 
 

@@ -25,6 +25,7 @@ from .build_parallel import Grids
 from .deepspeed_rules import check_data_parallel_size, prefer_client_objects
 from .engine import Engine
 from .facts import model_facts
+from .hybrid_engine import hybrid_engine
 from .lockstep import check_same_model
 from .log import set_log_level_from_string
 from .parts import EngineParts
@@ -103,7 +104,7 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,
                         data_efficiency=data_efficiency(plan, cfg, batch.train_batch_size), tensor_parallel=grids.tp,
                         sequence_grid=grids.seq, fp8_modules=fp8_modules, heap_trimmer=trimmer, comms=comms, plan=plan,
-                        autocast=autocast)
+                        autocast=autocast, hybrid=hybrid_engine(cfg.hybrid_engine, model))
     engine_cls: type[Engine] = Engine
     if plan.pipelined:
         from ..parallel.pipeline.engine import PipelineEngine
@@ -142,6 +143,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     _joined(dist_init_required, distributed_port, early)
     check_data_parallel_size(early, comm.get_world_size())
     early = prefer_client_objects(early, optimizer, lr_scheduler)  # DeepSpeed's rule: the client object wins
+    from ..parallel.expert.auto import autoep_model
+
+    autoep_model(early.expert_parallel, model)  # AutoEP: HF MoE blocks' experts -> expert-parallel grouped ones
     plan = plan_training(early, model_facts(early, model, mpu, optimizer, lr_scheduler))
     grids = Grids(plan, early, model, mpu)
     cfg = load_config(early, grids.data_size)  # the batch sizes, over the data-parallel replicas

@@ -262,6 +262,21 @@ class Engine(nn.Module):
                          "the next forward/backward/step. Catch the error around the whole step and continue "
                          "with the next batch." if self.broken is None else f"zerospeed: {self.broken}")
 
+    # --- hybrid engine: rollouts between training steps (runtime/hybrid_engine.py) -----------------
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's ``generate``; with ``hybrid_engine`` on, in a rollout phase (gathered weights, KV cache)."""
+        if self.parts.hybrid is None:
+            return self.module.generate(*inputs, **kwargs)
+        with self._guarded("generate"):
+            return self.parts.hybrid.generate(*inputs, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        """nn.Module's ``train``; ``train()`` also ends a rollout phase (``eval()`` starts one)."""
+        super().train(mode)
+        if mode and self.__dict__.get("parts") is not None and self.parts.hybrid is not None:
+            self.parts.hybrid.end_phase()
+        return self
+
     # --- forward / backward / step ----------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self._guarded("forward"):
@@ -317,6 +332,8 @@ class Engine(nn.Module):
         if boundary and self._inside_no_sync:
             raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
                                "were never reduced: leave the no_sync() block for the last backward before step()")
+        if self.parts.hybrid is not None:  # weights held for rollouts go back to their shards before they change
+            self.parts.hybrid.end_phase()
         with self._guarded("step"):
             self._step(boundary, lr_kwargs)
         if self._autotuning is not None:

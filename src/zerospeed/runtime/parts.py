@@ -36,4 +36,5 @@ class EngineParts:
     mp_world_size: int = 1  # tensor-parallel ways (DeepSpeed's engine.mp_world_size)
     experts_sharded: bool = False  # expert parallelism: each rank holds only its own experts (ep_size > 1)
     autocast: Any = None  # torch_autocast: the forward's autocast region (precision/autocast.py)
+    hybrid: Any = None  # hybrid_engine: rollout phases for engine.generate() (runtime/hybrid_engine.py)
     checkpoint_writer: Any = field(default_factory=_background_writer)  # async saves (runtime/checkpoint/)

@@ -94,6 +94,7 @@ def with_all_experts(state: dict[str, torch.Tensor], module: nn.Module, group: o
     expert-data-parallel group sends its experts' full values (gathered first under ZeRO-3)."""
     from ...zero.stage3 import GatheredParameters
 
+    state = _with_grouped_experts(state, module, group)
     layers = _layers(module)
     mine = [(k, t) for k, t in rename(module.named_parameters(), module) if _split(k, layers) is not None]
     writes = expert_writers(mine, module)
@@ -105,4 +106,31 @@ def with_all_experts(state: dict[str, torch.Tensor], module: nn.Module, group: o
         state = {k: v for k, v in state.items() if k not in local}
         for part in gathered:
             state.update(part)
+    return state
+
+
+@torch.no_grad()
+def _with_grouped_experts(state: dict[str, torch.Tensor], module: nn.Module, group: object) -> dict[str, torch.Tensor]:
+    """``state`` with each AutoEP expert weight whole (all experts, HF's shape): the first rank of every
+    expert-data-parallel group sends its slice; rank 0 puts the slices in global expert order. Collective."""
+    from ...zero.stage3 import GatheredParameters
+    from .auto.layer import AutoEPExperts, expert_slice
+
+    layers = [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, AutoEPExperts)]
+    if not layers:
+        return state
+    mine: dict[str, tuple[int, torch.Tensor]] = {}
+    for prefix, layer in layers:
+        eg = layer.expert_groups
+        writes = eg is None or not comm.is_initialized() or eg.edp_ranks[0] == comm.get_rank()
+        params = [(prefix + n, getattr(layer, n)) for n in layer.weight_names]
+        with GatheredParameters([p for _, p in params]):
+            for name, p in params:
+                if writes:
+                    mine[name] = (expert_slice(p).offset if expert_slice(p) else 0, p.detach().cpu().clone())
+    parts = comm.all_gather_object(mine, group=group) if comm.is_initialized() else [mine]
+    if state:  # rank 0
+        for name in mine:
+            pieces = sorted({part[name][0]: part[name][1] for part in parts if name in part}.items())
+            state[name] = torch.cat([t for _, t in pieces])
     return state

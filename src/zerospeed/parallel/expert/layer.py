@@ -111,6 +111,13 @@ class MoE(nn.Module):
             if tp is not None and hasattr(m, "set_tensor_parallel_group"):
                 m.set_tensor_parallel_group(tp.group)
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return list(self.deepspeed_moe.experts.parameters())
+
+    @property
+    def expert_tp(self) -> TensorParallel | None:
+        return self.deepspeed_moe.tp
+
     def global_expert_ids(self) -> list[int]:
         """Global ids of this rank's local experts (expert-parallel rank p holds ``p*E_local ...``)."""
         p = self.expert_groups.ep_rank if self.expert_groups is not None else 0

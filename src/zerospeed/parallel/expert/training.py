@@ -37,8 +37,12 @@ from .tensor_parallel import is_tensor_parallel_param
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_layers(model: nn.Module) -> list[Any]:
+    """DeepSpeed MoE layers and AutoEP experts (``auto/layer.py``): both serve ``set_deepspeed_parallelism``,
+    ``ep_size``, ``expert_groups``, ``expert_parameters()`` and ``expert_tp``."""
+    from .auto.layer import AutoEPExperts
+
+    return [m for m in model.modules() if isinstance(m, (MoE, AutoEPExperts))]
 
 
 class MoETraining:
@@ -55,7 +59,7 @@ class MoETraining:
             layer.set_deepspeed_parallelism(data_before_expert, self.registry, grid)
         self.dp_group = dp_group
         self.stage = stage
-        self.tp = next((m.deepspeed_moe.tp for m in moe_layers(model)), None)  # expert tensor parallelism
+        self.tp = next((m.expert_tp for m in moe_layers(model)), None)  # expert tensor parallelism
         if self.tp is not None and offload_device == "nvme":  # per-group squares only: no split by tensor slice
             raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "expert tensor parallelism "
                                        "with NVMe optimizer offload is not supported yet by zerospeed; use cpu")
@@ -63,7 +67,7 @@ class MoETraining:
         for layer in moe_layers(model):
             ep = layer.ep_size
             if ep > 1:  # the all-to-all backward summed ep ranks' contributions: average them
-                for p in layer.deepspeed_moe.experts.parameters():
+                for p in layer.expert_parameters():
                     if p.requires_grad:  # frozen experts take no gradient
                         self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
 
@@ -100,7 +104,7 @@ class MoETraining:
     def partition_groups(self, model: nn.Module) -> dict[int, Any]:
         """ZeRO-3: ``id(param) -> group`` to partition each expert parameter over (its ``edp`` group)."""
         return {id(p): layer.expert_groups.edp_group for layer in moe_layers(model)
-                for p in layer.deepspeed_moe.experts.parameters()}
+                for p in layer.expert_parameters()}
 
     def sharded_group(self, params: list[nn.Parameter], options: dict[str, Any], stage: int, bucket: int,
                       compute: torch.dtype, stage3: Any = None, **kwargs: Any) -> ShardedGroup:
@@ -124,7 +128,7 @@ class MoETraining:
             eg = layer.expert_groups
             assert eg is not None
             if eg.edp_size > 1:
-                for p in layer.deepspeed_moe.experts.parameters():
+                for p in layer.expert_parameters():
                     comm.broadcast(p.data, src=eg.edp_ranks[0], group=eg.edp_group)
 
     # --- reduction and the step -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...parallel.expert.auto.layer import expert_slice
 from ...zero.stage3 import GatheredParameters, shard_of
 from ...zero.stage3.export import state_entries
 from .errors import CheckpointError
@@ -40,6 +41,10 @@ def _other_experts(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def full_shape(t: torch.Tensor) -> torch.Size:
+    """The checkpoint's shape of ``t``: whole under ZeRO-3, all experts for an AutoEP expert slice."""
+    ep = expert_slice(t)
+    if ep is not None:
+        return ep.shape
     s = shard_of(t)
     return s.shape if s is not None else t.shape
 

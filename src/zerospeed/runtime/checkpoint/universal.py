@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...parallel.expert.auto.layer import expert_slice
 from ...zero import ShardedGroup
 from .errors import CheckpointError
 from .tensor_file import TensorReader
@@ -39,13 +40,16 @@ def names_by_id(module: nn.Module) -> dict[int, str]:
 
 @dataclass(frozen=True)
 class OwnedParam:
-    """Parameter ``index`` of ``group``: its name and the flattened elements ``[lo, hi)`` this rank owns."""
+    """Parameter ``index`` of ``group``: its name and the flattened elements ``[lo, hi)`` this rank owns,
+    counted in the checkpoint tensor, which starts ``base`` elements before the parameter (an AutoEP expert
+    weight is a slice of the model's full experts tensor: ``parallel/expert/auto/layer.py``; 0 otherwise)."""
 
     name: str
     group: ShardedGroup
     index: int
     lo: int
     hi: int
+    base: int = 0
 
     @property
     def numel(self) -> int:
@@ -68,7 +72,7 @@ class OwnedParam:
     def master_local(self) -> torch.Tensor:
         """A flat view of this rank's owned elements of the fp32 master (length ``hi - lo``)."""
         if self.group.alias:
-            return self.param.data.view(-1)[self.lo:self.hi]
+            return self.param.data.view(-1)[self.lo - self.base:self.hi - self.base]
         assert self.group.master is not None
         start, _ = self.group.slot_range(self.index)
         return self.group.master_range(start, start + (self.hi - self.lo))
@@ -91,7 +95,8 @@ def owned_params(groups: list[ShardedGroup], names: dict[int, str], dp_rank: int
             if id(p) not in names:
                 raise ValueError("an optimizer parameter is not a parameter of engine.module")
             lo, hi = grp.plan.slots[i].owned_range(grp.rank)
-            yield OwnedParam(names[id(p)], grp, i, lo, hi)
+            base = getattr(expert_slice(p), "offset", 0)
+            yield OwnedParam(names[id(p)], grp, i, lo + base, hi + base, base)
 
 
 def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -188,7 +193,7 @@ def master_read_range(op: OwnedParam) -> tuple[int, int]:
     sharded), the whole parameter otherwise (the module keeps it whole)."""
     if getattr(op.group, "params_sharded", False) and not op.group.alias:
         return op.lo, op.hi
-    return 0, op.numel
+    return op.base, op.base + op.numel
 
 
 @torch.no_grad()
@@ -216,7 +221,7 @@ def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: Check
             op.param.data.copy_(full.view(op.shape))
             if op.group.alias:
                 continue
-            part = full[op.lo:op.hi]
+            part = full[op.lo - op.base:op.hi - op.base]
         assert op.group.master is not None
         start, _ = op.group.slot_range(op.index)
         view = torch.zeros(op.master_param.numel(), dtype=torch.float32)
