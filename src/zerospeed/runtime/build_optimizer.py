@@ -21,8 +21,8 @@ from ..optim.frozen_variance import check_freeze_variance
 from ..precision import LossScaler, NoScaler
 from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.norm_axes import NormAxes
-from ..zero.parted_reducer import reducer_over_axes
-from ..zero.topk_momentum import install_momentum_exchange
+from ..zero.reducer_parts import compressor_for, reducer_parts
+from ..zero.topk_momentum import momentum_exchange_for
 from .facts import built_optimizer_facts
 from .plan import ModelFacts, TrainPlan, plan_training
 
@@ -158,7 +158,7 @@ def _reduce_settings(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], 
     overlap = True if zcfg.overlap_comm is None else zcfg.overlap_comm  # an explicit false is honoured
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
-                              prescale_gradients=cfg.prescale_gradients,
+                              prescale_gradients=cfg.prescale_gradients, average=cfg.gradient_allreduce_op == "mean",
                               gradient_predivide_factor=cfg.gradient_predivide_factor,
                               partition_sink=gradients_off_device(cfg, live), **topk(cfg, base))
     return _local_accumulation(cfg, settings) if cfg.zero_local_grad_accumulation else settings
@@ -190,15 +190,20 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     zcfg = cfg.zero_optimization
     settings = _reduce_settings(cfg, base, live, policy, dp_size)
     stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank)
-    # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer)
+    compressor = compressor_for(settings)
+    exchange = momentum_exchange_for(cfg.gradient_compression, any(g.num_partitions > 1 for g in live),
+                                     cfg.gradient_clipping, moe is not None, dp_group)
+    # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer; the top-k momentum exchange)
     gate = base.wants_backward_allreduce if getattr(base, "compresses_communication", False) else None  # type: ignore[attr-defined]
+    if exchange is not None:
+        gate = exchange.allreduce_gate(compressor)
+    parts = reducer_parts(live, settings, None if stepper is None else stepper.sink, compressor,
+                          zcfg.ignore_unused_parameters)
     wiring = ReducerWiring(sink=None if stepper is None else stepper.sink, heap_trimmer=heap_trimmer,
                            allreduce_gate=gate, names=dict(names or {}),
-                           ignore_unused_parameters=zcfg.ignore_unused_parameters)
-    if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
-        make = GradReducer if stage3 is None else stage3.make_reducer
-        reducer = reducer_over_axes(live, moe.shard_axes(live), settings, dp_group, wiring, make)
-    elif stage3 is None:
+                           ignore_unused_parameters=zcfg.ignore_unused_parameters, parts=parts,
+                           axes=None if moe is None else moe.shard_axes(live))  # experts: over their edp groups
+    if stage3 is None:
         reducer = GradReducer(live, settings, dp_group, wiring)
     else:
         reducer = stage3.make_reducer(live, settings, wiring=wiring)
@@ -209,8 +214,7 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,
                              check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
-                             norm_axes=norm_axes)
-    install_momentum_exchange(cfg.gradient_compression, zero_opt, dp_group)
+                             norm_axes=norm_axes, momentum_exchange=exchange)
     return zero_opt
 
 

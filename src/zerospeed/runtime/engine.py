@@ -31,6 +31,7 @@ from ..zero import ZeroOptimizer
 from .lockstep import MicroStepCheck
 from .observer import StepObserver
 from .parts import EngineParts
+from .torch_backward import TorchBackward
 
 
 class Engine(nn.Module):
@@ -56,6 +57,7 @@ class Engine(nn.Module):
         self._step_applied = False
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
+        self._in_step = False  # inside step(): the boundary under managed_gradient_accumulation: false
         self._accumulating = False  # gradients accumulated since the last boundary step (checkpoints refuse them)
         self._comm_volume_at_step_start = self.comms.total_volume()
         self.last_step_comm_volume = 0
@@ -82,6 +84,8 @@ class Engine(nn.Module):
         self.backwards_in_window = 0
         self._checked_generation = 0
         self.lockstep = MicroStepCheck()  # ranks out of step between forward and backward (runtime/lockstep.py)
+        # loss.backward() on the outputs, coalesce_grad_reduction(), unmanaged accumulation (runtime/torch_backward.py)
+        self.torch_backward = TorchBackward(self, config.managed_gradient_accumulation)
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
         if optimizer is not None:
@@ -154,6 +158,8 @@ class Engine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step that ends an accumulation (or as set by ``set_gradient_accumulation_boundary``)."""
+        if not self.torch_backward.managed:  # the caller's boundary: step() (DeepSpeed's unmanaged mode)
+            return self._in_step
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -262,7 +268,7 @@ class Engine(nn.Module):
             if self.data_efficiency is not None:  # curriculum_seqlen=, progressive_layer_drop=, pld_theta=
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             self.lockstep.forward_seen(self.module)
-            out = self.module(*inputs, **kwargs)
+            out = self.torch_backward.watch(self.module(*inputs, **kwargs))
             self.observer.forward_end()
         return out
 
@@ -273,26 +279,42 @@ class Engine(nn.Module):
             raise RuntimeError("engine.backward() needs an optimizer: set 'optimizer' in the config or pass one")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) expects a scalar loss tensor")
-        scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        scale = self.optimizer.loss_scaler.loss_scale
-        if scale != 1.0:
-            scaled = scaled * scale
+        scaled = loss.float() * self._loss_factor(scale_wrt_gas)
         with self._guarded("backward"):
-            self.observer.backward_start(loss)
-            self.lockstep.check(self.dp_group)
-            reducer = self.optimizer.reducer
-            reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
-            if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
-                self.heap_trimmer.trim()
-            scaled.backward(retain_graph=retain_graph)
-            reducer.end_micro_step()
-            self.backwards_in_window += 1
-            self._accumulating = True
-            self.observer.backward_end()
+            self._micro_step_begin(loss)
+            self.torch_backward.engine_running = True
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            finally:
+                self.torch_backward.engine_running = False
+            self._micro_step_end()
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas else loss
+
+    def _loss_factor(self, scale_wrt_gas: bool = True) -> float:
+        """What a backward multiplies the loss by: the fp16 loss scale over the accumulation steps."""
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        return self.optimizer.loss_scaler.loss_scale / gas  # type: ignore[union-attr]
+
+    def _micro_step_begin(self, loss: torch.Tensor | None) -> None:
+        """Before a backward (engine.backward, or loss.backward() on the outputs: runtime/torch_backward.py)."""
+        self.observer.backward_start(loss)
+        self.lockstep.check(self.dp_group)
+        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        self.optimizer.reducer.begin_micro_step(self.torch_backward.communicates(boundary))  # type: ignore[union-attr]
+        if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
+            self.heap_trimmer.trim()
+
+    def _micro_step_end(self) -> None:
+        self.optimizer.reducer.end_micro_step()  # type: ignore[union-attr]
+        self.backwards_in_window += 1
+        self.torch_backward.backwards += 1
+        self._accumulating = True
+        self.observer.backward_end()
+
+    def coalesce_grad_reduction(self) -> Any:
+        """DeepSpeed's context manager: the backward calls inside are reduced once, at its exit."""
+        return self.torch_backward.coalesce()
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at the accumulation boundary apply the optimizer and the schedule."""
@@ -303,7 +325,12 @@ class Engine(nn.Module):
             raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
                                "were never reduced: leave the no_sync() block for the last backward before step()")
         with self._guarded("step"):
-            self._step(boundary, lr_kwargs)
+            self.torch_backward.before_step()
+            self._in_step = True
+            try:
+                self._step(boundary or not self.torch_backward.managed, lr_kwargs)
+            finally:
+                self._in_step = False
         if self._autotuning is not None:
             self._autotuning.after_step(self)
 
@@ -327,7 +354,7 @@ class Engine(nn.Module):
             else:
                 self.skipped_steps += 1
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.global_samples += self.torch_backward.samples(self.train_batch_size(), self.gradient_accumulation_steps())
             # Everything since the previous boundary: the step's forwards (stage-3 gathers), backwards, update.
             total = self.comms.total_volume()
             self.last_step_comm_volume = total - self._comm_volume_at_step_start
