@@ -86,12 +86,19 @@ def _all_modes() -> dict[str, Any]:
         engine.step()
         norms[op] = engine.get_global_grad_norm()
     out["norms"] = norms
-    # torch.func through the engine's forward: the transform's gradient, the reducer untouched
-    engine = _engine(0, {}, gas=1)
-    x, y = micro_batch(0, 0, engine.global_rank, 2, MB, 1)
-    gx = torch.func.grad(lambda xx: engine(xx, y))(x)
-    xr = x.clone().requires_grad_(True)
-    out["func"] = (gx, torch.autograd.grad(make_model()(xr, y), xr)[0], engine.optimizer.reducer.tracker.unused)
+    # torch.func through the engine's forward (DeepSpeed's stages 0-2): the transforms' own gradients, not
+    # scaled by the accumulation steps, and no micro-step opened
+    funcs = []
+    for stage in (0, 1, 2):
+        engine, base = _engine(stage, {}), make_model()
+        x, y = micro_batch(0, 0, engine.global_rank, 2, MB, 1)
+        xs = torch.stack([x, x + 0.1])
+        for transform in (torch.func.grad, torch.func.jacrev):
+            funcs.append((transform(lambda xx: engine(xx, y))(x), transform(lambda xx: base(xx, y))(x)))
+        vgrad = torch.func.vmap(torch.func.grad(lambda xx: engine(xx, y)))
+        funcs.append((vgrad(xs), torch.func.vmap(torch.func.grad(lambda xx: base(xx, y)))(xs)))
+        funcs.append((engine.optimizer.reducer.tracker.unused, None))
+    out["func"] = funcs
     return out
 
 
@@ -117,9 +124,11 @@ def test_training_api_matches_one_process() -> None:
             per_step = MB * 2 * (1 if name.startswith("coalesce") else GAS)  # coalesce: gas 1, the batch counts
             assert got["steps"] == STEPS and got["samples"] == STEPS * per_step, (name, got["samples"])
         assert abs(r["norms"]["sum"] - 2 * r["norms"]["mean"]) < 1e-5 * r["norms"]["mean"], r["norms"]
-        gx, want, unused = r["func"]
-        torch.testing.assert_close(gx, want)
-        assert unused is None  # no micro-step was opened by the transform
+        for got_func, want in r["func"]:
+            if want is None:
+                assert got_func is None  # the reducer never saw a micro-step
+            else:
+                torch.testing.assert_close(got_func, want)
 
 
 def test_misuse_is_refused() -> None:

@@ -106,6 +106,8 @@ STATE_ALLOWED = {
     "offload/cpu_adam.py:ADAGRAD": "ditto",
     "profiling/flops_profiler/rules.py:RULES": "a constant table built once",
     "testing/harness.py:_WARMED": "the test harness warmed torch up once per process (tests only)",
+    "runtime/torch_backward.py:_ENGINE_TASKS": "autograd graph tasks an engine owns (a backward pass is "
+                                               "process-wide: other engines' output hooks stand aside in it)",
     "runtime/log.py:_seen": "log_dist_once's messages already printed (DeepSpeed's logging helper)",
     "zero/stage3/param_store.py:_SHARDS": "zero.Init's identity-keyed side table (sanctioned)",
     "zero/stage3/setup.py:_EXTERNAL": "zero.Init's identity-keyed side table (sanctioned)",

@@ -78,6 +78,9 @@ class ZeroSpeedConfig(Section):
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     """DeepSpeed's: average the data-parallel gradients (``mean``) or sum them (``sum``: no pre/post scaling)."""
     managed_gradient_accumulation: bool = True
+    sparse_gradients: bool = False
+    """DeepSpeed's: at stage 0 the gradients of ``nn.Embedding`` / ``nn.EmbeddingBag`` weights travel as their
+    nonzero rows (row indices and rows all-gathered) instead of a dense all-reduce; no effect with ZeRO (as DeepSpeed)."""
     """DeepSpeed's: ``false`` lets the caller own the accumulation boundary: every backward accumulates, every
     ``step()`` reduces what is held and applies the update (runtime/torch_backward.py)."""
     gradient_predivide_factor: float = Field(1.0, gt=0)

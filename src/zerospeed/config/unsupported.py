@@ -28,7 +28,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "nebula": "Nebula checkpointing",
     "datastates_ckpt": "DataStates checkpointing",
     "data_types.grad_accum_dtype": "data_types.grad_accum_dtype (the gradient accumulation dtype)",
-    "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine": "the hybrid (RLHF) engine",

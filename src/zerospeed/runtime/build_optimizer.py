@@ -79,8 +79,10 @@ def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int)
 
 
 def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
-                 dp_size: int, dp_rank: int, moe: Any = None) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
-    """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
+                 dp_size: int, dp_rank: int, moe: Any = None,
+                 sparse: frozenset[int] = frozenset()) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+    """One sharded group per optimizer param group (None where nothing in it trains), and its options;
+    ``sparse`` (parameter ids: ``sparse_gradients``) each get a bucket of their own."""
     bucket = cfg.zero_optimization.reduce_bucket_size
     partitions = 1 if cfg.zero_stage == 0 else dp_size
     groups: list[ShardedGroup | None] = []
@@ -105,7 +107,8 @@ def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3:
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
                                        _reduce_bucket(cfg, trainable, dp_size), compute,
-                                       defer_master=on_disk, separate_master=separate))
+                                       defer_master=on_disk, separate_master=separate,
+                                       alone=frozenset(i for i, p in enumerate(trainable) if id(p) in sparse)))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         from ..offload import move_master_to_host
@@ -183,14 +186,14 @@ def _stepper(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], settings
 def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int,
                          moe: Any = None, heap_trimmer: Any = None, names: dict[Any, str] | None = None,
-                         norm_axes: NormAxes | None = None) -> ZeroOptimizer:
+                         norm_axes: NormAxes | None = None, sparse: frozenset[int] = frozenset()) -> ZeroOptimizer:
     if not live:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     check_zero_optimizer(cfg, base)
     zcfg = cfg.zero_optimization
     settings = _reduce_settings(cfg, base, live, policy, dp_size)
     stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank)
-    compressor = compressor_for(settings)
+    compressor = compressor_for(settings, live, sparse)
     exchange = momentum_exchange_for(cfg.gradient_compression, any(g.num_partitions > 1 for g in live),
                                      cfg.gradient_clipping, moe is not None, dp_group)
     # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer; the top-k momentum exchange)
@@ -232,17 +235,30 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
                     raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any) -> tuple[ZeroOptimizer | None, Any]:
     """The ZeRO optimizer over the base optimizer (None without one), with the parallelisms' norm axes."""
     moe, dp_group = grids.moe, grids.dp_group
-    groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe)
+    sparse = sparse_parameters(cfg, model)
+    groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe, sparse)
     live = [g for g in groups if g is not None]
     base = build_base_optimizer(cfg, client, groups, options)
     if base is None:
         return None, None
     names = {p: n for n, p in model.named_parameters()}
     zero_opt = build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, grids.dp_size, grids.dp_rank, moe,
-                                    heap_trimmer, names, norm_axes(plan, grids, model, live))
+                                    heap_trimmer, names, norm_axes(plan, grids, model, live), sparse)
     if plan.compressing:  # a 1-bit optimizer averages its compressed momentum over the data-parallel group
         base.bind(dp_group)  # type: ignore[union-attr]
     return zero_opt, base
+
+
+def sparse_parameters(cfg: ZeroSpeedConfig, model: nn.Module) -> frozenset[int]:
+    """``sparse_gradients``: the weights of the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` (ids), reduced as
+    rows; DeepSpeed honours it outside ZeRO only (stage 0), and so does zerospeed."""
+    if not cfg.sparse_gradients:
+        return frozenset()
+    if cfg.zero_stage > 0:
+        warnings.warn(f"sparse_gradients has no effect at ZeRO stage {cfg.zero_stage} (as in DeepSpeed, the "
+                      "reduction of sparse gradients is stage 0's)")
+        return frozenset()
+    return frozenset(id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
 
 
 def norm_axes(plan: TrainPlan, grids: Any, model: nn.Module, live: list[ShardedGroup]) -> NormAxes:

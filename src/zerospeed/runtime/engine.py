@@ -282,11 +282,8 @@ class Engine(nn.Module):
         scaled = loss.float() * self._loss_factor(scale_wrt_gas)
         with self._guarded("backward"):
             self._micro_step_begin(loss)
-            self.torch_backward.engine_running = True
-            try:
+            with self.torch_backward.engine_pass(scaled):  # other engines' output hooks stand aside
                 scaled.backward(retain_graph=retain_graph)
-            finally:
-                self.torch_backward.engine_running = False
             self._micro_step_end()
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas else loss

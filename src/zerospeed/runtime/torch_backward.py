@@ -7,8 +7,10 @@
   callback at the end of autograd's graph task (the reducer's ``end_micro_step``, the counters). Each hook
   multiplies its output's gradient by ``loss_scale / gradient_accumulation_steps``: the factor
   ``engine.backward`` puts on the loss, one link later in the chain rule, so every parameter gets the same
-  gradient. Inside ``engine.backward`` the hooks step aside; under ``torch.func`` transforms too (as in
-  DeepSpeed: the transform computes gradients functionally, outside the engine's reduction).
+  gradient. In a backward pass some engine already owns (its ``engine.backward``, or a direct pass another
+  engine opened first: the GAN pattern, a generator's loss through the discriminator) the hooks step aside,
+  so those gradients stay in ``p.grad`` as before; under ``torch.func`` transforms too (as in DeepSpeed: the
+  transform computes gradients functionally, outside the engine's reduction).
 * ``coalesce_grad_reduction()``: several backward calls, one reduction. The reducer's store holds the
   gradients locally (stages 2-3: a full-size buffer for the time being) and the block's exit reduces once.
 * ``managed_gradient_accumulation: false``: the caller owns the boundary. Every backward accumulates
@@ -25,6 +27,10 @@ from typing import Any
 import torch
 
 from .. import comm
+
+# Autograd graph tasks (backward passes, by ``torch._C._current_graph_task_id``: the same on autograd's device
+# threads) that an engine owns; every other engine's output hooks stand aside in them.
+_ENGINE_TASKS: set[int] = set()
 
 
 def _functorch_active() -> bool:
@@ -49,8 +55,8 @@ class TorchBackward:
     def __init__(self, engine: Any, managed: bool) -> None:
         self.engine = engine
         self.managed = managed  # managed_gradient_accumulation (DeepSpeed's default: true)
-        self.engine_running = False  # inside engine.backward(): the output hooks step aside
         self.open = False  # a direct backward's micro-step is open (closed by the queued callback)
+        self.task = -1  # its graph task
         self.coalescing = False
         self.backwards = 0  # backward calls since the last step() (unmanaged: the samples counted)
         self._recording: Any = None
@@ -60,6 +66,7 @@ class TorchBackward:
         """Hook the forward's outputs (returned unchanged)."""
         if self.open:  # the last direct backward raised before its end: abandon that micro-step
             self.open = False
+            _ENGINE_TASKS.discard(self.task)
             self._stop_recording()
             self.engine.optimizer.reducer.reset()
         if self.engine.optimizer is None or not torch.is_grad_enabled() or _functorch_active():
@@ -69,11 +76,31 @@ class TorchBackward:
                 t.register_hook(self._on_output_grad)
         return out
 
+    @contextmanager
+    def engine_pass(self, root: torch.Tensor) -> Iterator[None]:
+        """Around ``engine.backward``'s ``root.backward()``: the pass is this engine's (hooks stand aside)."""
+        tasks: list[int] = []
+
+        def own(grad: torch.Tensor) -> torch.Tensor:
+            tasks.append(torch._C._current_graph_task_id())
+            _ENGINE_TASKS.add(tasks[-1])
+            return grad
+
+        handle = root.register_hook(own) if root.requires_grad else None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+            _ENGINE_TASKS.difference_update(tasks)
+
     def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.engine_running or _functorch_active():
+        task = torch._C._current_graph_task_id()
+        if not (self.open and task == self.task) and (task in _ENGINE_TASKS or _functorch_active()):
             return grad
         if not self.open:
-            self.open = True
+            self.open, self.task = True, task
+            _ENGINE_TASKS.add(task)
             self._recording = comm.recording(self.engine.comms)
             self._recording.__enter__()
             try:
@@ -87,6 +114,7 @@ class TorchBackward:
 
     def _close(self) -> None:
         self.open = False
+        _ENGINE_TASKS.discard(self.task)
         try:
             self.engine._micro_step_end()
         except Exception as exc:
@@ -97,6 +125,7 @@ class TorchBackward:
 
     def _fail(self, exc: Exception) -> None:
         self.open = False
+        _ENGINE_TASKS.discard(self.task)
         self._stop_recording()
         self.engine._abandon_step("backward", exc)
 

@@ -1,27 +1,22 @@
 """Gradient reduction from backward hooks, in buckets, overlapped with the rest of backward.
 
-Each parameter's gradient is moved, as soon as autograd has accumulated it, into its column block of a
-rank-major bucket buffer (see ``partition``; the buffers are the store's, ``bucket_store.py``) and the
-parameter's own ``.grad`` is freed. When every gradient of a bucket has arrived (``arrival.py``) on a
-micro-step that communicates, the bucket's collective is launched asynchronously, always in bucket order
-so every rank issues the same sequence: an all-reduce for a single partition (or without
-``reduce_scatter``), else a reduce-scatter whose chunk goes to the destination (``grad_dest.py``: the
-gradient partition, or the offload sink); a compressor (``grad_compressor.py``) may take the bucket
-instead (top-k). Which store, destination and compressor, i.e. what the stage changes, is decided in
-``reducer_parts.py``; each group is reduced over its own process group (``ReducerWiring.axes``: MoE's
-expert sets over their expert-data-parallel groups).
-
-At most ``MAX_IN_FLIGHT`` buckets are in flight, so transient buffers stay bounded (about two buckets).
-Unused parameters and their late gradients: ``late_grads.py``. Gradients that arrive outside this reducer's
-micro-step (another engine's backward) are left in ``p.grad``, as in plain PyTorch; stage 3 raises.
-
-Consumers use the public surface: ``owned_tensors()``, ``grad_block(p)``, ``partition_buffer(g)`` and the
-phase events (``events.subscribe``, ``reducer_events.py``).
+Each gradient, as soon as autograd has accumulated it, is moved into its column block of a rank-major
+bucket (``bucket_store.py``) and ``p.grad`` is freed. When every gradient of a bucket has arrived
+(``arrival.py``) on a micro-step that communicates, its collective is launched asynchronously, always in
+bucket order (every rank issues the same sequence), over the group's own process group: an all-reduce for
+a single partition (or without ``reduce_scatter``), else a reduce-scatter whose chunk goes to the
+destination (``grad_dest.py``: the gradient partition, or the offload sink); the compressor
+(``grad_compressor.py``: top-k) may take the bucket instead. At most ``MAX_IN_FLIGHT`` are in flight.
+What the stage changes is the choice of parts (``reducer_parts.py``); unused parameters: ``late_grads.py``.
+Gradients from outside this reducer's micro-step (another engine's backward) stay in ``p.grad``, as in
+plain PyTorch (stage 3 raises). Consumers use ``owned_tensors()``, ``grad_block(p)``,
+``partition_buffer(g)``, ``full_buffer(g)`` and the phase events (``events.subscribe``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,13 +35,18 @@ __all__ = ["GradReducer", "MAX_IN_FLIGHT", "ReducerParts", "ReducerWiring", "Red
 MAX_IN_FLIGHT = 2  # bucket collectives launched and not yet completed (double buffering)
 
 
+@dataclass
 class _Pending:
     """A bucket's collective in flight; ``direct``: its reduce-scatter writes straight into the destination;
     ``local``: not reduced (one rank, or each rank keeps its local gradient)."""
 
-    def __init__(self, g: int, b: int, handle: comm.Handle | None, send: torch.Tensor, out: torch.Tensor | None,
-                 local: bool = False, direct: bool = False) -> None:
-        self.g, self.b, self.handle, self.send, self.out, self.local, self.direct = g, b, handle, send, out, local, direct
+    g: int
+    b: int
+    handle: comm.Handle | None
+    send: torch.Tensor
+    out: torch.Tensor | None
+    local: bool = False
+    direct: bool = False
 
 
 class GradReducer:
@@ -135,6 +135,7 @@ class GradReducer:
         late = self.tracker.is_unused(key) and self.communicate and self.tracker.launched(key) and self.comm_of[g][1] > 1
         buf = self.late.buffer(self.tracker.bucket_of[key]) if late else self.store.bucket(g, slot.bucket)
         first = not late and self.store.is_transient(g) and key not in self.tracker.got  # uninitialised columns
+        grad = grad.to_dense() if grad.is_sparse else grad  # nn.Embedding(sparse=True)
         scatter_into(buf.view(grp.num_partitions, width), slot.offset, slot.shard, grad.reshape(-1), accumulate=not first)
 
     def _outside_backward(self, g: int, i: int) -> None:
@@ -179,7 +180,7 @@ class GradReducer:
             if pre != 1.0:
                 send.mul_(pre)
             out, handle, direct = None, None, False
-            if self.compressor.takes():  # every rank gets the dense sum of the sparse parts, as from an all-reduce
+            if self.compressor.takes((g, b)):  # every rank gets the dense sum of the sparse parts, as from an all-reduce
                 self.compressor.all_reduce((g, b), send, group)
             elif grp.num_partitions == 1 or not self.s.reduce_scatter:
                 handle = comm.all_reduce(send, group=group, async_op=True)

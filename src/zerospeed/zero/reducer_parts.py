@@ -89,10 +89,15 @@ class ReducerWiring:
     axes: Sequence[ShardAxis | None] | None = None
 
 
-def compressor_for(settings: ReduceSettings) -> DenseCompressor:
+def compressor_for(settings: ReduceSettings, groups: Sequence[ShardedGroup] = (),
+                   sparse: frozenset[int] = frozenset()) -> DenseCompressor:
+    """Dense or top-k; the buckets holding one parameter of ``sparse`` (ids) travel as rows at one partition."""
+    rows = {(g, grp.plan.slots[i].bucket): (p.shape[0], p.numel() // p.shape[0]) for g, grp in enumerate(groups)
+            for i, p in enumerate(grp.params) if id(p) in sparse and grp.num_partitions == 1 and p.dim() == 2
+            and grp.plan.buckets[grp.plan.slots[i].bucket].params == (i,)}
     if settings.topk_ratio > 0:
-        return TopKCompressor(settings.topk_ratio, settings.topk_error_feedback, settings.topk_warmup_steps)
-    return DenseCompressor()
+        return TopKCompressor(settings.topk_ratio, settings.topk_error_feedback, settings.topk_warmup_steps, rows)
+    return DenseCompressor(rows)
 
 
 def reducer_parts(groups: Sequence[ShardedGroup], settings: ReduceSettings, sink: Any = None,
