@@ -167,6 +167,9 @@ class Engine(nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Let the caller decide where accumulation ends (DeepSpeed's hook for frameworks that count
         micro-steps themselves); ``None`` returns to counting ``gradient_accumulation_steps``."""
+        if not self.torch_backward.managed:
+            raise RuntimeError("set_gradient_accumulation_boundary() is not supported with managed_gradient_"
+                               "accumulation: false (the caller owns the boundary by calling step())")
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     @contextmanager

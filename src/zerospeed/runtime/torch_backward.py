@@ -64,11 +64,12 @@ class TorchBackward:
     # --- loss.backward() -------------------------------------------------------------------------
     def watch(self, out: Any) -> Any:
         """Hook the forward's outputs (returned unchanged)."""
-        if self.open:  # the last direct backward raised before its end: abandon that micro-step
+        if self.open:  # the last direct backward raised before its end: the engine's forward abandons the step
             self.open = False
             _ENGINE_TASKS.discard(self.task)
             self._stop_recording()
-            self.engine.optimizer.reducer.reset()
+            raise RuntimeError("the previous loss.backward() through this engine raised before it ended: its step "
+                               "is abandoned on every rank; continue with the next batch")
         if self.engine.optimizer is None or not torch.is_grad_enabled() or _functorch_active():
             return out
         for t in _tensors(out):
@@ -167,7 +168,10 @@ class TorchBackward:
         self.coalescing = True
         try:
             yield
-        finally:
+        except BaseException:
             self.coalescing = False
-            with eng._guarded("backward"):
-                reducer.flush()
+            reducer.store.release()
+            raise
+        self.coalescing = False
+        with eng._guarded("backward"):
+            reducer.flush()
