@@ -259,16 +259,7 @@ class GradReducer:
                 self.dest.end_micro_step()
             self.tracker.end_micro_step(relaunch=self.communicate)
             if self.boundary and self.parts.checks_all_used:
-                self._check_all_used()
-
-    def _check_all_used(self) -> None:
-        """``ignore_unused_parameters: false`` (DeepSpeed's stages 1-2): every trainable parameter had a gradient."""
-        missing = [self._name(g, i) for g, i in self.tracker.missing()]
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} trainable parameter(s) got no gradient in this step: {', '.join(missing[:5])}"
-                f"{' ...' if len(missing) > 5 else ''}. Make every trainable parameter and forward output take part "
-                "in the loss, or set zero_optimization.ignore_unused_parameters to true (DeepSpeed's default).")
+                self.late.check_all_used(self._name)
 
     def release_in_flight(self) -> None:
         """After an error, before the group is dropped: let go of the collectives in flight (not waited for);

@@ -10,6 +10,7 @@ their parameters are waited for again from then on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,6 +84,15 @@ class LateGrads:
             self.store.bucket(g, b).add_(mine)
         else:
             self.dest.add(g, b, mine)
+
+    def check_all_used(self, name: Callable[[int, int], str]) -> None:
+        """``ignore_unused_parameters: false`` (DeepSpeed's stages 1-2): every trainable parameter had a gradient."""
+        missing = [name(g, i) for g, i in self.tracker.missing()]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} trainable parameter(s) got no gradient in this step: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}. Make every trainable parameter and forward output take part "
+                "in the loss, or set zero_optimization.ignore_unused_parameters to true (DeepSpeed's default).")
 
     def clear(self) -> None:
         self.buffers.clear()
