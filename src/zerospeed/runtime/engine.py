@@ -282,35 +282,14 @@ class Engine(nn.Module):
             raise RuntimeError("engine.backward() needs an optimizer: set 'optimizer' in the config or pass one")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) expects a scalar loss tensor")
-        scaled = loss.float() * self._loss_factor(scale_wrt_gas)
+        scaled = loss.float() * self.torch_backward.loss_factor(scale_wrt_gas)
         with self._guarded("backward"):
-            self._micro_step_begin(loss)
+            self.torch_backward.begin(loss)  # the micro-step protocol, shared with loss.backward()
             with self.torch_backward.engine_pass(scaled):  # other engines' output hooks stand aside
                 scaled.backward(retain_graph=retain_graph)
-            self._micro_step_end()
+            self.torch_backward.end()
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas else loss
-
-    def _loss_factor(self, scale_wrt_gas: bool = True) -> float:
-        """What a backward multiplies the loss by: the fp16 loss scale over the accumulation steps."""
-        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
-        return self.optimizer.loss_scaler.loss_scale / gas  # type: ignore[union-attr]
-
-    def _micro_step_begin(self, loss: torch.Tensor | None) -> None:
-        """Before a backward (engine.backward, or loss.backward() on the outputs: runtime/torch_backward.py)."""
-        self.observer.backward_start(loss)
-        self.lockstep.check(self.dp_group)
-        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
-        self.optimizer.reducer.begin_micro_step(self.torch_backward.communicates(boundary))  # type: ignore[union-attr]
-        if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
-            self.heap_trimmer.trim()
-
-    def _micro_step_end(self) -> None:
-        self.optimizer.reducer.end_micro_step()  # type: ignore[union-attr]
-        self.backwards_in_window += 1
-        self.torch_backward.backwards += 1
-        self._accumulating = True
-        self.observer.backward_end()
 
     def coalesce_grad_reduction(self) -> Any:
         """DeepSpeed's context manager: the backward calls inside are reduced once, at its exit."""

@@ -61,6 +61,29 @@ class TorchBackward:
         self.backwards = 0  # backward calls since the last step() (unmanaged: the samples counted)
         self._recording: Any = None
 
+    # --- one micro-step (engine.backward, or loss.backward() on the outputs) ------------------------
+    def loss_factor(self, scale_wrt_gas: bool = True) -> float:
+        """What a backward multiplies the loss by: the fp16 loss scale over the accumulation steps."""
+        eng = self.engine
+        return eng.optimizer.loss_scaler.loss_scale / (eng.gradient_accumulation_steps() if scale_wrt_gas else 1)
+
+    def begin(self, loss: torch.Tensor | None) -> None:
+        eng = self.engine
+        eng.observer.backward_start(loss)
+        eng.lockstep.check(eng.dp_group)
+        boundary = eng.is_gradient_accumulation_boundary() and not eng._inside_no_sync
+        eng.optimizer.reducer.begin_micro_step(self.communicates(boundary))
+        if eng.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
+            eng.heap_trimmer.trim()
+
+    def end(self) -> None:
+        eng = self.engine
+        eng.optimizer.reducer.end_micro_step()
+        eng.backwards_in_window += 1
+        self.backwards += 1
+        eng._accumulating = True
+        eng.observer.backward_end()
+
     # --- loss.backward() -------------------------------------------------------------------------
     def watch(self, out: Any) -> Any:
         """Hook the forward's outputs (returned unchanged)."""
@@ -105,19 +128,19 @@ class TorchBackward:
             self._recording = comm.recording(self.engine.comms)
             self._recording.__enter__()
             try:
-                self.engine._micro_step_begin(None)
+                self.begin(None)
             except Exception as exc:
                 self._fail(exc)
                 raise
             torch.autograd.Variable._execution_engine.queue_callback(self._close)
-        factor = self.engine._loss_factor()
+        factor = self.loss_factor()
         return grad * factor if factor != 1.0 else grad
 
     def _close(self) -> None:
         self.open = False
         _ENGINE_TASKS.discard(self.task)
         try:
-            self.engine._micro_step_end()
+            self.end()
         except Exception as exc:
             self._fail(exc)
             raise
