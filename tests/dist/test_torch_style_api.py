@@ -99,6 +99,23 @@ def _all_modes() -> dict[str, Any]:
         funcs.append((vgrad(xs), torch.func.vmap(torch.func.grad(lambda xx: base(xx, y)))(xs)))
         funcs.append((engine.optimizer.reducer.tracker.unused, None))
     out["func"] = funcs
+    # misuse: step() inside the block, nesting; the engine goes on training after either
+    engine, errors = _engine(1, {}, gas=1), []
+    x, y = micro_batch(0, 0, engine.global_rank, 2, MB, 1)
+    for misuse in ("step", "nest"):
+        try:
+            with engine.coalesce_grad_reduction():
+                engine.backward(engine(x, y))
+                if misuse == "step":
+                    engine.step()
+                with engine.coalesce_grad_reduction():
+                    pass
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        engine.zero_grad()
+    engine.backward(engine(x, y))
+    engine.step()
+    out["misuse"] = (errors, engine.global_steps)
     return out
 
 
@@ -114,7 +131,7 @@ def test_training_api_matches_one_process() -> None:
     ref_norm = _reference_norm()
     for r in run_distributed(_all_modes, 2, timeout=240):
         for name, got in r.items():
-            if name in ("norms", "func"):
+            if name in ("norms", "func", "misuse"):
                 continue
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                        msg=name)
@@ -124,6 +141,8 @@ def test_training_api_matches_one_process() -> None:
             per_step = MB * 2 * (1 if name.startswith("coalesce") else GAS)  # coalesce: gas 1, the batch counts
             assert got["steps"] == STEPS and got["samples"] == STEPS * per_step, (name, got["samples"])
         assert abs(r["norms"]["sum"] - 2 * r["norms"]["mean"]) < 1e-5 * r["norms"]["mean"], r["norms"]
+        errors, steps = r["misuse"]
+        assert "inside coalesce_grad_reduction" in errors[0] and "cannot be nested" in errors[1] and steps == 1, r
         for got_func, want in r["func"]:
             if want is None:
                 assert got_func is None  # the reducer never saw a micro-step

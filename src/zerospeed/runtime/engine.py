@@ -303,6 +303,7 @@ class Engine(nn.Module):
         if boundary and self._inside_no_sync:
             raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
                                "were never reduced: leave the no_sync() block for the last backward before step()")
+        self.torch_backward.check_step()
         with self._guarded("step"):
             self.torch_backward.before_step()
             self._in_step = True

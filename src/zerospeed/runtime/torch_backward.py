@@ -163,11 +163,14 @@ class TorchBackward:
         """Whether a backward now reduces (``boundary``: the engine's counter says the window ends)."""
         return boundary and self.managed and not self.coalescing
 
-    def before_step(self) -> None:
-        """``step()`` on the caller's boundary (unmanaged): reduce what the store holds."""
+    def check_step(self) -> None:
+        """Before ``step()`` (a usage error, raised before the step starts)."""
         if self.coalescing:
             raise RuntimeError("engine.step() inside coalesce_grad_reduction(): leave the block first (its exit "
                                "reduces the gradients of the backward calls inside)")
+
+    def before_step(self) -> None:
+        """``step()`` on the caller's boundary (unmanaged): reduce what the store holds."""
         if not self.managed and self.engine.optimizer is not None:
             self.engine.optimizer.reducer.flush()
 
