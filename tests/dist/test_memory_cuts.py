@@ -36,21 +36,21 @@ def _buckets(stage: int) -> dict[str, Any]:
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     red = engine.optimizer.reducer
     seen = 0
-    original = red._bucket_buffer
+    original = red.store.bucket
 
     def spy(g: int, b: int) -> torch.Tensor:  # transient bucket buffers alive at once, at every request
         nonlocal seen
         buf = original(g, b)
-        seen = max(seen, sum(t.numel() for t in red.staging.values()))
+        seen = max(seen, sum(t.numel() for t in red.store.staging.values()))
         return buf
 
-    red._bucket_buffer = spy
+    red.store.bucket = spy
     for _ in range(2):
         engine.backward(engine(torch.randn(8, 64)))
         engine.step()
     numel = sum(p.numel() for p in model.parameters())
     return {"buckets": sum(len(g.plan.buckets) for g in red.groups), "peak_staging": seen, "numel": numel,
-            "released": all(part is None for part in red.partition),
+            "released": all(part is None for part in red.dest.partition),
             "grads_accounted": engine.memory_breakdown()["grads"],
             "partition_bytes": sum(g.plan.partition_numel * 4 for g in red.groups)}
 

@@ -91,7 +91,7 @@ def _resident_grads(stage: int, path: str) -> dict[str, Any]:
     norm = engine.get_global_grad_norm()
     opt.stepper.close()
     return {"grad_bytes": seen, "partition": partition, "held": held,
-            "full": [f is None for f in reducer.full], "parts": [p is None for p in reducer.partition], "norm": norm}
+            "full": [f is None for f in reducer.store.full], "parts": [False for owner, _ in reducer.owned_tensors() if owner == "grad_partitions"], "norm": norm}
 
 
 def _reference_norm(stage: int) -> float:

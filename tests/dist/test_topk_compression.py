@@ -36,7 +36,7 @@ def run(stage: int, steps: int, compression: dict[str, Any] | None) -> dict[str,
         after = comm.COMMS_LOGGER.snapshot()
         per_step.append({op: after[op].bytes - (before[op].bytes if op in before else 0) for op in after})
         losses.append(loss.item())
-    residual = sum(float(r.abs().sum()) for r in engine.optimizer.reducer.residual.values())
+    residual = sum(float(r.abs().sum()) for r in engine.optimizer.reducer.compressor.residual.values())
     return {"losses": losses, "per_step": per_step, "residual": residual,
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 

@@ -4,7 +4,6 @@ Adam for the warm-up, then each rank's error-compensated ``beta1 * m + (1 - beta
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -176,11 +175,11 @@ def test_momentum_exchange_refused_where_it_does_not_apply() -> None:
                        ({"momentum_exchange": False, "local_variance": True}, "needs momentum_exchange")):
         with pytest.raises(ConfigError, match=match):
             _topk(load_config({**on, "gradient_compression": {**COMPRESSION, **bad}}), torch.optim.Adam(p))
-    from zerospeed.zero.topk_momentum import install_momentum_exchange
+    from zerospeed.zero.topk_momentum import momentum_exchange_for
 
     section = load_config(on).gradient_compression
     for fields, match in (({"partitioned": True}, "stage 0 only"), ({"clip": 1.0}, "gradient_clipping"),
-                          ({"reducer": object()}, "Mixture-of-Experts")):
-        opt = SimpleNamespace(**{"partitioned": False, "clip": 0.0, "reducer": SimpleNamespace(topk_steps=0), **fields})
+                          ({"moe": True}, "Mixture-of-Experts")):
+        args = {"partitioned": False, "clip": 0.0, "moe": False, **fields}
         with pytest.raises(ConfigError, match=match):
-            install_momentum_exchange(section, opt, None)
+            momentum_exchange_for(section, dp_group=None, **args)

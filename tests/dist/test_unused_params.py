@@ -54,7 +54,7 @@ def _probe(stage: int) -> dict[str, Any]:
 
     def watch(p: torch.Tensor) -> None:  # runs after the reducer's own hook for the same gradient
         seen["bytes"] = max(seen["bytes"], reducer.grad_bytes())
-        seen["launched"] = max(seen["launched"], reducer.next_launch)
+        seen["launched"] = max(seen["launched"], reducer.tracker.next_launch)
 
     for p in engine.module.parameters():
         if p.requires_grad:

@@ -26,7 +26,7 @@ def _volumes(gas: int) -> dict[str, Any]:
     for name, extra in (("default", {}), ("local", LOCAL)):
         engine = build(2, {"gradient_accumulation_steps": gas, **extra})
         train(engine, 2)
-        out[name] = (engine.last_step_comm_volume, engine.optimizer.reducer.accumulates_locally)
+        out[name] = (engine.last_step_comm_volume, engine.optimizer.reducer.store.accumulates_locally)
     return out
 
 

@@ -52,7 +52,7 @@ def _run(stage: int, gas: int, zero_extra: dict[str, Any]) -> dict[str, Any]:
     sink = opt.reducer.sink
     out = {"losses": losses, "device": dev.type, "sink": type(sink).__name__ if sink is not None else None,
            "sink_on_host": sink is None or not sink.resident or all(p.device.type == "cpu" for p in sink.parts),
-           "device_partitions": [p is not None for p in opt.reducer.partition],
+           "device_partitions": [True for owner, _ in opt.reducer.owned_tensors() if owner == "grad_partitions"],
            "masters_on_host": all(g.master is None or g.master.device.type == "cpu" for g in opt.groups)}
     if opt.stepper is not None:
         opt.stepper.close()

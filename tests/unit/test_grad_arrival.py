@@ -27,7 +27,7 @@ def test_gradients_outside_the_engines_backward_stay_in_p_grad() -> None:
     model, reducer = _reducer(2)
     _backward(model)  # not between begin/end_micro_step: someone else's backward
     assert all(p.grad is not None for p in model.parameters())
-    assert not reducer.full[0].any()  # nothing taken into the buckets
+    assert not reducer.store.full[0].any()  # nothing taken into the buckets
     reducer.begin_micro_step(True)
     _backward(model)  # our own: taken (p.grad + the new gradient, as autograd accumulates)
     reducer.end_micro_step()
@@ -42,12 +42,12 @@ def test_stage3_refuses_gradients_from_elsewhere() -> None:
 
 def test_unused_parameters_are_learned_on_the_first_backward() -> None:
     model, reducer = _reducer(0)
-    before = list(reducer.expected)
+    before = list(reducer.tracker.expected)
     reducer.begin_micro_step(True)
     _backward(model)
     reducer.end_micro_step()
-    assert reducer.unused is not None and len(reducer.unused) == 2  # extra.weight, extra.bias
-    assert sum(before) - sum(reducer.expected) == 2
+    assert reducer.tracker.unused is not None and len(reducer.tracker.unused) == 2  # extra.weight, extra.bias
+    assert sum(before) - sum(reducer.tracker.expected) == 2
 
 
 def test_reset_forgets_the_step() -> None:
@@ -55,6 +55,6 @@ def test_reset_forgets_the_step() -> None:
     reducer.begin_micro_step(False)
     _backward(model)
     reducer.end_micro_step()
-    assert reducer.full[0].abs().sum() > 0
+    assert reducer.store.full[0].abs().sum() > 0
     reducer.reset()
-    assert reducer.full[0].abs().sum() == 0 and not reducer.pending and reducer.next_launch == 0
+    assert reducer.store.full[0].abs().sum() == 0 and not reducer.pending and reducer.tracker.next_launch == 0

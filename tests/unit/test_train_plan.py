@@ -76,6 +76,12 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
      NotSupportedYetError),
     (dict(stage=1, gradient_compression={"type": "topk", "ratio": 0.1}, zero={"stage": 2}),
      ModelFacts(optimizer=OptimizerFacts(client=False)), "gradient_compression", ConfigError),
+    (dict(stage=3, zero={"zero_quantized_gradients": True}), ModelFacts(moe=True),
+     "zero_optimization.zero_quantized_gradients", NotSupportedYetError),
+    (dict(stage=0, gradient_allreduce_op="sum"), ModelFacts(optimizer=OptimizerFacts(client=False, compresses=True)),
+     "gradient_allreduce_op", NotSupportedYetError),
+    (dict(stage=1, managed_gradient_accumulation=False), ModelFacts(pipelined=True), "managed_gradient_accumulation",
+     ConfigError),
 ])
 def test_each_combination_is_refused_with_its_key(cfg: dict[str, Any], facts: ModelFacts, key: str,
                                                   kind: type) -> None:

@@ -48,7 +48,7 @@ from .logger import COMMS_LOGGER, CommsLogger, OpStats, recording
 from .quantized_grads import dequantize_int4, quantize_int4, quantized_reduce_scatter
 from .quantized import (QuantizedGather, dequantize_fp8, dequantize_int8, quant_groups, quantize_fp8, quantize_int8,
                         quantized_all_gather)
-from .sparse import sparse_all_reduce, topk_count, union_sparse_all_reduce
+from .sparse import row_sparse_all_reduce, sparse_all_reduce, topk_count, union_sparse_all_reduce
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
 from .recoverable import RecoverableGroup, resolve
 from .deepspeed_names import (all_gather_into_tensor, configure, destroy_process_group, get_global_rank,
@@ -62,7 +62,7 @@ __all__ = [
     "get_local_world_size", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
-    "sparse_all_reduce", "topk_count", "union_sparse_all_reduce",
+    "row_sparse_all_reduce", "sparse_all_reduce", "topk_count", "union_sparse_all_reduce",
     "PendingTensor", "all_gather_along_dim", "reduce_scatter_along_dim",
     "Hierarchy", "intra_node_group", "ranks_per_node_from_env", "dequantize_int4", "quantize_int4", "quantized_reduce_scatter",
     "QuantizedGather", "dequantize_fp8", "dequantize_int8", "quant_groups", "quantize_fp8", "quantize_int8",

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from .backend import Group, get_world_size
-from .collectives import all_gather, all_reduce
+from .backend import Group, device_for_backend, get_world_size
+from .collectives import ReduceOp, all_gather, all_reduce
 
 
 def topk_count(numel: int, ratio: float) -> int:
@@ -56,6 +56,25 @@ def sparse_all_reduce(buffer: torch.Tensor, ratio: float, residual: torch.Tensor
     dense.index_add_(0, all_idx.long(), all_val)
     buffer.copy_(dense)
     return idx
+
+
+@torch.no_grad()
+def row_sparse_all_reduce(matrix: torch.Tensor, group: Group | None = None) -> None:
+    """Replace the 2-D ``matrix`` by its sum over ranks, sending only its nonzero rows (DeepSpeed's
+    ``sparse_gradients``): every rank all-gathers (row index, row) pairs, padded to the largest count."""
+    rows = matrix.ne(0).any(dim=1).nonzero().flatten()
+    count = torch.tensor([float(rows.numel())], device=device_for_backend(group))
+    all_reduce(count, group=group, op=ReduceOp.MAX)
+    k, world = int(count.item()), get_world_size(group)
+    idx = torch.zeros(k, dtype=torch.int64, device=matrix.device)  # padding: zero rows added to row 0
+    idx[:rows.numel()] = rows
+    values = torch.zeros(k, matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
+    values[:rows.numel()] = matrix[rows]
+    all_idx = torch.empty(world * k, dtype=torch.int64, device=matrix.device)
+    all_val = torch.empty(world * k, matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
+    all_gather(all_idx, idx, group)
+    all_gather(all_val, values, group)
+    matrix.zero_().index_add_(0, all_idx, all_val)
 
 
 @torch.no_grad()

@@ -81,6 +81,14 @@ class ZeroSpeedConfig(Section):
     vocabulary_size: int | None = Field(None, ge=1)
     """DeepSpeed's hint: a start-up warning when it is not a multiple of 8 (tensor-core alignment)."""
     prescale_gradients: bool = False
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """DeepSpeed's: average the data-parallel gradients (``mean``) or sum them (``sum``: no pre/post scaling)."""
+    managed_gradient_accumulation: bool = True
+    sparse_gradients: bool = False
+    """DeepSpeed's: at stage 0 the gradients of ``nn.Embedding`` / ``nn.EmbeddingBag`` weights travel as their
+    nonzero rows (row indices and rows all-gathered) instead of a dense all-reduce; no effect with ZeRO (as DeepSpeed)."""
+    """DeepSpeed's: ``false`` lets the caller own the accumulation boundary: every backward accumulates, every
+    ``step()`` reduces what is held and applies the update (runtime/torch_backward.py)."""
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -158,6 +166,11 @@ class ZeroSpeedConfig(Section):
         if v == "auto":
             raise ValueError("'auto' cannot be derived here; set a number (0 disables clipping)")
         return v
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _op_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v  # DeepSpeed reads it case-insensitively
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

@@ -4,7 +4,7 @@ A listed key that is present and switched on raises ``NotSupportedYetError`` nam
 present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``, an object whose
 values are all off) is accepted, since honouring "off" is not ignoring it. A few keys are "off" at a
 value of their own (``ACCEPTED_VALUES``: ``seq_parallel_communication_data_type: "fp32"``, DeepSpeed's
-default; ``gradient_allreduce_op: "mean"``, what zerospeed always does; ...).
+default; ...).
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ NOT_SUPPORTED_YET: dict[str, str] = {
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
     "graph_harvesting": "graph harvesting (CUDA graphs)",
-    "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
-    "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",
     "quantize_training": "quantization-aware training",
     "nebula": "Nebula checkpointing",
     "datastates_ckpt": "DataStates checkpointing",
-    "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
@@ -79,8 +76,6 @@ for _k in AUTOEP_ROUTING_KEYS:
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
-    "managed_gradient_accumulation": (None, True),
-    "gradient_allreduce_op": (None, "mean"),
     "checkpoint.checkpoint_serialization": (None, True),
     "zero_optimization.mics_shard_size": (None, -1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),

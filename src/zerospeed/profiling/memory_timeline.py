@@ -189,15 +189,8 @@ class MemoryTimeline:
         for p in eng.module.parameters():
             yield "parameters", p.data  # stage 3: a gathered value was named above, a shard is empty
         if opt is not None:
-            red = opt.reducer
-            for t in [*red.full, *red.staging.values(), *red.late.values()]:
-                if t is not None:
-                    yield "grad_buckets", t
-            for item in red.pending:
-                for t in (item.send, item.out):
-                    if t is not None:
-                        yield "grad_buckets", t
-            for t in [*red.partition, *getattr(opt, "_fp32_grads", [])]:
+            yield from opt.reducer.owned_tensors()
+            for t in getattr(opt, "_fp32_grads", []):
                 if t is not None:
                     yield "grad_partitions", t
         for p in eng.module.parameters():
@@ -370,6 +363,19 @@ class MemoryTimeline:
         self._reset_peak()
 
     # --- wiring ------------------------------------------------------------------------------------
+    def enter(self, phase: str | None, owner: str) -> None:
+        """A span of the reducer begins (``zero/reducer_events.py``): its phase, and who owns what it makes."""
+        if phase is not None:
+            self._enter(phase)
+        self._context.append(owner)
+
+    def leave(self, phase: str | None, owner: str) -> None:
+        self._context.pop()
+        self._refresh()
+        self._changed()
+        if phase is not None:
+            self._exit()
+
     def _wrap(self, obj: Any, name: str, phase: str | None = None, context: str | None = None) -> None:
         if obj is None or not hasattr(obj, name):
             return
@@ -401,10 +407,7 @@ class MemoryTimeline:
         self._wrap(eng, "step", phase="step")
         if opt is not None:
             red = opt.reducer
-            for name in ("_launch", "_complete", "end_micro_step", "settle_late"):
-                self._wrap(red, name, phase="reduce", context="grad_buckets")
-            self._wrap(red, "_bucket_buffer", context="grad_buckets")
-            self._wrap(red, "partition_buffer", context="grad_partitions")
+            self._restore.append(red.events.subscribe(self))  # the reducer's phase events: enter / leave
             self._wrap(opt, "_collect_grads", context="grad_partitions")
             self._wrap(opt, "_write_back", phase="write_back", context="temporaries")
             self._wrap(opt.optimizer, "step", context="optimizer_state")

@@ -267,7 +267,7 @@ def _after_peak(sizes: list[int], freed_heap: int, freed_mapped: int) -> int:
 
 
 def _bucket_pool(buckets: list[int]) -> list[int]:
-    """Stages 2-3: the transient bucket buffers one micro-step makes, in reduce order (``GradReducer._spare``).
+    """Stages 2-3: the transient bucket buffers one micro-step makes, in reduce order (``BucketStore._spare``).
 
     A bucket takes a spent buffer of this micro-step that is large enough (the first one), else a new one; a
     buffer is spent when its collective completes, which launching a bucket forces for the oldest once

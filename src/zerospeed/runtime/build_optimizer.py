@@ -21,8 +21,8 @@ from ..optim.frozen_variance import check_freeze_variance
 from ..precision import GradScalerRule, LossScaler, NoScaler
 from ..zero import GradReducer, ReducerWiring, ReduceSettings, ShardedGroup, ZeroOptimizer
 from ..zero.norm_axes import NormAxes
-from ..zero.parted_reducer import reducer_over_axes
-from ..zero.topk_momentum import install_momentum_exchange
+from ..zero.reducer_parts import compressor_for, reducer_parts
+from ..zero.topk_momentum import momentum_exchange_for
 from .facts import built_optimizer_facts
 from .plan import ModelFacts, TrainPlan, plan_training
 
@@ -80,8 +80,10 @@ def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int)
 
 def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
                  dp_size: int, dp_rank: int, moe: Any = None,
-                 master_dtype: torch.dtype = torch.float32) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
-    """One sharded group per optimizer param group (None where nothing in it trains), and its options."""
+                 master_dtype: torch.dtype = torch.float32, sparse: frozenset[int] = frozenset()
+                 ) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+    """One sharded group per optimizer param group (None where nothing in it trains), and its options;
+    ``sparse`` (parameter ids: ``sparse_gradients``) each get a bucket of their own."""
     bucket = cfg.zero_optimization.reduce_bucket_size
     partitions = 1 if cfg.zero_stage == 0 else dp_size
     groups: list[ShardedGroup | None] = []
@@ -106,7 +108,8 @@ def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3:
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
                                        _reduce_bucket(cfg, trainable, dp_size), compute,
-                                       defer_master=on_disk, separate_master=separate, master_dtype=master_dtype))
+                                       defer_master=on_disk, separate_master=separate, master_dtype=master_dtype,
+                                       alone=frozenset(i for i, p in enumerate(trainable) if id(p) in sparse)))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         from ..offload import move_master_to_host
@@ -161,7 +164,7 @@ def _reduce_settings(cfg: ZeroSpeedConfig, base: Any, live: list[ShardedGroup], 
     overlap = True if zcfg.overlap_comm is None else zcfg.overlap_comm  # an explicit false is honoured
     settings = ReduceSettings(stage=cfg.zero_stage, dp_size=dp_size, accum_dtype=policy.accum, comm_dtype=policy.comm,
                               reduce_scatter=zcfg.reduce_scatter, overlap_comm=overlap,
-                              prescale_gradients=cfg.prescale_gradients,
+                              prescale_gradients=cfg.prescale_gradients, average=cfg.gradient_allreduce_op == "mean",
                               gradient_predivide_factor=cfg.gradient_predivide_factor,
                               partition_sink=gradients_off_device(cfg, live), **topk(cfg, base))
     return _local_accumulation(cfg, settings) if cfg.zero_local_grad_accumulation else settings
@@ -198,7 +201,7 @@ def _may_skip(cfg: ZeroSpeedConfig, scaler: Any) -> bool:
 def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live: list[ShardedGroup], stage3: Any,
                          policy: Any, dp_group: comm.Group | None, dp_size: int, dp_rank: int,
                          moe: Any = None, heap_trimmer: Any = None, names: dict[Any, str] | None = None,
-                         norm_axes: NormAxes | None = None) -> ZeroOptimizer:
+                         norm_axes: NormAxes | None = None, sparse: frozenset[int] = frozenset()) -> ZeroOptimizer:
     if not live:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     check_zero_optimizer(cfg, base)
@@ -207,15 +210,20 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else \
         GradScalerRule() if policy.uses_loss_scaling else NoScaler()  # fp16 torch_autocast
     stepper = _stepper(cfg, base, live, settings, dp_group, dp_rank, scaler, policy.states)
-    # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer)
+    compressor = compressor_for(settings, live, sparse)
+    exchange = momentum_exchange_for(cfg.gradient_compression, any(g.num_partitions > 1 for g in live),
+                                     cfg.gradient_clipping, moe is not None, dp_group)
+    # the optimizer decides when the engine all-reduces gradients (a 1-bit optimizer; the top-k momentum exchange)
     gate = base.wants_backward_allreduce if getattr(base, "compresses_communication", False) else None  # type: ignore[attr-defined]
+    if exchange is not None:
+        gate = exchange.allreduce_gate(compressor)
+    parts = reducer_parts(live, settings, None if stepper is None else stepper.sink, compressor,
+                          zcfg.ignore_unused_parameters)
     wiring = ReducerWiring(sink=None if stepper is None else stepper.sink, heap_trimmer=heap_trimmer,
                            allreduce_gate=gate, names=dict(names or {}),
-                           ignore_unused_parameters=zcfg.ignore_unused_parameters)
-    if moe is not None:  # dense gradients over the data-parallel group, experts' over their edp groups
-        make = GradReducer if stage3 is None else stage3.make_reducer
-        reducer = reducer_over_axes(live, moe.shard_axes(live), settings, dp_group, wiring, make)
-    elif stage3 is None:
+                           ignore_unused_parameters=zcfg.ignore_unused_parameters, parts=parts,
+                           axes=None if moe is None else moe.shard_axes(live))  # experts: over their edp groups
+    if stage3 is None:
         reducer = GradReducer(live, settings, dp_group, wiring)
     else:
         reducer = stage3.make_reducer(live, settings, wiring=wiring)
@@ -227,8 +235,7 @@ def build_zero_optimizer(cfg: ZeroSpeedConfig, base: torch.optim.Optimizer, live
     zero_opt = ZeroOptimizer(live, base, reducer, scaler, dp_group, cfg.gradient_clipping, policy.compute,
                              zcfg.allgather_bucket_size, stepper=stepper, allgather_partitions=zcfg.allgather_partitions,
                              check_grad_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
-                             norm_axes=norm_axes)
-    install_momentum_exchange(cfg.gradient_compression, zero_opt, dp_group)
+                             norm_axes=norm_axes, momentum_exchange=exchange)
     return zero_opt
 
 
@@ -246,18 +253,31 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
                     raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any) -> tuple[ZeroOptimizer | None, Any]:
     """The ZeRO optimizer over the base optimizer (None without one), with the parallelisms' norm axes."""
     moe, dp_group = grids.moe, grids.dp_group
+    sparse = sparse_parameters(cfg, model)
     groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe,
-                                   policy.master)
+                                   policy.master, sparse)
     live = [g for g in groups if g is not None]
     base = build_base_optimizer(cfg, client, groups, options)
     if base is None:
         return None, None
     names = {p: n for n, p in model.named_parameters()}
     zero_opt = build_zero_optimizer(cfg, base, live, stage3, policy, dp_group, grids.dp_size, grids.dp_rank, moe,
-                                    heap_trimmer, names, norm_axes(plan, grids, model, live))
+                                    heap_trimmer, names, norm_axes(plan, grids, model, live), sparse)
     if plan.compressing:  # a 1-bit optimizer averages its compressed momentum over the data-parallel group
         base.bind(dp_group)  # type: ignore[union-attr]
     return zero_opt, base
+
+
+def sparse_parameters(cfg: ZeroSpeedConfig, model: nn.Module) -> frozenset[int]:
+    """``sparse_gradients``: the weights of the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` (ids), reduced as
+    rows; DeepSpeed honours it outside ZeRO only (stage 0), and so does zerospeed."""
+    if not cfg.sparse_gradients:
+        return frozenset()
+    if cfg.zero_stage > 0:
+        warnings.warn(f"sparse_gradients has no effect at ZeRO stage {cfg.zero_stage} (as in DeepSpeed, the "
+                      "reduction of sparse gradients is stage 0's)")
+        return frozenset()
+    return frozenset(id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
 
 
 def norm_axes(plan: TrainPlan, grids: Any, model: nn.Module, live: list[ShardedGroup]) -> NormAxes:

@@ -31,6 +31,7 @@ from ..zero import ZeroOptimizer
 from .lockstep import MicroStepCheck
 from .observer import StepObserver
 from .parts import EngineParts
+from .torch_backward import TorchBackward
 
 
 class Engine(nn.Module):
@@ -56,6 +57,7 @@ class Engine(nn.Module):
         self._step_applied = False
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
+        self._in_step = False  # inside step(): the boundary under managed_gradient_accumulation: false
         self._accumulating = False  # gradients accumulated since the last boundary step (checkpoints refuse them)
         self._comm_volume_at_step_start = self.comms.total_volume()
         self.last_step_comm_volume = 0
@@ -82,6 +84,8 @@ class Engine(nn.Module):
         self.backwards_in_window = 0
         self._checked_generation = 0
         self.lockstep = MicroStepCheck()  # ranks out of step between forward and backward (runtime/lockstep.py)
+        # loss.backward() on the outputs, coalesce_grad_reduction(), unmanaged accumulation (runtime/torch_backward.py)
+        self.torch_backward = TorchBackward(self, config.managed_gradient_accumulation)
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
         if optimizer is not None:
@@ -163,6 +167,8 @@ class Engine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step that ends an accumulation (or as set by ``set_gradient_accumulation_boundary``)."""
+        if not self.torch_backward.managed:  # the caller's boundary: step() (DeepSpeed's unmanaged mode)
+            return self._in_step
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -170,6 +176,9 @@ class Engine(nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Let the caller decide where accumulation ends (DeepSpeed's hook for frameworks that count
         micro-steps themselves); ``None`` returns to counting ``gradient_accumulation_steps``."""
+        if not self.torch_backward.managed:
+            raise RuntimeError("set_gradient_accumulation_boundary() is not supported with managed_gradient_"
+                               "accumulation: false (the caller owns the boundary by calling step())")
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     @contextmanager
@@ -287,7 +296,7 @@ class Engine(nn.Module):
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             self.lockstep.forward_seen(self.module)
             with self._autocast():
-                out = self.module(*inputs, **kwargs)
+                out = self.torch_backward.watch(self.module(*inputs, **kwargs))
             self.observer.forward_end()
         return out
 
@@ -303,26 +312,18 @@ class Engine(nn.Module):
             raise RuntimeError("engine.backward() needs an optimizer: set 'optimizer' in the config or pass one")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) expects a scalar loss tensor")
-        scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        scale = self.optimizer.loss_scaler.loss_scale
-        if scale != 1.0:
-            scaled = scaled * scale
+        scaled = loss.float() * self.torch_backward.loss_factor(scale_wrt_gas)
         with self._guarded("backward"):
-            self.observer.backward_start(loss)
-            self.lockstep.check(self.dp_group)
-            reducer = self.optimizer.reducer
-            reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
-            if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
-                self.heap_trimmer.trim()
-            scaled.backward(retain_graph=retain_graph)
-            reducer.end_micro_step()
-            self.backwards_in_window += 1
-            self._accumulating = True
-            self.observer.backward_end()
+            self.torch_backward.begin(loss)  # the micro-step protocol, shared with loss.backward()
+            with self.torch_backward.engine_pass(scaled):  # other engines' output hooks stand aside
+                scaled.backward(retain_graph=retain_graph)
+            self.torch_backward.end()
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas else loss
+
+    def coalesce_grad_reduction(self) -> Any:
+        """DeepSpeed's context manager: the backward calls inside are reduced once, at its exit."""
+        return self.torch_backward.coalesce()
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; at the accumulation boundary apply the optimizer and the schedule."""
@@ -334,8 +335,14 @@ class Engine(nn.Module):
                                "were never reduced: leave the no_sync() block for the last backward before step()")
         if self.parts.hybrid is not None:  # weights held for rollouts go back to their shards before they change
             self.parts.hybrid.end_phase()
+        self.torch_backward.check_step()
         with self._guarded("step"):
-            self._step(boundary, lr_kwargs)
+            self.torch_backward.before_step()
+            self._in_step = True
+            try:
+                self._step(boundary or not self.torch_backward.managed, lr_kwargs)
+            finally:
+                self._in_step = False
         if self._autotuning is not None:
             self._autotuning.after_step(self)
 
@@ -359,7 +366,7 @@ class Engine(nn.Module):
             else:
                 self.skipped_steps += 1
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.global_samples += self.torch_backward.samples(self.train_batch_size(), self.gradient_accumulation_steps())
             # Everything since the previous boundary: the step's forwards (stage-3 gathers), backwards, update.
             total = self.comms.total_volume()
             self.last_step_comm_volume = total - self._comm_volume_at_step_start

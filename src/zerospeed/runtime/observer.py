@@ -63,9 +63,11 @@ class StepObserver:
         if self.flops_profiler is not None:
             self.flops_profiler.on_forward_end()
 
-    def backward_start(self, loss: torch.Tensor) -> None:
-        # Kept on the device: read back once per optimizer step, not once per micro-step.
-        self.loss_sum = self.loss_sum + loss.detach().float() / self.engine.gradient_accumulation_steps()
+    def backward_start(self, loss: torch.Tensor | None) -> None:
+        # Kept on the device: read back once per optimizer step, not once per micro-step (None: loss.backward()
+        # on the outputs, where the engine does not see the loss).
+        if loss is not None:
+            self.loss_sum = self.loss_sum + loss.detach().float() / self.engine.gradient_accumulation_steps()
         if self.breakdown:
             self.timers(BACKWARD).start()
 

@@ -167,6 +167,17 @@ RULES: tuple[Rule, ...] = (
          "zero_optimization.offload_optimizer.super_offload",
          lambda p, c, f: "SuperOffload is DeepSpeed's stage-3 optimizer: it needs zero_optimization.stage 3 (got "
                          f"{p.stage}) and no zenflow section", ConfigError),
+    Rule(lambda p, c, f: p.moe and p.stage == 3 and c.zero_optimization.zero_quantized_gradients,
+         "zero_optimization.zero_quantized_gradients",
+         _const("ZeRO++ qgZ with Mixture-of-Experts layers" + _NOT_YET + " (qgZ's node layout is the data-parallel "
+                "group's, not an expert-data-parallel one)")),
+    Rule(lambda p, c, f: c.gradient_allreduce_op == "sum" and (p.zenflow or p.compressing
+                                                                or c.zero_optimization.zero_quantized_gradients),
+         "gradient_allreduce_op", _const("gradient_allreduce_op: \"sum\" with ZenFlow, a 1-bit optimizer or ZeRO++ "
+                                         "qgZ (they average by themselves)" + _NOT_YET)),
+    Rule(lambda p, c, f: not c.managed_gradient_accumulation and p.pipelined, "managed_gradient_accumulation",
+         _const("managed_gradient_accumulation: false with pipeline parallelism (as in DeepSpeed: the pipeline "
+                "schedule owns the accumulation boundary)"), ConfigError),
     Rule(lambda p, c, f: p.zenflow and p.moe, "zero_optimization.zenflow",
          _const("ZenFlow with MoE expert parameters" + _NOT_YET)),
     Rule(lambda p, c, f: p.data_efficiency and p.pipelined, "curriculum_learning",

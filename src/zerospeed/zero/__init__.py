@@ -1,7 +1,7 @@
 """ZeRO: partition plan (pure), sharded parameter groups, bucketed gradient reduction, the optimizer,
 and stage 3 (partitioned parameters, ``Init``, ``GatheredParameters``)."""
 
-from .grad_reducer import GradReducer, ReducerWiring, ReduceSettings
+from .grad_reducer import GradReducer, ReducerWiring, ReduceSettings, ShardAxis
 from .optimizer import ZeroOptimizer
 from .partition import BucketPlan, ParamSlot, PartitionPlan, plan_partitions, shard_size
 from .sharded_group import ShardedGroup

@@ -35,7 +35,8 @@ class ZeroOptimizer:
     def __init__(self, groups: list[ShardedGroup], optimizer: torch.optim.Optimizer, reducer: GradReducer,
                  scaler: LossScaler, dp_group: comm.Group | None, clip: float, compute_dtype: torch.dtype,
                  allgather_bucket_numel: int, stepper: Any = None, allgather_partitions: bool = True,
-                 check_grad_overflow: bool = False, norm_axes: NormAxes | None = None) -> None:
+                 check_grad_overflow: bool = False, norm_axes: NormAxes | None = None,
+                 momentum_exchange: Any = None) -> None:
         # the parallelisms beyond data parallelism that the norm and the overflow flag span (zero/norm_axes.py)
         self.norm_axes = NormAxes() if norm_axes is None else norm_axes
         # ZeRO-Offload (offload/stepper.py): when set, steps the host-resident masters instead of optimizer.step().
@@ -45,7 +46,7 @@ class ZeroOptimizer:
         self.freeze_variance_at: int | None = None
         self.momentum_correction = False  # gradient_compression.momentum_correction: ranks exchange their momentum
         self.preconditioned_selection = False  # ... preconditioned_selection: top-k ranks entries by |x| / sqrt(v)
-        self.momentum_exchange: Any = None  # ... momentum_exchange: a TopkMomentumExchange (zero/topk_momentum.py)
+        self.momentum_exchange = momentum_exchange  # ... momentum_exchange: a TopkMomentumExchange (zero/topk_momentum.py)
         self.groups = groups
         self.optimizer = optimizer
         self.reducer = reducer
@@ -187,33 +188,32 @@ class ZeroOptimizer:
                 self._sink.scale = mult  # applied by the stepper as it reads each sub-group
         if self.stepper is not None:
             self.stepper.step(grads)
-        elif self.freeze_variance_at is not None and self.reducer.topk_steps >= self.freeze_variance_at:
+        elif self.freeze_variance_at is not None and self.reducer.compressor.steps >= self.freeze_variance_at:
             exchange = self.momentum_exchange
             if exchange is not None:  # each group's local gradient becomes the exchanged top-k momentum
                 exchange.exchange_groups(self.optimizer, self.groups, grads, self._param_group, self.freeze_variance_at)
             frozen_variance_step(self.optimizer, self.freeze_variance_at,
-                                 bool(self.reducer.topk_momentum) or exchange is not None,
+                                 bool(self.reducer.compressor.momentum) or exchange is not None,
                                  exchange is not None and exchange.local_variance)
         else:
             self.optimizer.step()
         self.loss_scaler.update(False)
         self._write_back()
         self._release()
-        self.set_compression_steps(getattr(self.reducer, "topk_steps", 0) + 1)
+        self.set_compression_steps(self.reducer.compressor.steps + 1)
         self.updating = False
         return True
 
     def set_compression_steps(self, steps: int) -> None:
         """Optimizer steps taken, for the top-k warm-up (also after a checkpoint load: collective when the
         variance freezes, since stage 1 all-gathers the preconditioner once)."""
-        if not hasattr(self.reducer, "topk_steps"):  # MoE's reducer: no top-k
-            return
-        self.reducer.topk_steps = steps
+        compressor = self.reducer.compressor
+        compressor.steps = steps
         at = self.freeze_variance_at
-        if at is None or steps < at or (self.reducer.topk_scale and steps > at):
+        if at is None or steps < at or (compressor.scale and steps > at):
             return
         if self.momentum_correction:
-            self.reducer.topk_momentum = {gi: self._beta1(grp) for gi, grp in enumerate(self.groups)}
+            compressor.momentum = {gi: self._beta1(grp) for gi, grp in enumerate(self.groups)}
         if not self.preconditioned_selection:
             return
         scales: dict[tuple[int, int], torch.Tensor] = {}
@@ -230,7 +230,7 @@ class ZeroOptimizer:
                 full = torch.empty(mine.numel() * grp.num_partitions, dtype=mine.dtype, device=mine.device)
                 comm.all_gather(full, mine, group=self.gather_group(grp))
                 scales[(gi, bucket.index)] = full
-        self.reducer.topk_scale = scales
+        compressor.scale = scales
 
     def abandon_step(self) -> None:
         """After an exception in forward, backward or step: drop the step's gradients and buffers."""
@@ -312,10 +312,8 @@ class ZeroOptimizer:
 
     def _spent_full_buffer(self, gi: int, grp: ShardedGroup) -> torch.Tensor | None:
         """Group gi's full-size gradient buffer (stages 0-1), whose contents are spent once reduced; None if none."""
-        groups, full = getattr(self.reducer, "groups", None), getattr(self.reducer, "full", None)
-        if groups is None or full is None or gi >= len(groups) or groups[gi] is not grp:
-            return None
-        return full[gi]
+        groups = self.reducer.groups
+        return self.reducer.full_buffer(gi) if gi < len(groups) and groups[gi] is grp else None
 
     @staticmethod
     def _unpack(grp: ShardedGroup, handle: comm.Handle | None, out: torch.Tensor, run: range) -> None:

@@ -90,8 +90,10 @@ def reduce_bucket_numel(reduce_bucket_size: int, numels: Sequence[int], stage: i
     return max(1, min(reduce_bucket_size, -(-total // TRANSIENT_BUCKET_PARTS)))
 
 
-def plan_partitions(numels: Sequence[int], world: int, bucket_numel: int) -> PartitionPlan:
-    """Plan shards and buckets for parameters of the given sizes over ``world`` ranks."""
+def plan_partitions(numels: Sequence[int], world: int, bucket_numel: int,
+                    alone: frozenset[int] = frozenset()) -> PartitionPlan:
+    """Plan shards and buckets for parameters of the given sizes over ``world`` ranks (the parameters in ``alone``
+    each get a bucket of their own: ``sparse_gradients`` reduces those buckets as rows)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if bucket_numel < 1:
@@ -114,7 +116,7 @@ def plan_partitions(numels: Sequence[int], world: int, bucket_numel: int) -> Par
 
     for index in reversed(range(len(numels))):
         s = shard_size(numels[index], world)
-        if current and (current_shard + s) * world > bucket_numel:
+        if current and ((current_shard + s) * world > bucket_numel or index in alone or current[-1] in alone):
             close()
         slots[index] = ParamSlot(index, numels[index], s, len(buckets), current_shard)
         current.append(index)

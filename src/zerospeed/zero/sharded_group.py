@@ -41,7 +41,7 @@ class ShardedGroup:
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
                  bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None,
                  defer_master: bool = False, separate_master: bool = False,
-                 master_dtype: torch.dtype = torch.float32) -> None:
+                 master_dtype: torch.dtype = torch.float32, alone: frozenset[int] = frozenset()) -> None:
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
@@ -49,7 +49,7 @@ class ShardedGroup:
         self.options = options
         self.num_partitions = num_partitions
         self.rank = rank if num_partitions > 1 else 0  # position among the partitions
-        self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel)
+        self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel, alone)
         # ``separate_master``: keep a master copy even where the model could be it (offload with the model on an
         # accelerator: the master lives on the host, where the optimizer runs).
         self.alias = (not separate_master and num_partitions == 1 and compute_dtype == torch.float32

@@ -43,12 +43,17 @@ class TopkMomentumExchange:
     """Exchanges the error-compensated momentum of each group's flat local gradient (see the module doc)."""
 
     def __init__(self, ratio: float, union_indices: bool, dp_group: comm.Group | None,
-                 local_variance: bool = False) -> None:
+                 local_variance: bool = False, warmup_steps: int = 0) -> None:
         self.ratio = ratio
+        self.warmup_steps = warmup_steps  # dense (all-reduced) optimizer steps before the exchange starts
         self.union_indices = union_indices
         self.local_variance = local_variance
         self.dp_group = dp_group
         self.errors: dict[int, tuple[Any, torch.Tensor]] = {}  # group -> (the state it belongs to, e_r)
+
+    def allreduce_gate(self, compressor: Any) -> Callable[[], bool]:
+        """The reducer's ``allreduce_gate``: all-reduce gradients during the warm-up only (``compressor.steps``)."""
+        return lambda: compressor.steps < self.warmup_steps
 
     def reset(self) -> None:
         self.errors.clear()
@@ -108,20 +113,20 @@ class TopkMomentumExchange:
         grad.copy_(x).mul_(1.0 / comm.get_world_size(self.dp_group))
 
 
-def install_momentum_exchange(section: GradientCompressionConfig, zero_opt: Any, dp_group: comm.Group | None) -> None:
-    """With ``gradient_compression.momentum_exchange`` on (``section``), give ``zero_opt`` the exchange and make its
-    reducer keep local gradients once the warm-up is over; refuse what it cannot serve (names the key)."""
+def momentum_exchange_for(section: GradientCompressionConfig, partitioned: bool, clip: float, moe: bool,
+                          dp_group: comm.Group | None) -> TopkMomentumExchange | None:
+    """With ``gradient_compression.momentum_exchange`` on (``section``), the exchange the ZeRO optimizer is built
+    with (its reducer keeps local gradients once the warm-up is over: ``allreduce_gate``); refuse what it cannot
+    serve (names the key)."""
     if section.type != "topk" or not section.momentum_exchange:
-        return
+        return None
     key = "gradient_compression.momentum_exchange"
-    if zero_opt.partitioned:
+    if partitioned:
         raise ConfigError(key, "works with ZeRO stage 0 only (each rank keeps its whole local gradient)")
-    if zero_opt.clip > 0:
+    if clip > 0:
         raise ConfigError(key, "does not work with gradient_clipping (the ranks' local gradient norms differ): "
                           "set gradient_clipping to 0")
-    reducer = zero_opt.reducer
-    if not hasattr(reducer, "topk_steps"):
+    if moe:
         raise ConfigError(key, "does not work with Mixture-of-Experts layers")
-    zero_opt.momentum_exchange = TopkMomentumExchange(section.ratio, section.union_indices, dp_group,
-                                                      section.local_variance)
-    reducer.allreduce_gate = lambda: reducer.topk_steps < section.warmup_steps
+    return TopkMomentumExchange(section.ratio, section.union_indices, dp_group, section.local_variance,
+                                section.warmup_steps)

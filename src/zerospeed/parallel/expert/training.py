@@ -30,7 +30,7 @@ from torch import nn
 from ... import comm
 from ...config.errors import NotSupportedYetError
 from ...zero import ShardedGroup
-from ...zero.parted_reducer import ShardAxis
+from ...zero.reducer_parts import ShardAxis
 from .groups import ExpertGroups
 from .layer import MoE
 from .tensor_parallel import is_tensor_parallel_param

@@ -446,14 +446,9 @@ class PipelineEngine(Engine):
         for key, info in self.module.tied_comms.items():
             for attr in info["weight_attr"]:
                 param = get_attr_path(self.module.tied_modules[key], attr)
-                if param not in reducer.where:
+                block = reducer.grad_block(param)
+                if block is None:
                     continue  # frozen
-                g, i = reducer.where[param]
-                grp = reducer.groups[g]
-                slot = grp.plan.slots[i]
-                bucket = grp.plan.buckets[slot.bucket]
-                view = reducer._bucket_buffer(g, slot.bucket).view(grp.num_partitions, bucket.shard_numel)
-                block = view[:, slot.offset:slot.offset + slot.shard]
                 summed = block.contiguous()
                 comm.all_reduce(summed, group=info["group"])
                 block.copy_(summed)
