@@ -49,7 +49,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
     "zero_optimization.override_module_apply": "zero.Init overriding nn.Module.apply",
     "zero_optimization.enable_sanity_checks": "ZeRO internal sanity checks",
-    "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
@@ -59,7 +58,7 @@ NOT_SUPPORTED_YET: dict[str, str] = {
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
-STAGE3_KEYS = ("stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
+STAGE3_KEYS = ("zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
                "stage3_allgather_sequential")
 for _k in STAGE3_KEYS:
     NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from .base import Section
+from .leaf_module import LeafModuleConfig
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
 from .zenflow import ZenFlowConfig
 
@@ -66,6 +67,9 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Modules gathered whole under stage 3, no hooks inside (zero/stage3/leaves.py); DeepSpeed's default
+    classes are Hugging Face's sparse MoE blocks."""
     # Accepted only when off (config/unsupported.py rejects them switched on).
     stage3_module_granularity_threshold: int = 0
     stage3_use_all_reduce_for_fetch_params: bool = False

@@ -29,6 +29,7 @@ from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
+from .leaves import apply_leaf_rules, granularity_leaves, z3_leaf_module
 from .lockstep import Lockstep
 from .qgz import QuantizedGradients
 from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
@@ -137,6 +138,32 @@ def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | Non
     return QuantizedGradients(comm.Hierarchy(per_node), dp_group)
 
 
+def _units(module: nn.Module, zcfg: ZeroConfig) -> list[tuple[nn.Module, Unit]]:
+    """Each module that owns partitioned parameters and its unit, in ``named_modules()`` order.
+
+    A module owns the parameters it holds directly (and any registered as external to it); a leaf module
+    (``leaf_module``, ``set_z3_leaf_modules``, ``stage3_module_granularity_threshold``) owns every one in
+    its subtree, and the modules below it own nothing (they get no hooks).
+    """
+    apply_leaf_rules(module, zcfg.leaf_module)
+    granularity_leaves(module, zcfg.stage3_module_granularity_threshold)
+    owners: list[tuple[nn.Module, Unit]] = []
+    inside: set[int] = set()  # modules below a leaf
+    for name, m in module.named_modules():
+        if id(m) in inside:
+            continue
+        leaf = z3_leaf_module(m)
+        if leaf:
+            inside.update(id(c) for c in m.modules() if c is not m)
+        params = m.parameters() if leaf else (p for p in m._parameters.values() if p is not None)
+        subtree = m.modules() if leaf else (m,)
+        owned = [shard_of(p) for p in params] + [shard_of(p) for sub in subtree for p in _EXTERNAL.get(sub, [])]
+        mine = [s for s in dict.fromkeys(owned) if s is not None and not s.persistent]
+        if mine:
+            owners.append((m, Unit(len(owners), name or "<root>", mine)))
+    return owners
+
+
 class Stage3Runtime:
     """A model partitioned for stage 3: its shards, units, fetcher and hooks."""
 
@@ -158,18 +185,12 @@ class Stage3Runtime:
         for s in self.shards:
             if not s.persistent:
                 s.hpz = self.hpz
-        units: list[Unit] = []
-        unit_of: dict[int, Unit] = {}
-        for name, m in module.named_modules():
-            owned = [shard_of(p) for p in m._parameters.values() if p is not None]
-            owned += [shard_of(p) for p in _EXTERNAL.get(m, [])]
-            mine = [s for s in dict.fromkeys(owned) if s is not None and not s.persistent]
-            if mine:
-                unit = Unit(len(units), name or "<root>", mine)
-                units.append(unit)
-                unit_of[id(m)] = unit
-                _UNITS[m] = unit
+        owners = _units(module, zcfg)
+        units = [unit for _, unit in owners]
+        unit_of = {id(m): unit for m, unit in owners}
         self.units = units
+        for m, unit in owners:
+            _UNITS[m] = unit
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
                                param_home, max_reuse_numel=zcfg.stage3_max_reuse_distance)
         self.fetcher.log_trace_warnings = zcfg.log_trace_cache_warnings

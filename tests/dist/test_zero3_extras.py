@@ -1,0 +1,56 @@
+"""ZeRO-3 extras at world 2 against one process: leaf modules (MoE blocks gathered whole, so ranks that route
+to different experts stay in step), automatic leaves by granularity, and the fetch modes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from zerospeed.testing import run_distributed
+
+from .zero3_extras_fixtures import E, micro_batch, reference, train_each
+
+STEPS, WORLD, MB = 3, 2, 2
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+
+
+def _runs(runs: list[dict[str, Any]], world: int = WORLD) -> list[list[dict[str, Any]]]:
+    """Each run's results, per rank: ``out[run][rank]``."""
+    per_rank = run_distributed(train_each, world, runs, STEPS, timeout=60 + 30 * len(runs))
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
+
+
+def test_a_leaf_moe_block_is_one_unit_and_trains_as_one_process() -> None:
+    # the fixture's ranks route to different experts (so per-expert gathers would diverge)
+    experts = [{int(t) % E for t in micro_batch(s, r, WORLD, MB)[0].reshape(-1)} for s in range(STEPS) for r in (0, 1)]
+    assert all(a.isdisjoint(b) for a, b in zip(experts[::2], experts[1::2]))
+    want = reference(STEPS, WORLD, MB)
+    runs = _runs([
+        {"zero": {}, "leaves": ("LoopMoeBlock",)},  # set_z3_leaf_modules
+        {"zero": {"leaf_module": {"names": ["block"]}}},
+        {"zero": {"leaf_module": {"classes": "tests.dist.zero3_extras_fixtures.LoopMoeBlock"}}},
+        # granularity (DeepSpeed's rule): root 2256 // 18 = 125, block 1152 // 14 = 82, each expert 280 // 3 = 93
+        {"zero": {"stage3_module_granularity_threshold": 90}},
+    ])
+    for run in runs:
+        for r in run:
+            _close(r["losses"], want)
+            assert "block" in r["units"] and not any(u.startswith("block.") for u in r["units"]), r["units"]
+
+
+def test_without_a_leaf_ranks_that_route_differently_are_named_not_hung() -> None:
+    with pytest.raises(Exception, match="ranks diverged"):
+        run_distributed(train_each, WORLD, [{"zero": {}}], 1, timeout=60)
+
+
+def test_hf_mixtral_block_is_a_leaf_by_default() -> None:
+    pytest.importorskip("transformers")
+    want = reference(STEPS, WORLD, MB, hf=True)
+    for r in _runs([{"zero": {}, "hf": True}])[0]:
+        assert "block.moe" in r["units"] and not any(u.startswith("block.moe.") for u in r["units"]), r["units"]
+        _close(r["losses"], want)
