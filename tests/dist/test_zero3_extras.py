@@ -54,3 +54,18 @@ def test_hf_mixtral_block_is_a_leaf_by_default() -> None:
     for r in _runs([{"zero": {}, "hf": True}])[0]:
         assert "block.moe" in r["units"] and not any(u.startswith("block.moe.") for u in r["units"]), r["units"]
         _close(r["losses"], want)
+
+
+def test_fetch_by_all_reduce_and_sequential_gathers_train_alike() -> None:
+    want = reference(STEPS, WORLD, MB)
+    leaf = {"leaf_module": {"names": ["block"]}}
+    plain, by_reduce, sequential = _runs([{"zero": leaf},
+                                          {"zero": {**leaf, "stage3_use_all_reduce_for_fetch_params": True}},
+                                          {"zero": {**leaf, "stage3_allgather_sequential": True}}])
+    for run in (plain, by_reduce, sequential):
+        for r in run:
+            _close(r["losses"], want)
+    p, a, s = plain[0]["ops"][-1], by_reduce[0]["ops"][-1], sequential[0]["ops"][-1]
+    # each gather of several parameters became one all-reduce (a gather of one stays an all-gather, as in DeepSpeed)
+    assert a["all_reduce"] - p["all_reduce"] == p["all_gather"] - a["all_gather"] > 0, (p, a)
+    assert s["all_gather"] >= p["all_gather"] + 17, (p, s)  # the block's 18 parameters: one gather each

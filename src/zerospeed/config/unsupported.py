@@ -58,8 +58,7 @@ NOT_SUPPORTED_YET: dict[str, str] = {
 }
 
 # Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
-STAGE3_KEYS = ("zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
-               "stage3_allgather_sequential")
+STAGE3_KEYS = ("zeropp_loco_param",)
 for _k in STAGE3_KEYS:
     NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
 

@@ -70,9 +70,13 @@ class ZeroConfig(Section):
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     """Modules gathered whole under stage 3, no hooks inside (zero/stage3/leaves.py); DeepSpeed's default
     classes are Hugging Face's sparse MoE blocks."""
-    # Accepted only when off (config/unsupported.py rejects them switched on).
-    stage3_module_granularity_threshold: int = 0
+    stage3_module_granularity_threshold: int = Field(0, ge=0)
+    """Modules of at most this many parameters per module below them become leaves (zero/stage3/leaves.py)."""
     stage3_use_all_reduce_for_fetch_params: bool = False
+    """Gathers of several parameters run as one all-reduce of a zeroed buffer (same values, no unpacking of ranks)."""
+    stage3_allgather_sequential: bool = False
+    """One all-gather per parameter (no bucketing of a module's parameters into one collective)."""
+    # Accepted only when off (config/unsupported.py rejects them switched on).
     zeropp_loco_param: Any = None
     # ZeRO-Offload of the optimizer step and state (config/offload.py).
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)

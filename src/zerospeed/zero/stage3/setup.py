@@ -180,6 +180,8 @@ class Stage3Runtime:
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
             lossy = zcfg.zero_quantized_weights if s.param.requires_grad else zcfg.zero_quantized_nontrainable_weights
             s.quantize_gather = "int8" if lossy else False
+            s.fetch_all_reduce = zcfg.stage3_use_all_reduce_for_fetch_params
+            s.fetch_sequential = zcfg.stage3_allgather_sequential
         self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
         self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
         for s in self.shards:
