@@ -10,7 +10,7 @@ import torch
 
 from zerospeed.testing import run_distributed
 
-from .zero3_extras_fixtures import E, micro_batch, reference, train_each
+from .zero3_extras_fixtures import E, make_model, micro_batch, reference, train_each
 
 STEPS, WORLD, MB = 3, 2, 2
 
@@ -69,3 +69,32 @@ def test_fetch_by_all_reduce_and_sequential_gathers_train_alike() -> None:
     # each gather of several parameters became one all-reduce (a gather of one stays an all-gather, as in DeepSpeed)
     assert a["all_reduce"] - p["all_reduce"] == p["all_gather"] - a["all_gather"] > 0, (p, a)
     assert s["all_gather"] >= p["all_gather"] + 17, (p, s)  # the block's 18 parameters: one gather each
+
+
+LEAF = {"leaf_module": {"names": ["block"]}}
+
+
+def test_mics_shards_within_groups_and_trains_as_one_process() -> None:
+    want2, want4 = reference(STEPS, 2, MB), reference(STEPS, 4, MB)
+    whole, one, two, levels = _runs([{"zero": LEAF}, {"zero": {**LEAF, "mics_shard_size": 1}},
+                                     {"zero": {**LEAF, "mics_shard_size": 2}},
+                                     {"zero": {**LEAF, "mics_shard_size": 2, "mics_hierarchical_params_gather": True},
+                                      "ranks_per_node": 1}])
+    for run in (one, two, levels):
+        for r in run:
+            _close(r["losses"], want2)
+    numel = sum(p.numel() for p in make_model().parameters())
+    assert one[0]["units"] == [] and one[0]["param_bytes"] == 4 * numel  # shard size 1: each rank holds it whole
+    assert two[0]["units"] == whole[0]["units"]
+    assert "inter:all_gather" in levels[0]["groups"] and "inter:all_gather" not in two[0]["groups"]
+    replicated, spanning = _runs([{"zero": {**LEAF, "mics_shard_size": 2}},
+                                  {"zero": {**LEAF, "mics_shard_size": 4, "mics_hierarchical_params_gather": True},
+                                   "ranks_per_node": 2}], world=4)
+    for run in (replicated, spanning):
+        for r in run:
+            _close(r["losses"], want4)
+    for rank, r in enumerate(replicated):  # gathers stay in the shard group; gradients cross the replicas
+        shard = (0, 1) if rank < 2 else (2, 3)
+        assert r["groups"]["all_gather"] == [shard], r["groups"]
+        assert ((rank % 2, rank % 2 + 2)) in r["groups"]["all_reduce"], r["groups"]
+    assert spanning[0]["groups"]["inter:all_gather"] == [(0, 2)] and spanning[0]["groups"]["intra:all_gather"] == [(0, 1)]

@@ -108,13 +108,18 @@ def reference(steps: int, world: int, mb: int, hf: bool = False) -> list[float]:
     return losses
 
 
-def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leaves: tuple[str, ...] = ()) -> dict[str, Any]:
+def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leaves: tuple[str, ...] = (),
+          ranks_per_node: int | None = None) -> dict[str, Any]:
     """A few steps of ZeRO-3 through zerospeed on the current group: global losses, units, gathers."""
+    import os
+
     import zerospeed
     from zerospeed import comm
     from zerospeed.utils import set_z3_leaf_modules
 
     rank, world = comm.get_rank(), comm.get_world_size()
+    if ranks_per_node is not None:  # simulated nodes (the launcher's variable)
+        os.environ["ZEROSPEED_RANKS_PER_NODE"] = str(ranks_per_node)
     model = make_model(hf)
     if leaves:
         set_z3_leaf_modules(model, list(leaves))
@@ -129,11 +134,15 @@ def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leave
         loss = engine(*micro_batch(step, rank, world, mb))
         engine.backward(loss)
         engine.step()
-        ops.append({k: v.count for k, v in comm.COMMS_LOGGER.snapshot().items()})
+        snap = comm.COMMS_LOGGER.snapshot()
+        ops.append({k: v.count for k, v in snap.items()})
+        groups = {k: sorted(v.groups) for k, v in snap.items()}  # the last step's: op -> the groups it ran on
         total = loss.detach().clone()
         comm.all_reduce(total)
         losses.append(float(total) / world)
-    return {"losses": losses, "units": [u.name for u in engine.zero3.units], "ops": ops}
+    os.environ.pop("ZEROSPEED_RANKS_PER_NODE", None)
+    return {"losses": losses, "units": [u.name for u in engine.zero3.units], "ops": ops,
+            "param_bytes": engine.zero3.param_bytes(), "groups": groups}
 
 
 def train_each(runs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:

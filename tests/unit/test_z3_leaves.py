@@ -77,3 +77,17 @@ def test_leaf_module_config_defaults_and_coercion() -> None:
         "stage3_module_granularity_threshold": 10}}).zero_optimization
     assert zero.leaf_module.classes == ["A"] and zero.leaf_module.names == ["x"]
     assert zero.stage3_module_granularity_threshold == 10
+
+
+def test_mics_sizes_are_checked_before_any_group_is_made() -> None:
+    from zerospeed.config import ConfigError
+    from zerospeed.zero.stage3.mics import mics_groups
+
+    assert mics_groups(-1, False, None, False) is None  # DeepSpeed's default: off
+    with pytest.raises(ConfigError, match="mics_shard_size 3 must be >= 1 and divide"):
+        mics_groups(3, False, None, False)
+    with pytest.raises(ConfigError, match="needs mics_shard_size >= 1"):
+        mics_groups(-1, True, None, False)
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}}).zero_optimization
+    assert (cfg.mics_shard_size, cfg.mics_hierarchical_params_gather) == (2, True)

@@ -43,8 +43,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
                                                          "ZenFlow optimizer process)",
-    "zero_optimization.mics_shard_size": "MiCS sharding",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",
     "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
     "zero_optimization.override_module_apply": "zero.Init overriding nn.Module.apply",
@@ -79,7 +77,6 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "managed_gradient_accumulation": (None, True),
     "gradient_allreduce_op": (None, "mean"),
     "checkpoint.checkpoint_serialization": (None, True),
-    "zero_optimization.mics_shard_size": (None, -1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
     "zero_optimization.zenflow.pt_reserved_cores_perc": (None, 0.5),
     "compile.free_activation_threshold": (None, 10 * 1024 * 1024),

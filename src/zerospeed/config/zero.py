@@ -76,6 +76,11 @@ class ZeroConfig(Section):
     """Gathers of several parameters run as one all-reduce of a zeroed buffer (same values, no unpacking of ranks)."""
     stage3_allgather_sequential: bool = False
     """One all-gather per parameter (no bucketing of a module's parameters into one collective)."""
+    mics_shard_size: int = Field(-1, ge=-1)
+    """MiCS (zero/stage3/mics.py): stage 3 partitioned within groups of this many consecutive ranks, replicated
+    across them (gradients all-reduced over the replicas at each boundary); -1: off."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: a shard group spanning nodes gathers across its nodes first, then inside each node."""
     # Accepted only when off (config/unsupported.py rejects them switched on).
     zeropp_loco_param: Any = None
     # ZeRO-Offload of the optimizer step and state (config/offload.py).

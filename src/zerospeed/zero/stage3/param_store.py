@@ -114,6 +114,7 @@ class ParamShard:
         # buffer holding this rank's shards; stage3_allgather_sequential: one collective per parameter
         self.fetch_all_reduce = False
         self.fetch_sequential = False
+        self.levels: comm.Hierarchy | None = None  # MiCS hierarchical gather: across nodes, then inside the node
         self.secondary_exact = True  # the secondary was cut from an exact value: exact gathers may use it
 
     @property
@@ -345,7 +346,7 @@ class GatherOp:
         self.send: torch.Tensor | None = None
         if first.fetch_all_reduce and not quantize and not secondary and len(self.shards) > 1:
             self._gather_all_reduce(parts, group, async_op)  # DeepSpeed: coalesced, exact, primary gathers only
-        elif not quantize and not secondary and all(s.home is None for s in self.shards) \
+        elif not quantize and not secondary and all(s.home is None for s in self.shards) and first.levels is None \
                 and comm.gathers_in_place(first.local, group):  # type: ignore[arg-type]
             self._gather_in_place(group, async_op)
         else:
@@ -381,6 +382,9 @@ class GatherOp:
         if quantize:
             codec = quantize if isinstance(quantize, str) else "int8"
             self.handle = comm.quantized_all_gather(self.out, send, group=group, async_op=async_op, codec=codec)
+        elif first.levels is not None and group is first.group:
+            comm.hierarchical_all_gather(self.out, send, first.levels)  # MiCS: two levels, the same rank order
+            self.handle = None
         else:
             self.handle = comm.all_gather(self.out, send, group=group, async_op=async_op)
 

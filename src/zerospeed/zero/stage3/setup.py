@@ -14,6 +14,7 @@ distance and a ``Lockstep`` (every gather checked to be the same on all ranks); 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -31,6 +32,7 @@ from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
 from .leaves import apply_leaf_rules, granularity_leaves, z3_leaf_module
 from .lockstep import Lockstep
+from .mics import MicsGroups, mics_groups
 from .qgz import QuantizedGradients
 from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
 
@@ -71,8 +73,10 @@ class _Persistence:
 
 @torch.no_grad()
 def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
-             zcfg: ZeroConfig, home: ShardHome | None, group_of: dict[int, comm.Group] | None = None) -> list[ParamShard]:
-    world = comm.get_world_size(group)
+             zcfg: ZeroConfig, home: ShardHome | None, group_of: dict[int, comm.Group] | None = None,
+             mics: MicsGroups | None = None) -> list[ParamShard]:
+    """``mics``: parameters broadcast over ``group`` but cut over the MiCS shard group."""
+    world = comm.get_world_size(group if mics is None else mics.shard)
     persists = _Persistence(zcfg.stage3_param_persistence_threshold, zcfg.stage3_model_persistence_threshold,
                             always=world == 1 and home is None)
     shards = []
@@ -81,6 +85,9 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         target = dtype if p.is_floating_point() or (state and state.dtype.is_floating_point) else None
         own = (group_of or {}).get(id(p), group)  # MoE experts: their expert-data-parallel group
         if state is not None:
+            if mics is not None:
+                raise NotSupportedYetError("zero_optimization.mics_shard_size", "MiCS with a model built under "
+                                           "zero.Init is not supported yet by zerospeed: build it outside zero.Init")
             if own is not group and comm.get_world_size(own) != world:
                 raise ValueError("a parameter with a partition group of its own (an MoE expert's) was partitioned "
                                  "by zero.Init over the whole data-parallel group: build the MoE layers outside "
@@ -92,8 +99,9 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
             comm.broadcast(p.data, src=comm.global_rank_of(own, 0), group=own)
-            whole = comm.get_world_size(own) == 1 and home is None  # nothing to cut it over
-            state = partition(p, own, persistent=whole or persists(p.numel()))
+            cut = mics.shard if mics is not None and own is group else own
+            whole = comm.get_world_size(cut) == 1 and home is None  # nothing to cut it over
+            state = partition(p, cut, persistent=whole or persists(p.numel()))
             if home is not None and not state.persistent:
                 home.adopt(state)
         shards.append(state)
@@ -176,12 +184,18 @@ class Stage3Runtime:
         self.device = device
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
         self.param_home = param_home
-        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home, group_of)
+        offloaded = param_home is not None or zcfg.offload_optimizer.device != "none"
+        self.mics = mics_groups(zcfg.mics_shard_size, zcfg.mics_hierarchical_params_gather, dp_group, offloaded)
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home, group_of, self.mics)
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
             lossy = zcfg.zero_quantized_weights if s.param.requires_grad else zcfg.zero_quantized_nontrainable_weights
             s.quantize_gather = "int8" if lossy else False
             s.fetch_all_reduce = zcfg.stage3_use_all_reduce_for_fetch_params
             s.fetch_sequential = zcfg.stage3_allgather_sequential
+            s.levels = None if self.mics is None else self.mics.hierarchy
+        if self.mics is not None and (zcfg.zero_hpz_partition_size > 1 or zcfg.zero_quantized_gradients):
+            raise NotSupportedYetError("zero_optimization.mics_shard_size", "MiCS with ZeRO++ hpZ or qgZ is not "
+                                       "supported yet by zerospeed")
         self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
         self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
         for s in self.shards:
@@ -191,6 +205,10 @@ class Stage3Runtime:
         units = [unit for _, unit in owners]
         unit_of = {id(m): unit for m, unit in owners}
         self.units = units
+        # A leaf's parameters may get gradients on some ranks only (the experts each rank routed to): a bucket
+        # then fills at different moments per rank, so its reduce-scatter would interleave differently with
+        # the gathers on the same group. Buckets are reduced after backward instead (overlap_comm off).
+        self.uneven_grads = any(z3_leaf_module(m) for m, _ in owners)
         for m, unit in owners:
             _UNITS[m] = unit
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
@@ -215,10 +233,15 @@ class Stage3Runtime:
     def make_group(self, params: list[nn.Parameter], options: dict[str, Any], rank: int,
                    bucket_numel: int, defer_master: bool = False, separate_master: bool = False,
                    group: comm.Group | None = None) -> Stage3Group:
-        """``group``: the one the params are partitioned over when not the data-parallel group (MoE experts)."""
+        """``group``: the one the params are partitioned over when not the data-parallel group (MoE experts).
+        MiCS: the shard group, and this rank's place in it."""
+        if group is None and self.mics is not None:
+            group, rank = self.mics.shard, comm.get_rank(self.mics.shard)
         group = self.dp_group if group is None else group
-        return Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
+        made = Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
                            self.compute_dtype, group, defer_master, separate_master)
+        made.replica_group = self.mics.replicas if self.mics is not None and group is self.mics.shard else None
+        return made
 
     def make_reducer(self, groups: list[Any], settings: ReduceSettings, group: comm.Group | None = None,
                      wiring: Any = None) -> Stage3Reducer:
@@ -226,7 +249,13 @@ class Stage3Runtime:
             raise ConfigError("zero_optimization.zero_quantized_gradients", "qgZ replaces the gradient "
                               "reduce-scatter: it needs zero_optimization.reduce_scatter: true")
         qgz = self.qgz if group is None else None  # qgZ's node layout is the data-parallel group's (MoE experts: none)
-        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz, wiring)
+        if self.uneven_grads and settings.overlap_comm:
+            settings = dataclasses.replace(settings, overlap_comm=False)
+        replicas = None
+        if group is None and self.mics is not None:  # MiCS: reduce-scatter in the shard group, then across replicas
+            group, replicas = self.mics.shard, self.mics.replicas
+        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz, wiring,
+                             replicas)
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
