@@ -74,7 +74,7 @@ def test_fetch_by_all_reduce_and_sequential_gathers_train_alike() -> None:
 LEAF = {"leaf_module": {"names": ["block"]}}
 
 
-def test_mics_shards_within_groups_and_trains_as_one_process() -> None:
+def test_mics_shards_within_groups_and_trains_as_one_process(tmp_path: Any) -> None:
     want2, want4 = reference(STEPS, 2, MB), reference(STEPS, 4, MB)
     whole, one, two, levels = _runs([{"zero": LEAF}, {"zero": {**LEAF, "mics_shard_size": 1}},
                                      {"zero": {**LEAF, "mics_shard_size": 2}},
@@ -87,7 +87,7 @@ def test_mics_shards_within_groups_and_trains_as_one_process() -> None:
     assert one[0]["units"] == [] and one[0]["param_bytes"] == 4 * numel  # shard size 1: each rank holds it whole
     assert two[0]["units"] == whole[0]["units"]
     assert "inter:all_gather" in levels[0]["groups"] and "inter:all_gather" not in two[0]["groups"]
-    replicated, spanning = _runs([{"zero": {**LEAF, "mics_shard_size": 2}},
+    replicated, spanning = _runs([{"zero": {**LEAF, "mics_shard_size": 2}, "save_to": str(tmp_path)},
                                   {"zero": {**LEAF, "mics_shard_size": 4, "mics_hierarchical_params_gather": True},
                                    "ranks_per_node": 2}], world=4)
     for run in (replicated, spanning):
@@ -97,4 +97,5 @@ def test_mics_shards_within_groups_and_trains_as_one_process() -> None:
         shard = (0, 1) if rank < 2 else (2, 3)
         assert r["groups"]["all_gather"] == [shard], r["groups"]
         assert ((rank % 2, rank % 2 + 2)) in r["groups"]["all_reduce"], r["groups"]
+    assert "NotSupportedYetError" in replicated[0]["refused"] and "save_checkpoint with MiCS" in replicated[0]["refused"]
     assert spanning[0]["groups"]["inter:all_gather"] == [(0, 2)] and spanning[0]["groups"]["intra:all_gather"] == [(0, 1)]

@@ -109,7 +109,7 @@ def reference(steps: int, world: int, mb: int, hf: bool = False) -> list[float]:
 
 
 def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leaves: tuple[str, ...] = (),
-          ranks_per_node: int | None = None) -> dict[str, Any]:
+          ranks_per_node: int | None = None, save_to: str | None = None) -> dict[str, Any]:
     """A few steps of ZeRO-3 through zerospeed on the current group: global losses, units, gathers."""
     import os
 
@@ -141,8 +141,14 @@ def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leave
         comm.all_reduce(total)
         losses.append(float(total) / world)
     os.environ.pop("ZEROSPEED_RANKS_PER_NODE", None)
+    refused = None
+    if save_to is not None:
+        try:
+            engine.save_checkpoint(save_to)
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            refused = f"{type(exc).__name__}: {exc}"
     return {"losses": losses, "units": [u.name for u in engine.zero3.units], "ops": ops,
-            "param_bytes": engine.zero3.param_bytes(), "groups": groups}
+            "param_bytes": engine.zero3.param_bytes(), "groups": groups, "refused": refused}
 
 
 def train_each(runs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:

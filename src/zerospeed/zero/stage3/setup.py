@@ -257,6 +257,14 @@ class Stage3Runtime:
         return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz, wiring,
                              replicas)
 
+    def check_checkpointable(self) -> None:
+        """Checkpoints store each rank's partition by its place in the data-parallel group; MiCS's replicated
+        partitions are not written that way yet (refused before anything is written, not saved wrong)."""
+        if self.mics is not None and self.mics.replicas is not None:
+            raise NotSupportedYetError("zero_optimization.mics_shard_size", "save_checkpoint with MiCS (a shard "
+                                       "size smaller than the data-parallel world) is not supported yet by zerospeed; "
+                                       "engine.save_16bit_model() and zerospeed.zero.full_state_dict() work")
+
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
         """Bytes of parameters this rank keeps between uses (shards, and whole persistent parameters).
