@@ -87,9 +87,13 @@ def test_mics_shards_within_groups_and_trains_as_one_process(tmp_path: Any) -> N
     assert one[0]["units"] == [] and one[0]["param_bytes"] == 4 * numel  # shard size 1: each rank holds it whole
     assert two[0]["units"] == whole[0]["units"]
     assert "inter:all_gather" in levels[0]["groups"] and "inter:all_gather" not in two[0]["groups"]
-    replicated, spanning = _runs([{"zero": {**LEAF, "mics_shard_size": 2}, "save_to": str(tmp_path)},
-                                  {"zero": {**LEAF, "mics_shard_size": 4, "mics_hierarchical_params_gather": True},
-                                   "ranks_per_node": 2}], world=4)
+    qgz = {**LEAF, "zero_quantized_gradients": True}  # LoCo rides along in this world-4 fork (see below)
+    replicated, spanning, int4, loco = _runs([
+        {"zero": {**LEAF, "mics_shard_size": 2}, "save_to": str(tmp_path)},
+        {"zero": {**LEAF, "mics_shard_size": 4, "mics_hierarchical_params_gather": True}, "ranks_per_node": 2},
+        {"zero": qgz, "ranks_per_node": 2},
+        {"zero": {**qgz, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}, "ranks_per_node": 2}], world=4)
+    _loco_checks(int4, loco, want4)
     for run in (replicated, spanning):
         for r in run:
             _close(r["losses"], want4)
@@ -99,3 +103,32 @@ def test_mics_shards_within_groups_and_trains_as_one_process(tmp_path: Any) -> N
         assert ((rank % 2, rank % 2 + 2)) in r["groups"]["all_reduce"], r["groups"]
     assert "NotSupportedYetError" in replicated[0]["refused"] and "save_checkpoint with MiCS" in replicated[0]["refused"]
     assert spanning[0]["groups"]["inter:all_gather"] == [(0, 2)] and spanning[0]["groups"]["intra:all_gather"] == [(0, 1)]
+
+
+def _loco_checks(int4: list[dict[str, Any]], loco: list[dict[str, Any]], want: list[float]) -> None:
+    """zeropp_loco_param (world 4 = 2 nodes x 2): qgZ with LoCo trains within int4's tolerance of one process,
+    and its error feedback changes what is sent (the losses after the first step differ from plain qgZ's)."""
+    for r in loco:
+        torch.testing.assert_close(r["losses"], want, rtol=0.02, atol=0)
+    assert loco[0]["losses"][0] == int4[0]["losses"][0] and loco[0]["losses"][1:] != int4[0]["losses"][1:]
+    assert loco[0]["groups"]["inter:all_to_all"] == int4[0]["groups"]["inter:all_to_all"]
+
+
+def test_loco_error_feedback_sends_what_quantisation_dropped() -> None:
+    """One simulated rank, the same input reduced 40 times: with LoCo the outputs average to the input."""
+    from types import SimpleNamespace
+
+    from zerospeed import comm
+    from zerospeed.comm.hierarchy import NodeLayout
+
+    h = SimpleNamespace(layout=NodeLayout(1, 1), intra=None, inter=None)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(64)
+    comm.quantized_reduce_scatter(out, x, h, 16)
+    plain = (out - x).abs().mean()
+    errors = (torch.zeros(64), torch.zeros(64))
+    total = torch.zeros(64)
+    for _ in range(40):
+        comm.quantized_reduce_scatter(out, x, h, 16, errors, err_beta=0.8)
+        total += out
+    assert (total / 40 - x).abs().mean() < 0.25 * plain, ((total / 40 - x).abs().mean(), plain)

@@ -55,11 +55,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "bf16.immediate_grad_update": "bf16 immediate gradient update",
 }
 
-# Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
-STAGE3_KEYS = ("zeropp_loco_param",)
-for _k in STAGE3_KEYS:
-    NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
-
 # The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain
 # torch.compile (engine.compile()) reads none of them, in DeepSpeed as here.
 DEEPCOMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",

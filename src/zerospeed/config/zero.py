@@ -81,8 +81,8 @@ class ZeroConfig(Section):
     across them (gradients all-reduced over the replicas at each boundary); -1: off."""
     mics_hierarchical_params_gather: bool = False
     """MiCS: a shard group spanning nodes gathers across its nodes first, then inside each node."""
-    # Accepted only when off (config/unsupported.py rejects them switched on).
-    zeropp_loco_param: Any = None
+    zeropp_loco_param: dict[str, Any] | None = None
+    """LoCo error feedback for qgZ's int4 gradients: ``{"err_beta": 0.8, "reset_T": 1024}`` (zero/stage3/qgz.py)."""
     # ZeRO-Offload of the optimizer step and state (config/offload.py).
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     # ZeRO-Infinity: stage-3 parameter shards on the host or on disk (config/offload.py).
@@ -137,6 +137,20 @@ class ZeroConfig(Section):
         if v == "auto":
             return _AUTO_DEFAULTS[info.field_name]  # type: ignore[attr-defined]
         return v
+
+    @field_validator("zeropp_loco_param")
+    @classmethod
+    def _loco(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """DeepSpeed reads ``err_beta`` and ``reset_T`` (both required there); others are typos."""
+        if v is None:
+            return v
+        unknown = set(v) - {"err_beta", "reset_T"}
+        if unknown:
+            raise ValueError(f"zeropp_loco_param takes err_beta and reset_T, got {sorted(unknown)}")
+        beta, reset = v.get("err_beta", 0.8), v.get("reset_T", 1024)
+        if not 0.0 <= float(beta) <= 1.0 or int(reset) < 1:
+            raise ValueError(f"zeropp_loco_param needs 0 <= err_beta <= 1 and reset_T >= 1, got {beta}, {reset}")
+        return {"err_beta": float(beta), "reset_T": int(reset)}
 
     @model_validator(mode="after")
     def _zenflow_needs_cpu_offload(self) -> "ZeroConfig":

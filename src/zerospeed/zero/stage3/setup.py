@@ -33,7 +33,7 @@ from .hooks import HINT, install
 from .leaves import apply_leaf_rules, granularity_leaves, z3_leaf_module
 from .lockstep import Lockstep
 from .mics import MicsGroups, mics_groups
-from .qgz import QuantizedGradients
+from .qgz import LocoParams, QuantizedGradients
 from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
@@ -130,9 +130,13 @@ def _hpz_group(size: int, dp_group: comm.Group | None, home: ShardHome | None) -
     return HpzGroup(group, size, comm.get_rank(group))
 
 
-def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | None:
-    """ZeRO++ qgZ over the launcher's nodes (``LOCAL_WORLD_SIZE`` ranks each); one node: plain reduce-scatter."""
+def _qgz(enabled: bool, dp_group: comm.Group | None, loco: dict[str, Any] | None = None) -> QuantizedGradients | None:
+    """ZeRO++ qgZ over the launcher's nodes (``LOCAL_WORLD_SIZE`` ranks each); one node: plain reduce-scatter.
+    ``loco``: ``zeropp_loco_param`` (LoCo error feedback; used by qgZ only, as in DeepSpeed)."""
     world = comm.get_world_size(dp_group)
+    if loco is not None and not enabled:
+        warnings.warn("zeropp_loco_param has no effect without zero_quantized_gradients (LoCo compensates qgZ's "
+                      "int4 gradients; as in DeepSpeed, it is ignored)", stacklevel=3)
     if not enabled or world == 1:
         return None
     if world != comm.get_world_size():
@@ -143,7 +147,7 @@ def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | Non
         warnings.warn("zero_quantized_gradients: all ranks are on one node (LOCAL_WORLD_SIZE = world size), so "
                       "gradients are reduce-scattered unquantised, as DeepSpeed does", stacklevel=3)
         return None
-    return QuantizedGradients(comm.Hierarchy(per_node), dp_group)
+    return QuantizedGradients(comm.Hierarchy(per_node), dp_group, None if loco is None else LocoParams(**loco))
 
 
 def _units(module: nn.Module, zcfg: ZeroConfig) -> list[tuple[nn.Module, Unit]]:
@@ -197,7 +201,7 @@ class Stage3Runtime:
             raise NotSupportedYetError("zero_optimization.mics_shard_size", "MiCS with ZeRO++ hpZ or qgZ is not "
                                        "supported yet by zerospeed")
         self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
-        self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
+        self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group, zcfg.zeropp_loco_param)
         for s in self.shards:
             if not s.persistent:
                 s.hpz = self.hpz
