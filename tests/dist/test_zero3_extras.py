@@ -132,3 +132,22 @@ def test_loco_error_feedback_sends_what_quantisation_dropped() -> None:
         comm.quantized_reduce_scatter(out, x, h, 16, errors, err_beta=0.8)
         total += out
     assert (total / 40 - x).abs().mean() < 0.25 * plain, ((total / 40 - x).abs().mean(), plain)
+
+
+def test_sanity_checks_legacy_stage1_and_apply_under_init_train_as_one_process() -> None:
+    want, want_reinit = reference(STEPS, WORLD, MB), reference(STEPS, WORLD, MB, reinit=True)
+    sane, quiet, legacy, applied, plain_apply = _runs([
+        {"zero": {**LEAF, "enable_sanity_checks": True}, "modify_gathered": True},
+        {"zero": LEAF, "modify_gathered": True},
+        {"zero": {"stage": 1, "legacy_stage1": True}},
+        {"zero": {**LEAF, "override_module_apply": True}, "in_init": True},
+        {"zero": {**LEAF, "override_module_apply": False}, "in_init": True}])
+    for run in (sane, quiet, legacy):
+        for r in run:
+            _close(r["losses"], want)
+    for run in (applied, plain_apply):
+        for r in run:
+            _close(r["losses"], want_reinit)
+    assert [r["refused"] for r in sane] == ["ModifiedWithoutModifierError"] * WORLD
+    assert [r["refused"] for r in quiet] == [None] * WORLD  # off (DeepSpeed's default): no check
+    assert legacy[0]["units"] == []  # stage 1: nothing gathered

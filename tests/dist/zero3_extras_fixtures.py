@@ -75,9 +75,20 @@ class MoeNet(nn.Module):
         return F.cross_entropy(self.head(self.norm(h)).reshape(-1, V), targets.reshape(-1))
 
 
-def make_model(hf: bool = False) -> MoeNet:
+def _reinit(m: nn.Module) -> None:
+    """A parent's weight re-initialisation through ``apply`` (as Hugging Face's ``post_init`` does)."""
+    if isinstance(m, nn.Linear):
+        m.weight.data.mul_(0.5)
+        if m.bias is not None:
+            nn.init.constant_(m.bias, 0.01)
+
+
+def make_model(hf: bool = False, reinit: bool = False) -> MoeNet:
     torch.manual_seed(0)
-    return MoeNet(hf)
+    model = MoeNet(hf)
+    if reinit:
+        model.apply(_reinit)
+    return model
 
 
 def micro_batch(step: int, rank: int, world: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +104,9 @@ def global_batch(step: int, world: int, mb: int) -> tuple[torch.Tensor, torch.Te
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def reference(steps: int, world: int, mb: int, hf: bool = False) -> list[float]:
+def reference(steps: int, world: int, mb: int, hf: bool = False, reinit: bool = False) -> list[float]:
     """One process, the whole global batch, AdamW."""
-    model = make_model(hf)
+    model = make_model(hf, reinit)
     opt = torch.optim.AdamW(model.parameters(), lr=OPT["lr"], betas=tuple(OPT["betas"]), eps=OPT["eps"],
                             weight_decay=OPT["weight_decay"])
     losses = []
@@ -109,7 +120,8 @@ def reference(steps: int, world: int, mb: int, hf: bool = False) -> list[float]:
 
 
 def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leaves: tuple[str, ...] = (),
-          ranks_per_node: int | None = None, save_to: str | None = None) -> dict[str, Any]:
+          ranks_per_node: int | None = None, save_to: str | None = None, in_init: bool = False,
+          modify_gathered: bool = False) -> dict[str, Any]:
     """A few steps of ZeRO-3 through zerospeed on the current group: global losses, units, gathers."""
     import os
 
@@ -120,13 +132,17 @@ def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leave
     rank, world = comm.get_rank(), comm.get_world_size()
     if ranks_per_node is not None:  # simulated nodes (the launcher's variable)
         os.environ["ZEROSPEED_RANKS_PER_NODE"] = str(ranks_per_node)
-    model = make_model(hf)
-    if leaves:
-        set_z3_leaf_modules(model, list(leaves))
     cfg = {"train_micro_batch_size_per_gpu": mb, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": dict(OPT)},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_prefetch_bucket_size": 200, "reduce_bucket_size": 300, **zero}}
+    if in_init:  # built partitioned; its apply(_reinit) runs on cut parameters
+        with zerospeed.zero.Init(config_dict_or_path=cfg):
+            model = make_model(hf, reinit=True)
+    else:
+        model = make_model(hf)
+    if leaves:
+        set_z3_leaf_modules(model, list(leaves))
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses, ops = [], []
     for step in range(steps):
@@ -142,13 +158,20 @@ def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leave
         losses.append(float(total) / world)
     os.environ.pop("ZEROSPEED_RANKS_PER_NODE", None)
     refused = None
+    if modify_gathered:  # a change inside GatheredParameters without a modifier rank
+        try:
+            with zerospeed.zero.GatheredParameters(model.head.weight):
+                model.head.weight.data.add_(1.0)
+        except Exception as exc:  # noqa: BLE001 - the error's name is what the test checks
+            refused = type(exc).__name__
     if save_to is not None:
         try:
             engine.save_checkpoint(save_to)
         except Exception as exc:  # noqa: BLE001 - the message is what the test checks
             refused = f"{type(exc).__name__}: {exc}"
-    return {"losses": losses, "units": [u.name for u in engine.zero3.units], "ops": ops,
-            "param_bytes": engine.zero3.param_bytes(), "groups": groups, "refused": refused}
+    z3 = engine.zero3
+    return {"losses": losses, "units": [u.name for u in z3.units] if z3 else [], "ops": ops,
+            "param_bytes": z3.param_bytes() if z3 else 0, "groups": groups, "refused": refused}
 
 
 def train_each(runs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:

@@ -91,3 +91,12 @@ def test_mics_sizes_are_checked_before_any_group_is_made() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
         "stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}}).zero_optimization
     assert (cfg.mics_shard_size, cfg.mics_hierarchical_params_gather) == (2, True)
+
+
+def test_legacy_stage1_is_read_as_stage1_only() -> None:
+    from zerospeed.config import ConfigError
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "legacy_stage1": True}})
+    assert cfg.zero_stage == 1 and cfg.zero_optimization.legacy_stage1
+    with pytest.raises(ConfigError, match="legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "legacy_stage1": True}})

@@ -43,10 +43,7 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
                                                          "ZenFlow optimizer process)",
-    "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
-    "zero_optimization.override_module_apply": "zero.Init overriding nn.Module.apply",
-    "zero_optimization.enable_sanity_checks": "ZeRO internal sanity checks",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",

@@ -83,6 +83,13 @@ class ZeroConfig(Section):
     """MiCS: a shard group spanning nodes gathers across its nodes first, then inside each node."""
     zeropp_loco_param: dict[str, Any] | None = None
     """LoCo error feedback for qgZ's int4 gradients: ``{"err_beta": 0.8, "reset_T": 1024}`` (zero/stage3/qgz.py)."""
+    override_module_apply: bool = True
+    """zero.Init's nn.Module.apply override (DeepSpeed); always in effect here by other means (config/hints.py)."""
+    enable_sanity_checks: bool = False
+    """Stage 3: ``GatheredParameters`` without a modifier rank must leave its parameters unchanged, else a named
+    error on every rank (zero/stage3/sanity.py)."""
+    legacy_stage1: bool = False
+    """DeepSpeed's pre-0.5.9 ZeRO-1 (removed there): read as stage 1, whose partitioning and math are the same."""
     # ZeRO-Offload of the optimizer step and state (config/offload.py).
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     # ZeRO-Infinity: stage-3 parameter shards on the host or on disk (config/offload.py).
@@ -162,6 +169,17 @@ class ZeroConfig(Section):
         if self.offload_optimizer.ratio < 1.0:
             raise ValueError("zenflow with offload_optimizer.ratio < 1 (partial offload) is not supported yet by "
                              "zerospeed; use one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _legacy_stage1_is_stage1(self) -> "ZeroConfig":
+        """``legacy_stage1``: the same optimizer-state partitioning as stage 1 (DeepSpeed >= 0.5.9 refuses it;
+        zerospeed reads it as the stage-1 alias it is mathematically)."""
+        if self.legacy_stage1:
+            if self.stage != 1:
+                raise ValueError(f"legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1, got stage {self.stage}")
+            _log.warning("zero_optimization.legacy_stage1: read as ZeRO stage 1 (the same partitioning and math; "
+                         "DeepSpeed >= 0.5.9 refuses the key)")
         return self
 
     @model_validator(mode="after")

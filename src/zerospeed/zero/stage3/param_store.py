@@ -115,6 +115,7 @@ class ParamShard:
         self.fetch_all_reduce = False
         self.fetch_sequential = False
         self.levels: comm.Hierarchy | None = None  # MiCS hierarchical gather: across nodes, then inside the node
+        self.sanity_checks = False  # zero_optimization.enable_sanity_checks (zero/stage3/sanity.py)
         self.secondary_exact = True  # the secondary was cut from an exact value: exact gathers may use it
 
     @property

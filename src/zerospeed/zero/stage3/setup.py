@@ -197,6 +197,7 @@ class Stage3Runtime:
             s.fetch_all_reduce = zcfg.stage3_use_all_reduce_for_fetch_params
             s.fetch_sequential = zcfg.stage3_allgather_sequential
             s.levels = None if self.mics is None else self.mics.hierarchy
+            s.sanity_checks = zcfg.enable_sanity_checks
         if self.mics is not None and (zcfg.zero_hpz_partition_size > 1 or zcfg.zero_quantized_gradients):
             raise NotSupportedYetError("zero_optimization.mics_shard_size", "MiCS with ZeRO++ hpZ or qgZ is not "
                                        "supported yet by zerospeed")
