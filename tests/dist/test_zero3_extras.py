@@ -10,7 +10,7 @@ import torch
 
 from zerospeed.testing import run_distributed
 
-from .zero3_extras_fixtures import E, make_model, micro_batch, reference, train_each
+from .zero3_extras_fixtures import E, make_model, micro_batch, reference, train, train_each
 
 STEPS, WORLD, MB = 3, 2, 2
 
@@ -137,7 +137,7 @@ def test_loco_error_feedback_sends_what_quantisation_dropped() -> None:
 def test_sanity_checks_legacy_stage1_and_apply_under_init_train_as_one_process() -> None:
     want, want_reinit = reference(STEPS, WORLD, MB), reference(STEPS, WORLD, MB, reinit=True)
     sane, quiet, legacy, applied, plain_apply = _runs([
-        {"zero": {**LEAF, "enable_sanity_checks": True}, "modify_gathered": True},
+        {"zero": {**LEAF, "enable_sanity_checks": True}, "modify_gathered": True, "root": {"disable_allgather": True}},
         {"zero": LEAF, "modify_gathered": True},
         {"zero": {"stage": 1, "legacy_stage1": True}},
         {"zero": {**LEAF, "override_module_apply": True}, "in_init": True},
@@ -151,3 +151,18 @@ def test_sanity_checks_legacy_stage1_and_apply_under_init_train_as_one_process()
     assert [r["refused"] for r in sane] == ["ModifiedWithoutModifierError"] * WORLD
     assert [r["refused"] for r in quiet] == [None] * WORLD  # off (DeepSpeed's default): no check
     assert legacy[0]["units"] == []  # stage 1: nothing gathered
+
+
+
+def _graphs() -> str:
+    from zerospeed.config import ConfigError
+
+    try:
+        train({}, 1, root={"graph_harvesting": True})
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_graph_harvesting_off_cuda_is_refused_naming_the_device() -> None:
+    assert "need a CUDA device; this engine runs on 'cpu'" in run_distributed(_graphs, 1, timeout=60)[0]

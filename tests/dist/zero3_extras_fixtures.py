@@ -121,7 +121,7 @@ def reference(steps: int, world: int, mb: int, hf: bool = False, reinit: bool = 
 
 def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leaves: tuple[str, ...] = (),
           ranks_per_node: int | None = None, save_to: str | None = None, in_init: bool = False,
-          modify_gathered: bool = False) -> dict[str, Any]:
+          modify_gathered: bool = False, root: dict[str, Any] | None = None) -> dict[str, Any]:
     """A few steps of ZeRO-3 through zerospeed on the current group: global losses, units, gathers."""
     import os
 
@@ -135,7 +135,8 @@ def train(zero: dict[str, Any], steps: int, mb: int = 2, hf: bool = False, leave
     cfg = {"train_micro_batch_size_per_gpu": mb, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": dict(OPT)},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_prefetch_bucket_size": 200, "reduce_bucket_size": 300, **zero}}
+                                 "stage3_prefetch_bucket_size": 200, "reduce_bucket_size": 300, **zero},
+           **(root or {})}
     if in_init:  # built partitioned; its apply(_reinit) runs on cut parameters
         with zerospeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(hf, reinit=True)

@@ -112,7 +112,6 @@ def test_deepspeed_keys_we_lack_say_not_supported_yet_never_unknown() -> None:
              ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                      "zenflow": {"pt_reserved_cores_perc": 0.3}}},
               "zero_optimization.zenflow.pt_reserved_cores_perc"),
-             ({"seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type"),
              ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
              ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
              ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write")]

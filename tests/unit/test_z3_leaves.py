@@ -98,5 +98,16 @@ def test_legacy_stage1_is_read_as_stage1_only() -> None:
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "legacy_stage1": True}})
     assert cfg.zero_stage == 1 and cfg.zero_optimization.legacy_stage1
-    with pytest.raises(ConfigError, match="legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1"):
-        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "legacy_stage1": True}})
+    from zerospeed.runtime.facts import ModelFacts
+    from zerospeed.runtime.plan import plan_training
+
+    two = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "legacy_stage1": True}})
+    with pytest.raises(ConfigError, match="legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1") as info:
+        plan_training(two, ModelFacts())
+    assert info.value.key == "zero_optimization.legacy_stage1"
+
+
+def test_disable_allgather_true_says_it_has_no_effect(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zerospeed.config"):
+        assert load_config({"train_micro_batch_size_per_gpu": 1, "disable_allgather": True}).disable_allgather
+    assert "disable_allgather: true has no effect" in caplog.text

@@ -77,6 +77,14 @@ class ZeroSpeedConfig(Section):
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """DeepSpeed: with sequence_parallel_size > 1 the gradients are reduced in this dtype (it replaces
+    communication_data_type there)."""
+    disable_allgather: bool = False
+    """Parsed by DeepSpeed 0.19.8 and read nowhere (every stage still all-gathers what its math needs): true is
+    accepted with a warning saying so."""
+    graph_harvesting: bool = False
+    """DeepSpeed's CUDA-graph capture of the bf16 optimizer's norm and gradient copy (runtime/graphs.py)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
@@ -151,7 +159,15 @@ class ZeroSpeedConfig(Section):
         """Accelerate and the HF Trainer write ``float("inf")`` (JSON ``Infinity``): never print, as DeepSpeed."""
         return None if isinstance(v, float) and math.isinf(v) and v > 0 else v
 
-    @field_validator("communication_data_type", mode="before")
+    @field_validator("disable_allgather")
+    @classmethod
+    def _disable_allgather_has_no_effect(cls, v: bool) -> bool:
+        if v:
+            _log.warning("disable_allgather: true has no effect: DeepSpeed 0.19.8 parses it and reads it nowhere (every "
+                         "ZeRO stage still all-gathers what its math needs); zerospeed does the same")
+        return v
+
+    @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod
     def _dtype_alias(cls, v: Any) -> Any:
         aliases = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "half": "fp16", "fp16": "fp16",

@@ -3,8 +3,7 @@
 A listed key that is present and switched on raises ``NotSupportedYetError`` naming it; one that is
 present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``, an object whose
 values are all off) is accepted, since honouring "off" is not ignoring it. A few keys are "off" at a
-value of their own (``ACCEPTED_VALUES``: ``seq_parallel_communication_data_type: "fp32"``, DeepSpeed's
-default; ``gradient_allreduce_op: "mean"``, what zerospeed always does; ...).
+value of their own (``ACCEPTED_VALUES``: ``gradient_allreduce_op: "mean"``, what zerospeed always does; ...).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from typing import Any
 from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
     "compression_training": "compression training",
     "data_efficiency.data_sampling.dynamic_batching": "dynamic batching with learning-rate scaling",
@@ -23,7 +21,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
     "torch_autocast": "torch autocast mixed precision (torch_autocast)",
-    "graph_harvesting": "graph harvesting (CUDA graphs)",
     "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
     "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",
     "quantize_training": "quantization-aware training",
@@ -31,7 +28,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "datastates_ckpt": "DataStates checkpointing",
     "data_types.grad_accum_dtype": "data_types.grad_accum_dtype (the gradient accumulation dtype)",
     "sparse_gradients": "sparse gradients",
-    "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "weight_quantization": "weight quantization",
@@ -65,7 +61,6 @@ for _k in DEEPCOMPILE_KEYS:
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "seq_parallel_communication_data_type": (None, "fp32", "float32"),
     "managed_gradient_accumulation": (None, True),
     "gradient_allreduce_op": (None, "mean"),
     "checkpoint.checkpoint_serialization": (None, True),

@@ -174,10 +174,8 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _legacy_stage1_is_stage1(self) -> "ZeroConfig":
         """``legacy_stage1``: the same optimizer-state partitioning as stage 1 (DeepSpeed >= 0.5.9 refuses it;
-        zerospeed reads it as the stage-1 alias it is mathematically)."""
+        zerospeed reads it as the stage-1 alias it is mathematically; at another stage: runtime/plan.py refuses)."""
         if self.legacy_stage1:
-            if self.stage != 1:
-                raise ValueError(f"legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1, got stage {self.stage}")
             _log.warning("zero_optimization.legacy_stage1: read as ZeRO stage 1 (the same partitioning and math; "
                          "DeepSpeed >= 0.5.9 refuses the key)")
         return self

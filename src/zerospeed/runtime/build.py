@@ -25,6 +25,7 @@ from .build_parallel import Grids
 from .deepspeed_rules import check_data_parallel_size, prefer_client_objects
 from .engine import Engine
 from .facts import model_facts
+from .graphs import check_graph_harvesting
 from .lockstep import check_same_model
 from .parts import EngineParts
 from .plan import TrainPlan, plan_training
@@ -145,8 +146,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     from .autotuning_probe import profile_model_info
 
     profile_model_info(cfg, model)  # an autotuner's model-info run ends here
-    policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type)
+    # DeepSpeed: with sequence parallelism, seq_parallel_communication_data_type replaces communication_data_type
+    comm_type = cfg.seq_parallel_communication_data_type if plan.sequence else cfg.communication_data_type
+    policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, comm_type)
     device = get_accelerator().device()
+    check_graph_harvesting(cfg.graph_harvesting, device)
     limit_heap_retention()  # freed tensors leave the host RSS (accelerator/host_malloc.py)
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
