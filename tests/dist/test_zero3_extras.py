@@ -12,32 +12,55 @@ from zerospeed.testing import run_distributed
 
 from .zero3_extras_fixtures import E, make_model, micro_batch, reference, train, train_each
 
-STEPS, WORLD, MB = 3, 2, 2
+STEPS, WORLD, MB = 2, 2, 2
 
 
 def _close(got: list[float], want: list[float]) -> None:
     torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
 
 
-def _runs(runs: list[dict[str, Any]], world: int = WORLD) -> list[list[dict[str, Any]]]:
+def _runs(runs: list[dict[str, Any]], world: int = WORLD, steps: int = STEPS) -> list[list[dict[str, Any]]]:
     """Each run's results, per rank: ``out[run][rank]``."""
-    per_rank = run_distributed(train_each, world, runs, STEPS, timeout=60 + 30 * len(runs))
+    per_rank = run_distributed(train_each, world, runs, steps, timeout=60 + 30 * len(runs))
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 
 
-def test_a_leaf_moe_block_is_one_unit_and_trains_as_one_process() -> None:
+LEAF = {"leaf_module": {"names": ["block"]}}
+# Every world-2 run of this file, trained once in one set of forked ranks (the ``w2`` fixture).
+WORLD2: dict[str, dict[str, Any]] = {
+    "leaf_api": {"zero": {}, "leaves": ("LoopMoeBlock",)},  # set_z3_leaf_modules
+    "leaf": {"zero": LEAF},
+    "leaf_class": {"zero": {"leaf_module": {"classes": "tests.dist.zero3_extras_fixtures.LoopMoeBlock"}}},
+    # granularity (DeepSpeed's rule): root 2256 // 18 = 125, block 1152 // 14 = 82, each expert 280 // 3 = 93
+    "granularity": {"zero": {"stage3_module_granularity_threshold": 90}},
+    "hf": {"zero": {}, "hf": True},
+    "by_reduce": {"zero": {**LEAF, "stage3_use_all_reduce_for_fetch_params": True}},
+    "sequential": {"zero": {**LEAF, "stage3_allgather_sequential": True}},
+    "mics1": {"zero": {**LEAF, "mics_shard_size": 1}},
+    "mics2": {"zero": {**LEAF, "mics_shard_size": 2}},
+    "mics2_levels": {"zero": {**LEAF, "mics_shard_size": 2, "mics_hierarchical_params_gather": True},
+                     "ranks_per_node": 1},
+    "sane": {"zero": {**LEAF, "enable_sanity_checks": True}, "modify_gathered": True,
+             "root": {"disable_allgather": True}},
+    "quiet": {"zero": LEAF, "modify_gathered": True},
+    "legacy": {"zero": {"stage": 1, "legacy_stage1": True}},
+    "apply": {"zero": {**LEAF, "override_module_apply": True}, "in_init": True},
+    "apply_off": {"zero": {**LEAF, "override_module_apply": False}, "in_init": True},
+}
+
+
+@pytest.fixture(scope="module")
+def w2() -> dict[str, list[dict[str, Any]]]:
+    pytest.importorskip("transformers")
+    return dict(zip(WORLD2, _runs(list(WORLD2.values()))))
+
+
+def test_a_leaf_moe_block_is_one_unit_and_trains_as_one_process(w2: dict[str, list[dict[str, Any]]]) -> None:
     # the fixture's ranks route to different experts (so per-expert gathers would diverge)
     experts = [{int(t) % E for t in micro_batch(s, r, WORLD, MB)[0].reshape(-1)} for s in range(STEPS) for r in (0, 1)]
     assert all(a.isdisjoint(b) for a, b in zip(experts[::2], experts[1::2]))
     want = reference(STEPS, WORLD, MB)
-    runs = _runs([
-        {"zero": {}, "leaves": ("LoopMoeBlock",)},  # set_z3_leaf_modules
-        {"zero": {"leaf_module": {"names": ["block"]}}},
-        {"zero": {"leaf_module": {"classes": "tests.dist.zero3_extras_fixtures.LoopMoeBlock"}}},
-        # granularity (DeepSpeed's rule): root 2256 // 18 = 125, block 1152 // 14 = 82, each expert 280 // 3 = 93
-        {"zero": {"stage3_module_granularity_threshold": 90}},
-    ])
-    for run in runs:
+    for run in (w2["leaf_api"], w2["leaf"], w2["leaf_class"], w2["granularity"]):
         for r in run:
             _close(r["losses"], want)
             assert "block" in r["units"] and not any(u.startswith("block.") for u in r["units"]), r["units"]
@@ -48,20 +71,16 @@ def test_without_a_leaf_ranks_that_route_differently_are_named_not_hung() -> Non
         run_distributed(train_each, WORLD, [{"zero": {}}], 1, timeout=60)
 
 
-def test_hf_mixtral_block_is_a_leaf_by_default() -> None:
-    pytest.importorskip("transformers")
+def test_hf_mixtral_block_is_a_leaf_by_default(w2: dict[str, list[dict[str, Any]]]) -> None:
     want = reference(STEPS, WORLD, MB, hf=True)
-    for r in _runs([{"zero": {}, "hf": True}])[0]:
+    for r in w2["hf"]:
         assert "block.moe" in r["units"] and not any(u.startswith("block.moe.") for u in r["units"]), r["units"]
         _close(r["losses"], want)
 
 
-def test_fetch_by_all_reduce_and_sequential_gathers_train_alike() -> None:
+def test_fetch_by_all_reduce_and_sequential_gathers_train_alike(w2: dict[str, list[dict[str, Any]]]) -> None:
     want = reference(STEPS, WORLD, MB)
-    leaf = {"leaf_module": {"names": ["block"]}}
-    plain, by_reduce, sequential = _runs([{"zero": leaf},
-                                          {"zero": {**leaf, "stage3_use_all_reduce_for_fetch_params": True}},
-                                          {"zero": {**leaf, "stage3_allgather_sequential": True}}])
+    plain, by_reduce, sequential = w2["leaf"], w2["by_reduce"], w2["sequential"]
     for run in (plain, by_reduce, sequential):
         for r in run:
             _close(r["losses"], want)
@@ -71,15 +90,10 @@ def test_fetch_by_all_reduce_and_sequential_gathers_train_alike() -> None:
     assert s["all_gather"] >= p["all_gather"] + 17, (p, s)  # the block's 18 parameters: one gather each
 
 
-LEAF = {"leaf_module": {"names": ["block"]}}
-
-
-def test_mics_shards_within_groups_and_trains_as_one_process(tmp_path: Any) -> None:
-    want2, want4 = reference(STEPS, 2, MB), reference(STEPS, 4, MB)
-    whole, one, two, levels = _runs([{"zero": LEAF}, {"zero": {**LEAF, "mics_shard_size": 1}},
-                                     {"zero": {**LEAF, "mics_shard_size": 2}},
-                                     {"zero": {**LEAF, "mics_shard_size": 2, "mics_hierarchical_params_gather": True},
-                                      "ranks_per_node": 1}])
+def test_mics_shards_within_groups_and_trains_as_one_process(w2: dict[str, list[dict[str, Any]]],
+                                                             tmp_path: Any) -> None:
+    want2, want4 = reference(STEPS, 2, MB), reference(3, 4, MB)  # 3 steps: LoCo's feedback shows from the third
+    whole, one, two, levels = w2["leaf"], w2["mics1"], w2["mics2"], w2["mics2_levels"]
     for run in (one, two, levels):
         for r in run:
             _close(r["losses"], want2)
@@ -92,7 +106,8 @@ def test_mics_shards_within_groups_and_trains_as_one_process(tmp_path: Any) -> N
         {"zero": {**LEAF, "mics_shard_size": 2}, "save_to": str(tmp_path)},
         {"zero": {**LEAF, "mics_shard_size": 4, "mics_hierarchical_params_gather": True}, "ranks_per_node": 2},
         {"zero": qgz, "ranks_per_node": 2},
-        {"zero": {**qgz, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}, "ranks_per_node": 2}], world=4)
+        {"zero": {**qgz, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}, "ranks_per_node": 2}], world=4,
+        steps=3)
     _loco_checks(int4, loco, want4)
     for run in (replicated, spanning):
         for r in run:
@@ -134,14 +149,10 @@ def test_loco_error_feedback_sends_what_quantisation_dropped() -> None:
     assert (total / 40 - x).abs().mean() < 0.25 * plain, ((total / 40 - x).abs().mean(), plain)
 
 
-def test_sanity_checks_legacy_stage1_and_apply_under_init_train_as_one_process() -> None:
+def test_sanity_checks_legacy_stage1_and_apply_under_init_train_as_one_process(
+        w2: dict[str, list[dict[str, Any]]]) -> None:
     want, want_reinit = reference(STEPS, WORLD, MB), reference(STEPS, WORLD, MB, reinit=True)
-    sane, quiet, legacy, applied, plain_apply = _runs([
-        {"zero": {**LEAF, "enable_sanity_checks": True}, "modify_gathered": True, "root": {"disable_allgather": True}},
-        {"zero": LEAF, "modify_gathered": True},
-        {"zero": {"stage": 1, "legacy_stage1": True}},
-        {"zero": {**LEAF, "override_module_apply": True}, "in_init": True},
-        {"zero": {**LEAF, "override_module_apply": False}, "in_init": True}])
+    sane, quiet, legacy, applied, plain_apply = (w2[k] for k in ("sane", "quiet", "legacy", "apply", "apply_off"))
     for run in (sane, quiet, legacy):
         for r in run:
             _close(r["losses"], want)
