@@ -182,10 +182,11 @@ class ZeroConfig(Section):
 
     @model_validator(mode="after")
     def _zeropp_needs_stage3(self) -> "ZeroConfig":
-        """ZeRO++ hpZ / qgZ act on stage 3's gathers and reduce-scatters only: a warning below it (ignored)."""
+        """ZeRO++ hpZ / qgZ and MiCS act on stage 3's gathers and reduce-scatters only: a warning below it (ignored)."""
         on = [k for k, v in (("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
-                             ("zero_quantized_gradients", self.zero_quantized_gradients)) if v]
+                             ("zero_quantized_gradients", self.zero_quantized_gradients),
+                             ("mics_shard_size", self.mics_shard_size > 0)) if v]
         if on and self.stage < 3:
-            _log.warning("zero_optimization.%s has no effect at ZeRO stage %d (ZeRO++ needs stage 3; as in DeepSpeed, "
-                         "it is ignored)", " and ".join(on), self.stage)
+            _log.warning("zero_optimization.%s has no effect at ZeRO stage %d (ZeRO++ and MiCS need stage 3; as in "
+                         "DeepSpeed, it is ignored)", " and ".join(on), self.stage)
         return self
