@@ -34,6 +34,8 @@ def test_set_get_unset_by_class_object_short_and_qualified_name() -> None:
     assert set_z3_leaf_modules(net, [Block]) == list(net.blocks)
     assert get_z3_leaf_modules(net) == list(net.blocks) and z3_leaf_module(net.blocks[0])
     assert z3_leaf_parameter(net.blocks[1].a.weight, net) and not z3_leaf_parameter(net.head.weight, net)
+    with pytest.raises(TypeError, match="pass the model"):
+        z3_leaf_parameter(net.head.weight)
     assert unset_z3_leaf_modules(net, ["Block"]) == list(net.blocks) and get_z3_leaf_modules(net) == []
     set_z3_leaf_modules(net, [f"{Block.__module__}.Block"])
     assert get_z3_leaf_modules(net) == list(net.blocks)

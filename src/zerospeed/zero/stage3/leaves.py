@@ -41,10 +41,11 @@ def z3_leaf_module(model: nn.Module) -> bool:
 
 
 def z3_leaf_parameter(param: nn.Parameter, model: nn.Module | None = None) -> bool:
-    """Whether ``param`` belongs to a leaf module (of ``model`` when given; DeepSpeed marks the parameter
-    instead, zerospeed keeps no attributes on parameters, so without ``model`` the answer is False)."""
+    """Whether ``param`` belongs to a leaf module of ``model``. DeepSpeed marks the parameter itself and takes
+    the parameter alone; zerospeed keeps no attributes on parameters, so it needs the model too."""
     if model is None:
-        return False
+        raise TypeError("z3_leaf_parameter(param, model): zerospeed keeps no marks on parameters; pass the model "
+                        "whose leaf modules to look in")
     return any(param is p for m in get_z3_leaf_modules(model) for p in m.parameters())
 
 
