@@ -102,14 +102,17 @@ def test_mics_shards_within_groups_and_trains_as_one_process(w2: dict[str, list[
     assert two[0]["units"] == whole[0]["units"]
     assert "inter:all_gather" in levels[0]["groups"] and "inter:all_gather" not in two[0]["groups"]
     qgz = {**LEAF, "zero_quantized_gradients": True}  # LoCo rides along in this world-4 fork (see below)
-    replicated, spanning, int4, loco = _runs([
+    # ``leaf4``: a leaf at world 4 (each rank its own expert): its buckets are reduced after backward, else their
+    # reduce-scatters interleave differently per rank with the gathers on the same group (a hang, before)
+    leaf4, replicated, spanning, int4, loco = _runs([
+        {"zero": LEAF},
         {"zero": {**LEAF, "mics_shard_size": 2}, "save_to": str(tmp_path)},
         {"zero": {**LEAF, "mics_shard_size": 4, "mics_hierarchical_params_gather": True}, "ranks_per_node": 2},
         {"zero": qgz, "ranks_per_node": 2},
         {"zero": {**qgz, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}, "ranks_per_node": 2}], world=4,
         steps=3)
     _loco_checks(int4, loco, want4)
-    for run in (replicated, spanning):
+    for run in (leaf4, replicated, spanning):
         for r in run:
             _close(r["losses"], want4)
     for rank, r in enumerate(replicated):  # gathers stay in the shard group; gradients cross the replicas
