@@ -25,7 +25,9 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.pipe.topology": "zerospeed.parallel.topology",
     "zerospeed.runtime.pipe.schedule": "zerospeed.parallel.pipeline.schedule",
     "zerospeed.runtime.utils": "zerospeed.parallel.pipeline.partition",
-    "zerospeed.utils": ("zerospeed.data.repeating", "zerospeed.runtime.log", "zerospeed.zero.fragments"),
+    "zerospeed.utils": ("zerospeed.data.repeating", "zerospeed.runtime.log", "zerospeed.zero.fragments",
+                        "zerospeed.zero.stage3.leaves"),
+    "zerospeed.utils.z3_leaf_module": "zerospeed.zero.stage3.leaves",
     "zerospeed.utils.logging": "zerospeed.runtime.log",
     "zerospeed.utils.tensor_fragment": "zerospeed.zero.fragments",
     "zerospeed.runtime.lr_schedules": ("zerospeed.optim.schedules", "zerospeed.compat.lr_schedule_names"),
@@ -117,6 +119,11 @@ class _AliasLoader(importlib.abc.Loader):
         module.__all__ = exported  # type: ignore[attr-defined]
         module.__doc__ = f"DeepSpeed-path alias of {', '.join(self.targets)} (see zerospeed/_aliases.py)."
         module.__path__ = []  # type: ignore[attr-defined]  # may be the parent of other aliases
+        for name in exported:  # a name that is also a submodule (deepspeed.utils.z3_leaf_module): DeepSpeed's package
+            if f"{module.__name__}.{name}" in ALIASES:  # imports the submodule, then binds the name over it
+                value = getattr(module, name)
+                importlib.import_module(f"{module.__name__}.{name}")
+                setattr(module, name, value)
 
         def __getattr__(name: str) -> Any:  # noqa: N807 - module-level attribute fallback
             if f"{module.__name__}.{name}" in ALIASES:  # a DeepSpeed submodule path wins over a target's own import

@@ -22,11 +22,11 @@ def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _reference(dp: int, gas: int = 1) -> tuple[list[float], list[float]]:
+def _reference(dp: int, gas: int = 1, steps: int = STEPS) -> tuple[list[float], list[float]]:
     model = GPT(CFG, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _batch(step, MB * dp * gas)
         _, loss = model(x, y)
         opt.zero_grad()
@@ -37,11 +37,12 @@ def _reference(dp: int, gas: int = 1) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
-def _train(stage: int, sp: int, gas: int = 1, zero_extra: dict | None = None) -> dict:
+def _train(stage: int, sp: int, gas: int = 1, zero_extra: dict | None = None, extra: dict | None = None,
+           steps: int = STEPS) -> dict:
     model = GPT(CFG, seed=3)
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
               "sequence_parallel_size": sp, "zero_optimization": {"stage": stage, **(zero_extra or {})},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **(extra or {})}
     engine, *_ = zerospeed.initialize(model=model, config=config)
     sequence_parallel_gpt(model, engine.seq_parallel_group)
     dp, d = engine.dp_world_size, engine.get_data_parallel_rank()
@@ -49,7 +50,7 @@ def _train(stage: int, sp: int, gas: int = 1, zero_extra: dict | None = None) ->
     chunk = SEQ // sp
     losses, norms = [], []
     cols, pos = slice(r * chunk, (r + 1) * chunk), torch.arange(r * chunk, (r + 1) * chunk)
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _batch(step, MB * dp * gas)
         total = torch.zeros(())
         for micro in range(gas):  # micro-batch ``micro`` of data replica d: rows as a data-parallel loader gives
@@ -62,6 +63,7 @@ def _train(stage: int, sp: int, gas: int = 1, zero_extra: dict | None = None) ->
         losses.append(total.item() / comm.get_world_size() / gas)
         norms.append(engine.get_global_grad_norm())
     return {"losses": losses, "norms": norms, "dp": dp, "train_batch": engine.train_batch_size() // gas,
+            "comm_dtype": str(engine.optimizer.reducer.s.comm_dtype),
             "sp_size": comm.get_world_size(engine.seq_parallel_group)}
 
 
@@ -83,6 +85,22 @@ def test_gpt_ulysses_with_accumulation_and_cpu_offload(stage: int) -> None:
     for r in run_distributed(_train, 4, stage, 2, 2, offload, timeout=180):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+
+
+def _both_dtypes(stage: int) -> list[dict]:
+    """sp=2: gradients reduced in bf16 (DeepSpeed's seq_parallel_communication_data_type), then the fp32 default
+    with a bf16 communication_data_type that sequence parallelism replaces (as in DeepSpeed)."""
+    return [_train(stage, 2, extra={"seq_parallel_communication_data_type": "bf16"}, steps=3),
+            _train(stage, 2, extra={"communication_data_type": "bf16"}, steps=3)]
+
+
+def test_seq_parallel_communication_data_type_is_the_gradient_dtype_under_sequence_parallelism() -> None:
+    ref_losses, _ = _reference(1, steps=3)
+    for bf16, fp32 in run_distributed(_both_dtypes, 2, 2, timeout=180):
+        assert (bf16["comm_dtype"], fp32["comm_dtype"]) == ("torch.bfloat16", "torch.float32")
+        torch.testing.assert_close(torch.tensor(fp32["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+        assert bf16["losses"] != fp32["losses"]
 
 
 def _resume(stage: int, path: str) -> tuple[list[float], list[float]]:

@@ -82,6 +82,8 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
      "gradient_allreduce_op", NotSupportedYetError),
     (dict(stage=1, managed_gradient_accumulation=False), ModelFacts(pipelined=True), "managed_gradient_accumulation",
      ConfigError),
+    (dict(stage=3, zero={"mics_shard_size": 2}), ModelFacts(optimizer=OptimizerFacts(client=False, class_name="Lamb")),
+     "zero_optimization.mics_shard_size", NotSupportedYetError),
 ])
 def test_each_combination_is_refused_with_its_key(cfg: dict[str, Any], facts: ModelFacts, key: str,
                                                   kind: type) -> None:

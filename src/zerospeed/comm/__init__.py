@@ -43,7 +43,7 @@ from .collectives import (
     reduce_scatter,
 )
 from .compressed import all_to_all, compressed_all_reduce, error_buffers, pack_signs, padded_numel, unpack_signs
-from .hierarchy import Hierarchy, intra_node_group, ranks_per_node_from_env
+from .hierarchy import Hierarchy, hierarchical_all_gather, intra_node_group, ranks_per_node_from_env
 from .logger import COMMS_LOGGER, CommsLogger, OpStats, recording
 from .quantized_grads import dequantize_int4, quantize_int4, quantized_reduce_scatter
 from .quantized import (QuantizedGather, dequantize_fp8, dequantize_int8, quant_groups, quantize_fp8, quantize_int8,
@@ -64,7 +64,7 @@ __all__ = [
     "all_to_all", "compressed_all_reduce", "error_buffers", "pack_signs", "padded_numel", "unpack_signs",
     "row_sparse_all_reduce", "sparse_all_reduce", "topk_count", "union_sparse_all_reduce",
     "PendingTensor", "all_gather_along_dim", "reduce_scatter_along_dim",
-    "Hierarchy", "intra_node_group", "ranks_per_node_from_env", "dequantize_int4", "quantize_int4", "quantized_reduce_scatter",
+    "Hierarchy", "hierarchical_all_gather", "intra_node_group", "ranks_per_node_from_env", "dequantize_int4", "quantize_int4", "quantized_reduce_scatter",
     "QuantizedGather", "dequantize_fp8", "dequantize_int8", "quant_groups", "quantize_fp8", "quantize_int8",
     "quantized_all_gather",
     "all_gather_into_tensor", "configure", "destroy_process_group", "get_global_rank", "get_world_group",

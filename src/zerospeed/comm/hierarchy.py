@@ -77,16 +77,27 @@ def intra_node_group(ranks_per_node: int) -> Group:
 
 
 class Hierarchy:
-    """The intra- and inter-node groups of this rank (every rank must build it, in the same order)."""
+    """The intra- and inter-node groups of this rank (every rank must build it, in the same order).
 
-    def __init__(self, ranks_per_node: int | None = None) -> None:
+    ``block``: a hierarchy inside each block of ``block`` consecutive world ranks (a MiCS shard group that spans
+    nodes) instead of the whole world; ``rank`` and ``layout`` are then the block's.
+    """
+
+    def __init__(self, ranks_per_node: int | None = None, block: int | None = None) -> None:
         world = get_world_size()
-        self.layout = NodeLayout(world, ranks_per_node or ranks_per_node_from_env())
-        self.rank = get_rank()
-        intra = [new_group(self.layout.intra_ranks(n)) for n in range(self.layout.nodes)]
-        inter = [new_group(self.layout.inter_ranks(i)) for i in range(self.layout.ranks_per_node)]
-        self.intra: Group = intra[self.layout.node_of(self.rank)]
-        self.inter: Group = inter[self.layout.local_rank(self.rank)]
+        size = block or world
+        if world % size:
+            raise ValueError(f"block size {size} must divide the world size {world}")
+        self.layout = NodeLayout(size, ranks_per_node or ranks_per_node_from_env())
+        self.rank = get_rank() % size
+        mine = get_rank() // size
+        for b in range(world // size):
+            base = b * size
+            intra = [new_group([base + r for r in self.layout.intra_ranks(n)]) for n in range(self.layout.nodes)]
+            inter = [new_group([base + r for r in self.layout.inter_ranks(i)]) for i in range(self.layout.ranks_per_node)]
+            if b == mine:
+                self.intra: Group = intra[self.layout.node_of(self.rank)]
+                self.inter: Group = inter[self.layout.local_rank(self.rank)]
 
 
 def _reduce_scatter(level: str, out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:

@@ -17,6 +17,10 @@ plus ``4`` bytes per block at each level, against ``2 n`` for an fp16 reduce-sca
 logged as ``intra:all_to_all`` and ``inter:all_to_all``. Unlike DeepSpeed's kernel, which leaves the sum
 over the node's ranks divided only by the number of nodes, the result here is the plain sum (the caller
 scales it, as after a reduce-scatter).
+
+LoCo (``zeropp_loco_param``, arXiv 2407.04480): with error buffers ``e`` (one per level, kept by the caller
+between steps) each level sends ``Q(x + e)`` instead of ``Q(x)`` and then updates
+``e <- beta * e + (1 - beta) * (x + e - deQ(Q(x + e)))``: what quantisation dropped is sent later, averaged.
 """
 
 from __future__ import annotations
@@ -58,9 +62,21 @@ def _all_to_all(level: str, out: torch.Tensor, inp: torch.Tensor, group: Group) 
          lambda: dist.all_to_all_single(out, inp, group=resolve(group)))
 
 
-def _exchange(level: str, values: torch.Tensor, block: int, parts: int, group: Group) -> torch.Tensor:
+def _compensated(values: torch.Tensor, block: int, err: torch.Tensor | None,
+                 beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 of ``values``; with LoCo's error buffer ``err`` (flat, updated in place), of ``values + err``."""
+    if err is None:
+        return quantize_int4(values.reshape(-1), block)
+    x = values.reshape(-1).float() + err
+    q, s = quantize_int4(x, block)
+    err.mul_(beta).add_(x - dequantize_int4(q, s), alpha=1.0 - beta)
+    return q, s
+
+
+def _exchange(level: str, values: torch.Tensor, block: int, parts: int, group: Group,
+              err: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
     """Quantise ``values`` ([parts, m]), send part ``i`` to member ``i``; the received parts, dequantised."""
-    q, s = quantize_int4(values.reshape(-1), block)
+    q, s = _compensated(values, block, err, beta)
     q_in, s_in = torch.empty_like(q), torch.empty_like(s)
     _all_to_all(level, q_in, q, group)
     _all_to_all(level, s_in, s, group)
@@ -68,14 +84,17 @@ def _exchange(level: str, values: torch.Tensor, block: int, parts: int, group: G
 
 
 @torch.no_grad()
-def quantized_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, h: Hierarchy, block: int) -> None:
+def quantized_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, h: Hierarchy, block: int,
+                             errors: tuple[torch.Tensor, torch.Tensor] | None = None, err_beta: float = 0.8) -> None:
     """``out`` (``c`` elements, ``block`` dividing ``c``) gets the sum over all ranks of this rank's chunk of
-    ``inp`` (``world * c`` elements, rank-major), moved as int4."""
+    ``inp`` (``world * c`` elements, rank-major), moved as int4. ``errors``: LoCo's fp32 error buffers
+    (``world * c`` elements for the intra-node level, ``nodes * c`` for the inter-node one), updated."""
     nodes, k = h.layout.nodes, h.layout.ranks_per_node
     c = out.numel()
     if inp.numel() != nodes * k * c:
         raise ValueError(f"quantized_reduce_scatter: input of {inp.numel()} elements is not {nodes * k} chunks of {c}")
     swizzled = inp.reshape(nodes, k, c).transpose(0, 1)  # [local][node][c]
-    node_sum = _exchange("intra", swizzled, block, k, h.intra).sum(dim=0)  # [node * c]: my local index, summed
-    total = _exchange("inter", node_sum, block, nodes, h.inter).sum(dim=0)  # my chunk, summed over nodes
+    intra, inter = errors if errors is not None else (None, None)
+    node_sum = _exchange("intra", swizzled, block, k, h.intra, intra, err_beta).sum(dim=0)  # [node * c]: my local
+    total = _exchange("inter", node_sum, block, nodes, h.inter, inter, err_beta).sum(dim=0)  # index; my chunk
     out.reshape(-1).copy_(total)

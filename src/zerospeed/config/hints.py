@@ -41,6 +41,11 @@ ACCEPTED_HINTS: dict[str, str] = {
         "under stage 3 a gathered weight's storage is freed after its module's forward even when autograd "
         "saved a view of it (e.g. W.t() in F.linear) and refilled for backward, for every op, not only "
         "linear: the memory effect of true; the computation is the same either way"),
+    "zero_optimization.override_module_apply": (
+        "DeepSpeed wraps nn.Module.apply inside zero.Init so that apply(fn) sees gathered parameters; zerospeed "
+        "patches nothing: inside zero.Init every torch call that touches a cut parameter, in apply or anywhere "
+        "else, runs on its full value and is written back (zero/stage3/init_writes.py), which is what true asks "
+        "for; with false DeepSpeed would leave apply's writes on the empty placeholders, zerospeed still keeps them"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": (
         "DeepSpeed's choice to keep Muon's momentum in memory while other optimizer state is swapped to NVMe; "
         "zerospeed always keeps it in memory (Muon with NVMe optimizer offload is refused), what true asks for"),

@@ -84,13 +84,21 @@ class ZeroSpeedConfig(Section):
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     """DeepSpeed's: average the data-parallel gradients (``mean``) or sum them (``sum``: no pre/post scaling)."""
     managed_gradient_accumulation: bool = True
+    """DeepSpeed's: ``false`` lets the caller own the accumulation boundary: every backward accumulates, every
+    ``step()`` reduces what is held and applies the update (runtime/torch_backward.py)."""
     sparse_gradients: bool = False
     """DeepSpeed's: at stage 0 the gradients of ``nn.Embedding`` / ``nn.EmbeddingBag`` weights travel as their
     nonzero rows (row indices and rows all-gathered) instead of a dense all-reduce; no effect with ZeRO (as DeepSpeed)."""
-    """DeepSpeed's: ``false`` lets the caller own the accumulation boundary: every backward accumulates, every
-    ``step()`` reduces what is held and applies the update (runtime/torch_backward.py)."""
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """DeepSpeed: with sequence_parallel_size > 1 the gradients are reduced in this dtype (it replaces
+    communication_data_type there)."""
+    disable_allgather: bool = False
+    """Parsed by DeepSpeed 0.19.8 and read nowhere (every stage still all-gathers what its math needs): true is
+    accepted with a warning saying so."""
+    graph_harvesting: bool = False
+    """DeepSpeed's CUDA-graph capture of the bf16 optimizer's norm and gradient copy (runtime/graphs.py)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
@@ -183,7 +191,15 @@ class ZeroSpeedConfig(Section):
     def _level_lower(cls, v: Any) -> Any:
         return v.lower() if isinstance(v, str) else v
 
-    @field_validator("communication_data_type", mode="before")
+    @field_validator("disable_allgather")
+    @classmethod
+    def _disable_allgather_has_no_effect(cls, v: bool) -> bool:
+        if v:
+            _log.warning("disable_allgather: true has no effect: DeepSpeed 0.19.8 parses it and reads it nowhere (every "
+                         "ZeRO stage still all-gathers what its math needs); zerospeed does the same")
+        return v
+
+    @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod
     def _dtype_alias(cls, v: Any) -> Any:
         aliases = {"float32": "fp32", "fp32": "fp32", "float16": "fp16", "half": "fp16", "fp16": "fp16",

@@ -3,8 +3,8 @@
 A listed key that is present and switched on raises ``NotSupportedYetError`` naming it; one that is
 present but off (``false``, ``{"enabled": false}``, ``{"device": "none"}``, ``null``, an object whose
 values are all off) is accepted, since honouring "off" is not ignoring it. A few keys are "off" at a
-value of their own (``ACCEPTED_VALUES``: ``seq_parallel_communication_data_type: "fp32"``, DeepSpeed's
-default; ...).
+value of their own (``ACCEPTED_VALUES``: ``zero_optimization.offload_optimizer.cpuadam_cores_perc: 0.8``,
+DeepSpeed's default; ...).
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from typing import Any
 from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "compression_training": "compression training",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
-    "graph_harvesting": "graph harvesting (CUDA graphs)",
     "quantize_training": "quantization-aware training",
     "nebula": "Nebula checkpointing",
     "datastates_ckpt": "DataStates checkpointing",
-    "disable_allgather": "disable_allgather",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
@@ -34,21 +31,9 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
                                                          "ZenFlow optimizer process)",
-    "zero_optimization.mics_shard_size": "MiCS sharding",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical parameter gathering",
-    "zero_optimization.legacy_stage1": "the legacy ZeRO stage 1",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
-    "zero_optimization.override_module_apply": "zero.Init overriding nn.Module.apply",
-    "zero_optimization.enable_sanity_checks": "ZeRO internal sanity checks",
-    "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
 }
-
-# Stage-3 options not implemented yet (the stage-3 sizes, persistence and 16-bit save keys are supported).
-STAGE3_KEYS = ("stage3_module_granularity_threshold", "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params",
-               "stage3_allgather_sequential")
-for _k in STAGE3_KEYS:
-    NOT_SUPPORTED_YET[f"zero_optimization.{_k}"] = f"ZeRO stage 3 ({_k})"
 
 # The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain
 # torch.compile (engine.compile()) reads none of them, in DeepSpeed as here.
@@ -75,9 +60,7 @@ for _k in AUTOEP_ROUTING_KEYS:
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "seq_parallel_communication_data_type": (None, "fp32", "float32"),
     "checkpoint.checkpoint_serialization": (None, True),
-    "zero_optimization.mics_shard_size": (None, -1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
     "zero_optimization.zenflow.pt_reserved_cores_perc": (None, 0.5),
     "compile.free_activation_threshold": (None, 10 * 1024 * 1024),

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from .base import Section
+from .leaf_module import LeafModuleConfig
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
 from .zenflow import ZenFlowConfig
 
@@ -66,10 +67,29 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
-    # Accepted only when off (config/unsupported.py rejects them switched on).
-    stage3_module_granularity_threshold: int = 0
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Modules gathered whole under stage 3, no hooks inside (zero/stage3/leaves.py); DeepSpeed's default
+    classes are Hugging Face's sparse MoE blocks."""
+    stage3_module_granularity_threshold: int = Field(0, ge=0)
+    """Modules of at most this many parameters per module below them become leaves (zero/stage3/leaves.py)."""
     stage3_use_all_reduce_for_fetch_params: bool = False
-    zeropp_loco_param: Any = None
+    """Gathers of several parameters run as one all-reduce of a zeroed buffer (same values, no unpacking of ranks)."""
+    stage3_allgather_sequential: bool = False
+    """One all-gather per parameter (no bucketing of a module's parameters into one collective)."""
+    mics_shard_size: int = Field(-1, ge=-1)
+    """MiCS (zero/stage3/mics.py): stage 3 partitioned within groups of this many consecutive ranks, replicated
+    across them (gradients all-reduced over the replicas at each boundary); -1: off."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: a shard group spanning nodes gathers across its nodes first, then inside each node."""
+    zeropp_loco_param: dict[str, Any] | None = None
+    """LoCo error feedback for qgZ's int4 gradients: ``{"err_beta": 0.8, "reset_T": 1024}`` (zero/stage3/qgz.py)."""
+    override_module_apply: bool = True
+    """zero.Init's nn.Module.apply override (DeepSpeed); always in effect here by other means (config/hints.py)."""
+    enable_sanity_checks: bool = False
+    """Stage 3: ``GatheredParameters`` without a modifier rank must leave its parameters unchanged, else a named
+    error on every rank (zero/stage3/sanity.py)."""
+    legacy_stage1: bool = False
+    """DeepSpeed's pre-0.5.9 ZeRO-1 (removed there): read as stage 1, whose partitioning and math are the same."""
     # ZeRO-Offload of the optimizer step and state (config/offload.py).
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     # ZeRO-Infinity: stage-3 parameter shards on the host or on disk (config/offload.py).
@@ -125,6 +145,20 @@ class ZeroConfig(Section):
             return _AUTO_DEFAULTS[info.field_name]  # type: ignore[attr-defined]
         return v
 
+    @field_validator("zeropp_loco_param")
+    @classmethod
+    def _loco(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """DeepSpeed reads ``err_beta`` and ``reset_T`` (both required there); others are typos."""
+        if v is None:
+            return v
+        unknown = set(v) - {"err_beta", "reset_T"}
+        if unknown:
+            raise ValueError(f"zeropp_loco_param takes err_beta and reset_T, got {sorted(unknown)}")
+        beta, reset = v.get("err_beta", 0.8), v.get("reset_T", 1024)
+        if not 0.0 <= float(beta) <= 1.0 or int(reset) < 1:
+            raise ValueError(f"zeropp_loco_param needs 0 <= err_beta <= 1 and reset_T >= 1, got {beta}, {reset}")
+        return {"err_beta": float(beta), "reset_T": int(reset)}
+
     @model_validator(mode="after")
     def _zenflow_needs_cpu_offload(self) -> "ZeroConfig":
         if self.zenflow is None:
@@ -138,11 +172,21 @@ class ZeroConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _legacy_stage1_is_stage1(self) -> "ZeroConfig":
+        """``legacy_stage1``: the same optimizer-state partitioning as stage 1 (DeepSpeed >= 0.5.9 refuses it;
+        zerospeed reads it as the stage-1 alias it is mathematically; at another stage: runtime/plan.py refuses)."""
+        if self.legacy_stage1:
+            _log.warning("zero_optimization.legacy_stage1: read as ZeRO stage 1 (the same partitioning and math; "
+                         "DeepSpeed >= 0.5.9 refuses the key)")
+        return self
+
+    @model_validator(mode="after")
     def _zeropp_needs_stage3(self) -> "ZeroConfig":
-        """ZeRO++ hpZ / qgZ act on stage 3's gathers and reduce-scatters only: a warning below it (ignored)."""
+        """ZeRO++ hpZ / qgZ and MiCS act on stage 3's gathers and reduce-scatters only: a warning below it (ignored)."""
         on = [k for k, v in (("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
-                             ("zero_quantized_gradients", self.zero_quantized_gradients)) if v]
+                             ("zero_quantized_gradients", self.zero_quantized_gradients),
+                             ("mics_shard_size", self.mics_shard_size > 0)) if v]
         if on and self.stage < 3:
-            _log.warning("zero_optimization.%s has no effect at ZeRO stage %d (ZeRO++ needs stage 3; as in DeepSpeed, "
-                         "it is ignored)", " and ".join(on), self.stage)
+            _log.warning("zero_optimization.%s has no effect at ZeRO stage %d (ZeRO++ and MiCS need stage 3; as in "
+                         "DeepSpeed, it is ignored)", " and ".join(on), self.stage)
         return self

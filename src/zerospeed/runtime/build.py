@@ -26,6 +26,7 @@ from .deepspeed_rules import check_data_parallel_size, prefer_client_objects
 from .engine import Engine
 from .facts import model_facts
 from .hybrid_engine import hybrid_engine
+from .graphs import check_graph_harvesting
 from .lockstep import check_same_model
 from .log import set_log_level_from_string
 from .parts import EngineParts
@@ -154,8 +155,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     profile_model_info(cfg, model)  # an autotuner's model-info run ends here
     device = get_accelerator().device()
+    check_graph_harvesting(cfg.graph_harvesting, device)
     autocast = AutocastRegion.from_config(cfg.torch_autocast, device.type)  # torch_autocast (precision/autocast.py)
-    policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, cfg.communication_data_type,
+    # DeepSpeed: with sequence parallelism, seq_parallel_communication_data_type replaces communication_data_type
+    comm_type = cfg.seq_parallel_communication_data_type if plan.sequence else cfg.communication_data_type
+    policy = make_policy(cfg.fp16.enabled, cfg.bf16.enabled, comm_type,
                          autocast.dtype if autocast.enabled else None,
                          cfg.fp16.fp16_master_weights_and_grads or cfg.bf16.bf16_master_weights_and_grads,
                          cfg.bf16.bf16_optimizer_states, cfg.data_types.resolved_grad_accum_dtype())

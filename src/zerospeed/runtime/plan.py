@@ -145,6 +145,12 @@ RULES: tuple[Rule, ...] = (
                                      "all-gather; keep one"), ConfigError),
     Rule(lambda p, c, f: p.offload_optimizer != "none" and p.stage == 0, "zero_optimization.offload_optimizer",
          _const("offload needs ZeRO stage 1, 2 or 3"), ConfigError),
+    Rule(lambda p, c, f: c.zero_optimization.mics_shard_size > 0 and f.optimizer is not None
+         and (f.optimizer.orthogonalizes or "lamb" in f.optimizer.class_name.lower()), "zero_optimization.mics_shard_size",
+         _const("MiCS with Lamb or Muon (per-parameter norms and whole matrices over the shard group)" + _NOT_YET)),
+    Rule(lambda p, c, f: c.zero_optimization.legacy_stage1 and p.stage != 1, "zero_optimization.legacy_stage1",
+         lambda p, c, f: f"legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1, got stage {p.stage}",
+         ConfigError),
     Rule(lambda p, c, f: f.optimizer is not None and f.optimizer.client and not f.optimizer.cpu_kernel
          and p.offload_optimizer != "none" and c.zero_force_ds_cpu_optimizer, "zero_force_ds_cpu_optimizer",
          lambda p, c, f: f"ZeRO-Offload with a client optimizer ({f.optimizer.class_name}) that has no fast CPU "

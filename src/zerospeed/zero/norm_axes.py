@@ -70,5 +70,9 @@ class NormAxes:
         return sq
 
     def owns_group(self, gi: int, grp: ShardedGroup, dp_group: Any) -> bool:
-        """Partitioned: this rank holds its own shard; otherwise rank 0 of the shard group speaks for it."""
-        return grp.num_partitions > 1 or comm.get_rank(self.shard_group(gi, dp_group)) == 0
+        """Partitioned: this rank holds its own shard (MiCS: the first of its replicas); otherwise rank 0 of the
+        shard group speaks for it."""
+        if grp.num_partitions > 1:
+            replicas = getattr(grp, "replica_group", None)
+            return replicas is None or comm.get_rank(replicas) == 0
+        return comm.get_rank(self.shard_group(gi, dp_group)) == 0

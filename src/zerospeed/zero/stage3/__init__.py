@@ -13,11 +13,13 @@ from .gathered import GatheredParameters
 from .group import Stage3Group, Stage3Reducer
 from .init import Init
 from .lockstep import RanksDivergedError
+from .sanity import ModifiedWithoutModifierError, SanityCheckError
 from .param_store import GatherOp, ParamShard, ShardState, shard_of
 from .setup import Stage3Runtime, register_external_parameter, setup_stage3
 from .synced import any_rank_running, synced_generate
 
-__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "ParamShard", "RanksDivergedError", "ShardState",
+__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "ModifiedWithoutModifierError", "ParamShard",
+           "RanksDivergedError", "SanityCheckError", "ShardState",
            "Stage3Group", "Stage3Reducer", "Stage3Runtime", "Unit", "any_rank_running", "full_state_dict",
            "register_external_parameter", "save_16bit_model", "save_safetensors", "setup_stage3", "shard_of",
            "synced_generate"]

@@ -20,6 +20,7 @@ from torch import nn
 
 from ... import comm
 from .param_store import ParamShard, ensure_gathered, shard_of
+from .sanity import VersionGuard
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:
@@ -44,6 +45,7 @@ class GatheredParameters:
                 if s is not None:
                     seen.setdefault(id(s), s)
         self.shards = list(seen.values())
+        self.guard: VersionGuard | None = None
 
     def __enter__(self) -> GatheredParameters:
         if not self.shards:
@@ -51,6 +53,9 @@ class GatheredParameters:
         for s in self.shards:
             s.holders.add(self)
         ensure_gathered(self.shards)
+        if self.modifier_rank is None and any(s.sanity_checks for s in self.shards):
+            self.guard = VersionGuard([s.param for s in self.shards], [f"parameter of shape {tuple(s.shape)}"
+                                                                      for s in self.shards], self.shards[0].group)
         return self
 
     @torch.no_grad()
@@ -66,6 +71,8 @@ class GatheredParameters:
                     s.refresh_local()
                     for callback in s.on_modified:
                         callback()  # type: ignore[operator]
+            if self.guard is not None and exc_type is None:
+                self.guard.check()  # enable_sanity_checks: raises (on every rank) after the release below
         finally:
             for s in self.shards:
                 s.holders.discard(self)

@@ -110,6 +110,12 @@ class ParamShard:
         self.hpz: HpzGroup | None = None  # ZeRO++ hpZ: the group of the secondary partition (set by setup)
         self.secondary: torch.Tensor | None = None  # this rank's secondary partition, while valid
         self.full_exact = True  # the gathered value is exact (not dequantised from a qwZ gather)
+        # stage3_use_all_reduce_for_fetch_params: a gather of several parameters is one all-reduce of a zeroed
+        # buffer holding this rank's shards; stage3_allgather_sequential: one collective per parameter
+        self.fetch_all_reduce = False
+        self.fetch_sequential = False
+        self.levels: comm.Hierarchy | None = None  # MiCS hierarchical gather: across nodes, then inside the node
+        self.sanity_checks = False  # zero_optimization.enable_sanity_checks (zero/stage3/sanity.py)
         self.secondary_exact = True  # the secondary was cut from an exact value: exact gathers may use it
 
     @property
@@ -339,7 +345,9 @@ class GatherOp:
         self.fulls: list[torch.Tensor] | None = None
         self.out: torch.Tensor | None = None
         self.send: torch.Tensor | None = None
-        if not quantize and not secondary and all(s.home is None for s in self.shards) \
+        if first.fetch_all_reduce and not quantize and not secondary and len(self.shards) > 1:
+            self._gather_all_reduce(parts, group, async_op)  # DeepSpeed: coalesced, exact, primary gathers only
+        elif not quantize and not secondary and all(s.home is None for s in self.shards) and first.levels is None \
                 and comm.gathers_in_place(first.local, group):  # type: ignore[arg-type]
             self._gather_in_place(group, async_op)
         else:
@@ -375,8 +383,19 @@ class GatherOp:
         if quantize:
             codec = quantize if isinstance(quantize, str) else "int8"
             self.handle = comm.quantized_all_gather(self.out, send, group=group, async_op=async_op, codec=codec)
+        elif first.levels is not None and group is first.group:
+            comm.hierarchical_all_gather(self.out, send, first.levels)  # MiCS: two levels, the same rank order
+            self.handle = None
         else:
             self.handle = comm.all_gather(self.out, send, group=group, async_op=async_op)
+
+    def _gather_all_reduce(self, parts: list[torch.Tensor | None], group: comm.Group | None, async_op: bool) -> None:
+        """All-reduce (sum) of a zeroed ``(world, width)`` buffer whose row ``rank`` is this rank's shards: the
+        same layout an all-gather fills, so ``finish`` unpacks it alike."""
+        first = self.shards[0]
+        self.out = torch.zeros(self.world * self.width, dtype=first.dtype, device=first.device)
+        self.out.view(self.world, self.width)[first.rank].copy_(_joined(parts))  # type: ignore[arg-type]
+        self.handle = comm.all_reduce(self.out, group=group, async_op=async_op)
 
     def numel(self) -> int:
         return self.width * self.world
@@ -448,7 +467,7 @@ def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = 
     """Launch gathers for the SHARDED ones among ``shards``, one collective per (dtype, device, group, hpZ
     secondary or not); with ``quantize`` (the fetcher's forward/backward gathers) shards marked ``quantize_gather`` go
     quantised (int8 or fp8 blocks)."""
-    buckets: dict[tuple[torch.dtype, torch.device, int, bool, bool], list[ParamShard]] = {}
+    buckets: dict[tuple[torch.dtype, torch.device, int, bool, bool, int], list[ParamShard]] = {}
     seen: set[int] = set()
     for s in shards:
         if s.state is ShardState.SHARDED and id(s) not in seen:
@@ -457,7 +476,8 @@ def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = 
             # hpZ: an exact gather (GatheredParameters, exports, no qwZ) never reads a secondary cut from a
             # dequantised value
             secondary = s.secondary is not None and (lossy or s.secondary_exact)
-            buckets.setdefault((s.dtype, s.device, id(s.group), lossy, secondary), []).append(s)
+            alone = id(s) if s.fetch_sequential else 0  # stage3_allgather_sequential: a collective of its own
+            buckets.setdefault((s.dtype, s.device, id(s.group), lossy, secondary, alone), []).append(s)
     return [GatherOp(b, async_op, key[3], key[4]) for key, b in buckets.items()]
 
 

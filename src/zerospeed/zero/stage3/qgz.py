@@ -11,6 +11,11 @@ A bucket's buffer is ``[N, S]`` (rank-major; each parameter a column block ``[of
   exactly: all their columns of the bucket in one plain reduce-scatter.
 
 With a single node (``ranks_per_node`` = world) DeepSpeed does not quantise: plain reduce-scatter.
+
+LoCo (``zeropp_loco_param: {"err_beta", "reset_T"}``): each quantised column block keeps two fp32 error
+buffers (``comm/quantized_grads.py``: one per level) between reductions; they start from zero, and again
+after ``reset_T`` reductions of that block. (DeepSpeed stores them as int8 between steps and counts the
+reductions globally; here each block counts its own, at fp32.)
 """
 
 from __future__ import annotations
@@ -64,13 +69,34 @@ def plan_bucket(shapes: list[torch.Size], offsets: list[int], shard: list[int], 
     return quantized, [c for c in range(width) if c not in covered]
 
 
+@dataclass(frozen=True)
+class LocoParams:
+    """``zeropp_loco_param``: error moving-average coefficient and reset period (DeepSpeed's defaults)."""
+
+    err_beta: float = 0.8
+    reset_T: int = 1024
+
+
 class QuantizedGradients:
     """The stage-3 reducer's reduce-scatter under qgZ (one plan per bucket, made on first use)."""
 
-    def __init__(self, hierarchy: comm.Hierarchy, dp_group: comm.Group | None) -> None:
+    def __init__(self, hierarchy: comm.Hierarchy, dp_group: comm.Group | None, loco: LocoParams | None = None) -> None:
         self.h = hierarchy
         self.dp_group = dp_group
         self.plans: dict[tuple[int, int], tuple[list[QuantizedColumns], torch.Tensor | None]] = {}
+        self.loco = loco
+        # LoCo: per (group, bucket, column offset): (intra error, inter error, reductions since the last reset)
+        self.errors: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def _errors(self, key: tuple[int, int, int], n: int, padded: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.loco is None:
+            return None
+        held = self.errors.get(key)
+        if held is None or held[2] >= self.loco.reset_T:
+            held = (torch.zeros(n * padded, device=device), torch.zeros(self.h.layout.nodes * padded, device=device), 0)
+        self.errors[key] = (held[0], held[1], held[2] + 1)
+        return held[0], held[1]
 
     def _plan(self, g: int, grp: ShardedGroup, b: int) -> tuple[list[QuantizedColumns], torch.Tensor | None]:
         if (g, b) not in self.plans:
@@ -92,7 +118,9 @@ class QuantizedGradients:
             buf = torch.zeros(n, q.padded, dtype=send.dtype, device=send.device)
             buf[:, : q.shard].copy_(rows[:, q.offset: q.offset + q.shard])
             mine = torch.empty(q.padded, dtype=send.dtype, device=send.device)
-            comm.quantized_reduce_scatter(mine, buf.reshape(-1), self.h, q.block)
+            errors = self._errors((g, b, q.offset), n, q.padded, send.device)
+            comm.quantized_reduce_scatter(mine, buf.reshape(-1), self.h, q.block, errors,
+                                          self.loco.err_beta if self.loco is not None else 0.0)
             out[q.offset: q.offset + q.shard].copy_(mine[: q.shard])
         if plain is not None:
             idx = plain.to(send.device)

@@ -14,6 +14,7 @@ distance and a ``Lockstep`` (every gather checked to be the same on all ranks); 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -29,8 +30,10 @@ from ..grad_reducer import ReduceSettings
 from .fetcher import Fetcher, Unit
 from .group import Stage3Group, Stage3Reducer
 from .hooks import HINT, install
+from .leaves import apply_leaf_rules, granularity_leaves, z3_leaf_module
 from .lockstep import Lockstep
-from .qgz import QuantizedGradients
+from .mics import MicsGroups, mics_groups
+from .qgz import LocoParams, QuantizedGradients
 from .param_store import HpzGroup, ParamShard, ShardHome, ShardState, partition, shard_of
 
 # Parameters to gather with a module although another module owns them (register_external_parameter).
@@ -70,8 +73,10 @@ class _Persistence:
 
 @torch.no_grad()
 def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group: comm.Group | None,
-             zcfg: ZeroConfig, home: ShardHome | None, group_of: dict[int, comm.Group] | None = None) -> list[ParamShard]:
-    world = comm.get_world_size(group)
+             zcfg: ZeroConfig, home: ShardHome | None, group_of: dict[int, comm.Group] | None = None,
+             mics: MicsGroups | None = None) -> list[ParamShard]:
+    """``mics``: parameters broadcast over ``group`` but cut over the MiCS shard group."""
+    world = comm.get_world_size(group if mics is None else mics.shard)
     persists = _Persistence(zcfg.stage3_param_persistence_threshold, zcfg.stage3_model_persistence_threshold,
                             always=world == 1 and home is None)
     shards = []
@@ -80,6 +85,9 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         target = dtype if p.is_floating_point() or (state and state.dtype.is_floating_point) else None
         own = (group_of or {}).get(id(p), group)  # MoE experts: their expert-data-parallel group
         if state is not None:
+            if mics is not None:
+                raise NotSupportedYetError("zero_optimization.mics_shard_size", "MiCS with a model built under "
+                                           "zero.Init is not supported yet by zerospeed: build it outside zero.Init")
             if own is not group and comm.get_world_size(own) != world:
                 raise ValueError("a parameter with a partition group of its own (an MoE expert's) was partitioned "
                                  "by zero.Init over the whole data-parallel group: build the MoE layers outside "
@@ -91,8 +99,9 @@ def _prepare(module: nn.Module, dtype: torch.dtype, device: torch.device, group:
         else:
             p.data = p.data.to(device=device, dtype=target or p.dtype)
             comm.broadcast(p.data, src=comm.global_rank_of(own, 0), group=own)
-            whole = comm.get_world_size(own) == 1 and home is None  # nothing to cut it over
-            state = partition(p, own, persistent=whole or persists(p.numel()))
+            cut = mics.shard if mics is not None and own is group else own
+            whole = comm.get_world_size(cut) == 1 and home is None  # nothing to cut it over
+            state = partition(p, cut, persistent=whole or persists(p.numel()))
             if home is not None and not state.persistent:
                 home.adopt(state)
         shards.append(state)
@@ -121,9 +130,13 @@ def _hpz_group(size: int, dp_group: comm.Group | None, home: ShardHome | None) -
     return HpzGroup(group, size, comm.get_rank(group))
 
 
-def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | None:
-    """ZeRO++ qgZ over the launcher's nodes (``LOCAL_WORLD_SIZE`` ranks each); one node: plain reduce-scatter."""
+def _qgz(enabled: bool, dp_group: comm.Group | None, loco: dict[str, Any] | None = None) -> QuantizedGradients | None:
+    """ZeRO++ qgZ over the launcher's nodes (``LOCAL_WORLD_SIZE`` ranks each); one node: plain reduce-scatter.
+    ``loco``: ``zeropp_loco_param`` (LoCo error feedback; used by qgZ only, as in DeepSpeed)."""
     world = comm.get_world_size(dp_group)
+    if loco is not None and not enabled:
+        warnings.warn("zeropp_loco_param has no effect without zero_quantized_gradients (LoCo compensates qgZ's "
+                      "int4 gradients; as in DeepSpeed, it is ignored)", stacklevel=3)
     if not enabled or world == 1:
         return None
     if world != comm.get_world_size():
@@ -134,7 +147,33 @@ def _qgz(enabled: bool, dp_group: comm.Group | None) -> QuantizedGradients | Non
         warnings.warn("zero_quantized_gradients: all ranks are on one node (LOCAL_WORLD_SIZE = world size), so "
                       "gradients are reduce-scattered unquantised, as DeepSpeed does", stacklevel=3)
         return None
-    return QuantizedGradients(comm.Hierarchy(per_node), dp_group)
+    return QuantizedGradients(comm.Hierarchy(per_node), dp_group, None if loco is None else LocoParams(**loco))
+
+
+def _units(module: nn.Module, zcfg: ZeroConfig) -> list[tuple[nn.Module, Unit]]:
+    """Each module that owns partitioned parameters and its unit, in ``named_modules()`` order.
+
+    A module owns the parameters it holds directly (and any registered as external to it); a leaf module
+    (``leaf_module``, ``set_z3_leaf_modules``, ``stage3_module_granularity_threshold``) owns every one in
+    its subtree, and the modules below it own nothing (they get no hooks).
+    """
+    apply_leaf_rules(module, zcfg.leaf_module)
+    granularity_leaves(module, zcfg.stage3_module_granularity_threshold)
+    owners: list[tuple[nn.Module, Unit]] = []
+    inside: set[int] = set()  # modules below a leaf
+    for name, m in module.named_modules():
+        if id(m) in inside:
+            continue
+        leaf = z3_leaf_module(m)
+        if leaf:
+            inside.update(id(c) for c in m.modules() if c is not m)
+        params = m.parameters() if leaf else (p for p in m._parameters.values() if p is not None)
+        subtree = m.modules() if leaf else (m,)
+        owned = [shard_of(p) for p in params] + [shard_of(p) for sub in subtree for p in _EXTERNAL.get(sub, [])]
+        mine = [s for s in dict.fromkeys(owned) if s is not None and not s.persistent]
+        if mine:
+            owners.append((m, Unit(len(owners), name or "<root>", mine)))
+    return owners
 
 
 class Stage3Runtime:
@@ -149,27 +188,34 @@ class Stage3Runtime:
         self.device = device
         self.gather_16bit_on_save = zcfg.stage3_gather_16bit_weights_on_model_save
         self.param_home = param_home
-        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home, group_of)
+        offloaded = param_home is not None or zcfg.offload_optimizer.device != "none"
+        self.mics = mics_groups(zcfg.mics_shard_size, zcfg.mics_hierarchical_params_gather, dp_group, offloaded)
+        self.shards = _prepare(module, compute_dtype, device, dp_group, zcfg, param_home, group_of, self.mics)
         for s in self.shards:  # ZeRO++ qwZ: int8 weight all-gathers (non-trainable ones under their own key)
             lossy = zcfg.zero_quantized_weights if s.param.requires_grad else zcfg.zero_quantized_nontrainable_weights
             s.quantize_gather = "int8" if lossy else False
+            s.fetch_all_reduce = zcfg.stage3_use_all_reduce_for_fetch_params
+            s.fetch_sequential = zcfg.stage3_allgather_sequential
+            s.levels = None if self.mics is None else self.mics.hierarchy
+            s.sanity_checks = zcfg.enable_sanity_checks
+        if self.mics is not None and (zcfg.zero_hpz_partition_size > 1 or zcfg.zero_quantized_gradients):
+            raise NotSupportedYetError("zero_optimization.mics_shard_size", "MiCS with ZeRO++ hpZ or qgZ is not "
+                                       "supported yet by zerospeed")
         self.hpz = _hpz_group(zcfg.zero_hpz_partition_size, dp_group, param_home)
-        self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group)
+        self.qgz = _qgz(zcfg.zero_quantized_gradients, dp_group, zcfg.zeropp_loco_param)
         for s in self.shards:
             if not s.persistent:
                 s.hpz = self.hpz
-        units: list[Unit] = []
-        unit_of: dict[int, Unit] = {}
-        for name, m in module.named_modules():
-            owned = [shard_of(p) for p in m._parameters.values() if p is not None]
-            owned += [shard_of(p) for p in _EXTERNAL.get(m, [])]
-            mine = [s for s in dict.fromkeys(owned) if s is not None and not s.persistent]
-            if mine:
-                unit = Unit(len(units), name or "<root>", mine)
-                units.append(unit)
-                unit_of[id(m)] = unit
-                _UNITS[m] = unit
+        owners = _units(module, zcfg)
+        units = [unit for _, unit in owners]
+        unit_of = {id(m): unit for m, unit in owners}
         self.units = units
+        # A leaf's parameters may get gradients on some ranks only (the experts each rank routed to): a bucket
+        # then fills at different moments per rank, so its reduce-scatter would interleave differently with
+        # the gathers on the same group. Buckets are reduced after backward instead (overlap_comm off).
+        self.uneven_grads = any(z3_leaf_module(m) for m, _ in owners)
+        for m, unit in owners:
+            _UNITS[m] = unit
         self.fetcher = Fetcher(units, self.shards, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_max_live_parameters,
                                param_home, max_reuse_numel=zcfg.stage3_max_reuse_distance)
         self.fetcher.log_trace_warnings = zcfg.log_trace_cache_warnings
@@ -192,10 +238,15 @@ class Stage3Runtime:
     def make_group(self, params: list[nn.Parameter], options: dict[str, Any], rank: int,
                    bucket_numel: int, defer_master: bool = False, separate_master: bool = False,
                    group: comm.Group | None = None) -> Stage3Group:
-        """``group``: the one the params are partitioned over when not the data-parallel group (MoE experts)."""
+        """``group``: the one the params are partitioned over when not the data-parallel group (MoE experts).
+        MiCS: the shard group, and this rank's place in it."""
+        if group is None and self.mics is not None:
+            group, rank = self.mics.shard, comm.get_rank(self.mics.shard)
         group = self.dp_group if group is None else group
-        return Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
+        made = Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
                            self.compute_dtype, group, defer_master, separate_master)
+        made.replica_group = self.mics.replicas if self.mics is not None and group is self.mics.shard else None
+        return made
 
     def make_reducer(self, groups: list[Any], settings: ReduceSettings, group: comm.Group | None = None,
                      wiring: Any = None) -> Stage3Reducer:
@@ -203,7 +254,21 @@ class Stage3Runtime:
             raise ConfigError("zero_optimization.zero_quantized_gradients", "qgZ replaces the gradient "
                               "reduce-scatter: it needs zero_optimization.reduce_scatter: true")
         qgz = self.qgz if group is None else None  # qgZ's node layout is the data-parallel group's (MoE experts: none)
-        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz, wiring)
+        if self.uneven_grads and settings.overlap_comm:
+            settings = dataclasses.replace(settings, overlap_comm=False)
+        replicas = None
+        if group is None and self.mics is not None:  # MiCS: reduce-scatter in the shard group, then across replicas
+            group, replicas = self.mics.shard, self.mics.replicas
+        return Stage3Reducer(groups, settings, self.dp_group if group is None else group, self.fetcher, qgz, wiring,
+                             replicas)
+
+    def check_checkpointable(self) -> None:
+        """Checkpoints store each rank's partition by its place in the data-parallel group; MiCS's replicated
+        partitions are not written that way yet (refused before anything is written, not saved wrong)."""
+        if self.mics is not None and self.mics.replicas is not None:
+            raise NotSupportedYetError("zero_optimization.mics_shard_size", "save_checkpoint with MiCS (a shard "
+                                       "size smaller than the data-parallel world) is not supported yet by zerospeed; "
+                                       "engine.save_16bit_model() and zerospeed.zero.full_state_dict() work")
 
     # --- accounting ----------------------------------------------------------------------------------
     def param_bytes(self) -> int:
