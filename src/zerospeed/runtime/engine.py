@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm
+from .. import checkpointing, comm
 from ..accelerator.host_malloc import HeapTrimmer
 from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
@@ -49,6 +49,8 @@ class Engine(nn.Module):
         self.zero3, self.data_efficiency, self.fp8_modules = parts.zero3, parts.data_efficiency, parts.fp8_modules
         self.heap_trimmer: HeapTrimmer | None = parts.heap_trimmer
         self.comms, self.checkpoint_writer = parts.comms, parts.checkpoint_writer
+        self.checkpoint_parts = parts.checkpoint_parts  # what save/load_checkpoint iterate (runtime/checkpoint/part.py)
+        self.activation_checkpointing = parts.activation_checkpointing or checkpointing.current()
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -152,6 +154,11 @@ class Engine(nn.Module):
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
+    @property
+    def accumulating(self) -> bool:
+        """Gradients accumulated since the last boundary step (a checkpoint refuses to drop them)."""
+        return self._accumulating
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step that ends an accumulation (or as set by ``set_gradient_accumulation_boundary``)."""
         if self._boundary_override is not None:
@@ -196,7 +203,8 @@ class Engine(nn.Module):
         """Run one engine call; on an exception abandon the step on every rank and re-raise."""
         self._ensure_usable()
         try:
-            with comm.recording(self.comms):  # this engine's collectives count in its own logger
+            # this engine's collectives count in its own logger; its activation checkpointing is the current one
+            with comm.recording(self.comms), self.activation_checkpointing.active():
                 yield
         except Exception as exc:
             self._abandon_step(what, exc)

@@ -36,3 +36,5 @@ class EngineParts:
     mp_world_size: int = 1  # tensor-parallel ways (DeepSpeed's engine.mp_world_size)
     experts_sharded: bool = False  # expert parallelism: each rank holds only its own experts (ep_size > 1)
     checkpoint_writer: Any = field(default_factory=_background_writer)  # async saves (runtime/checkpoint/)
+    activation_checkpointing: Any = None  # checkpointing.ActivationCheckpointing (None: the process default's)
+    checkpoint_parts: tuple[Any, ...] = ()  # what each part keeps in a checkpoint (runtime/build_checkpoint.py)

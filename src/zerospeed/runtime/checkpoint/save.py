@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,10 +14,11 @@ from . import agree
 from .async_save import BackgroundWriter, SaveStats
 from .channel import FailureChannel
 from .errors import CheckpointError
-from .state import param_group_options, rng_state, to_json
+from .part import RankSnapshot, SaveContext
+from .state import rng_state, to_json
 from .tensor_file import write_tensors
 from . import layout, module_state
-from .universal import names_by_id, snapshot_shards
+from .universal import names_by_id
 
 CLIENT_FILE = "client_state.safetensors"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
@@ -29,83 +29,38 @@ def writer_of(engine: Any) -> BackgroundWriter:
     return engine.checkpoint_writer
 
 
-@dataclass
-class RankSnapshot:
-    """Everything one rank writes: tensor files (relpath -> tensors) and JSON files (relpath -> object)."""
-
-    rank: int
-    world: int
-    tensor_files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    json_files: dict[str, Any] = field(default_factory=dict)
-    index: dict[str, list[int]] = field(default_factory=dict)
-
-
 def save_group(engine: Any) -> Any:
-    """The ranks that write one checkpoint: the data-parallel group, or every rank under tensor parallelism."""
-    return getattr(engine, "checkpoint_group", None) or engine.dp_group
-
-
-def _groups(engine: Any) -> list[Any]:
-    return list(engine.optimizer.groups) if engine.optimizer is not None else []
+    """The ranks that write one checkpoint: the data-parallel group, or every rank (tensor parallelism, a
+    pipeline: ``EngineParts.checkpoint_group``)."""
+    return engine.checkpoint_group or engine.dp_group
 
 
 def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool,
              exclude_frozen: bool = False) -> RankSnapshot:
-    """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall).
-    ``exclude_frozen``: parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
+    """Take the state to write: each of the engine's checkpoint parts (``part``) in order, then the module's
+    entries. With ``copy`` every tensor is cloned to CPU (the async-save stall). ``exclude_frozen``:
+    parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
     ``exclude_frozen_parameters``); a load keeps the values the model has for them."""
-    from ...parallel.tensor import checkpoint as tp_ckpt
-
-    names = names_by_id(engine.module)
-    groups = _groups(engine)
-    opt = engine.optimizer.optimizer if engine.optimizer is not None else None
-    stepper = getattr(engine.optimizer, "stepper", None)
-    if stepper is not None:  # partial offload on an accelerator: device-held state into optimizer.state
-        stepper.sync_for_checkpoint()
-    dp_rank = comm.get_rank(engine.dp_group)
-    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, dp_rank)
-    if save_group(engine) is not engine.dp_group:  # tensor parallelism: replicated tensors by the first tp rank
-        if not tp_ckpt.writes_replicated(engine.module):
-            tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[2] != tp_ckpt.base_name(k.rpartition("/")[2])}
-            ranges = {k: v for k, v in ranges.items() if k in tensors}
-        for other in comm.all_gather_object(opt_layout, group=save_group(engine)):
-            opt_layout.update(other)
-    grouped = {tp_ckpt.base_name(names[id(p)]) for g in groups for p in g.params}
-    if not exclude_frozen:  # MoE: frozen experts, per expert-data-parallel group (collective under ZeRO-3)
-        frozen, frozen_ranges = module_state.frozen_experts(engine.module, grouped)
-        tensors.update(frozen)
-        ranges.update(frozen_ranges)
-    snap = RankSnapshot(rank, world, index=ranges)
-    snap.tensor_files[layout.shard_file(rank)] = tensors
+    ctx = SaveContext(engine, save_group(engine), names_by_id(engine.module), copy, exclude_frozen)
+    snap = RankSnapshot(rank, world, module_rank=rank)
+    for part in engine.checkpoint_parts:
+        part.save(snap, ctx)
+    snap.entries, snap.module_tensors = module_state.describe(engine.module, snap.grouped, snap.module_rank,
+                                                              copy, exclude_frozen)
+    metas = {part.name: part.meta(snap, ctx) for part in engine.checkpoint_parts}  # every rank: may gather
+    snap.tensor_files[layout.shard_file(rank)] = snap.shard
     snap.json_files[layout.rng_file(rank)] = rng_state()
-    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy, exclude_frozen)
-    tp_ckpt.describe_split(engine.module, entries)
     if rank != 0:
         return snap
     client_tensors: dict[str, torch.Tensor] = {}
     client_json = to_json(dict(client_state or {}), "client_state", client_tensors)
-    loader = engine.training_dataloader
-    meta = {
-        "format": layout.FORMAT, "version": layout.VERSION,
-        "world_size": world, "zero_stage": engine.zero_optimization_stage(),
-        "tensor_parallel_size": int(getattr(engine, "mp_world_size", 1)),
-        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-        "tensors": entries,
-        "optimizer": None if opt is None else {
-            "type": type(opt).__name__, "param_groups": param_group_options(opt.param_groups), "layout": opt_layout,
-            "loss_scaler": to_json(engine.optimizer.loss_scaler.state_dict(), "loss_scaler")},
-        "lr_scheduler": None if engine.lr_scheduler is None else
-        to_json(engine.lr_scheduler.state_dict(), "lr_scheduler"),
-        "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                   "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                   "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
-        "data": to_json(loader.state_dict(), "dataloader") if hasattr(loader, "state_dict") else None,
-        "data_efficiency": None if engine.data_efficiency is None else
-        to_json(engine.data_efficiency.state_dict(), "data_efficiency"),
-        "client_state": client_json,
-    }
+    meta = {"format": layout.FORMAT, "version": layout.VERSION, "world_size": world,
+            "zero_stage": engine.zero_optimization_stage(), "tensor_parallel_size": int(engine.mp_world_size),
+            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+            **{name: value for name, value in metas.items() if name}, "tensors": snap.entries,
+            "client_state": client_json}
     snap.json_files[layout.META] = meta
-    snap.tensor_files[layout.MODULE_FILE] = module_tensors
+    snap.tensor_files[layout.MODULE_FILE] = snap.module_tensors
     if client_tensors:
         snap.tensor_files[CLIENT_FILE] = client_tensors
     return snap
@@ -129,7 +84,7 @@ def write_snapshot(snap: RankSnapshot, staging: str) -> int:
 def _check_accumulation(engine: Any) -> None:
     """Refuse to save gradients half-accumulated: they are not part of a checkpoint, and dropping them
     silently would make the resumed run differ from the uninterrupted one."""
-    if getattr(engine, "_accumulating", False):
+    if engine.accumulating:
         gas = engine.gradient_accumulation_steps()
         raise CheckpointError(
             f"save_checkpoint called in the middle of a gradient accumulation (micro-step {engine.micro_steps} with "
