@@ -16,12 +16,79 @@ from pydantic import field_validator
 from .base import Section
 
 
+class CheckpointWriterConfig(Section):
+    """DeepSpeed's ``checkpoint.writer``: how each rank's tensor files are written (runtime/checkpoint/writer.py).
+
+    ``python``: one write per tensor, hashed in line (zerospeed's writer without this section). ``fast``:
+    the bytes go out in ``io_buffer_size`` pieces; a writer thread writes one piece while the next is hashed
+    (and, from an accelerator, copied to the host), two in flight with ``io_buffer_double``, one without.
+    ``decoupled``: the save returns after the snapshot and writes in the background (zerospeed's async
+    save, the same atomic commit). ``show_statistics``: rank 0 logs each save's bytes, seconds and GB/s.
+    """
+
+    type: Literal["mock", "python", "fast"] = "fast"
+    decoupled: bool = False
+    io_buffer_size: int = 64 * 1024 ** 2
+    io_buffer_double: bool = True
+    show_statistics: bool = False
+    data_parallel: Literal["replica", "socket", "machine"] | None = None
+    io_multiplier: int = 1
+
+    @field_validator("type", "data_parallel", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("type")
+    @classmethod
+    def _no_mock(cls, v: str) -> str:
+        if v == "mock":
+            raise ValueError("\"mock\" (DeepSpeed's writer that discards the "
+                                       "data) is not supported yet by zerospeed: a checkpoint it commits could not "
+                                       "be loaded; use \"fast\" or \"python\"")
+        return v
+
+    @field_validator("io_buffer_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 4096:
+            raise ValueError(f"must be at least 4096 bytes, got {v}")
+        return v
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _replica(cls, v: str | None) -> str | None:
+        if v in ("socket", "machine"):
+            raise ValueError(f"{v!r} (one writer per {v}) is not "
+                                       "supported yet by zerospeed; every data-parallel rank writes its own "
+                                       "partition (\"replica\")")
+        return v
+
+    @field_validator("io_multiplier")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"{v} is not supported yet by zerospeed "
+                                       "(DeepSpeed's aio queue depth multiplier); use 1")
+        return v
+
+
 class CheckpointConfig(Section):
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
     async_save: bool = False
     """zerospeed only: ``save_checkpoint`` returns after a CPU snapshot; files are written in the background."""
+    writer: CheckpointWriterConfig | None = None
+    checkpoint_serialization: bool = True
+    """DeepSpeed's torch.save zip format switch: zerospeed's own files are safetensors and JSON, so it decides
+    the format of the few torch files written beside them (``runtime/checkpoint/torch_file.py``); DeepSpeed
+    checkpoints in either format are read."""
+
+    @property
+    def background_writes(self) -> bool:
+        """Whether a save returns after its snapshot: ``async_save``, or DeepSpeed's decoupled writer."""
+        return self.async_save or (self.writer is not None and self.writer.decoupled)
 
     @field_validator("tag_validation", mode="before")
     @classmethod

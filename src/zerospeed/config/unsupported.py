@@ -39,8 +39,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "timers": "the timers section (throughput timer options)",
     "log_level": "log_level (DeepSpeed's logger level)",
     "checkpoint.parallel_write": "pipeline-stage parallel checkpoint writes (checkpoint.parallel_write)",
-    "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
-    "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
     "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
                                                          "ZenFlow optimizer process)",
     "zero_optimization.mics_shard_size": "MiCS sharding",
@@ -80,7 +78,6 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
     "managed_gradient_accumulation": (None, True),
     "gradient_allreduce_op": (None, "mean"),
-    "checkpoint.checkpoint_serialization": (None, True),
     "zero_optimization.mics_shard_size": (None, -1),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
     "zero_optimization.zenflow.pt_reserved_cores_perc": (None, 0.5),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -20,6 +21,7 @@ from .tensor_file import write_tensors
 from . import layout, module_state
 from .universal import names_by_id
 
+logger = logging.getLogger(__name__)
 CLIENT_FILE = "client_state.safetensors"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
 
@@ -66,11 +68,12 @@ def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], c
     return snap
 
 
-def write_snapshot(snap: RankSnapshot, staging: str) -> int:
-    """Write this rank's files durably, then its marker; returns bytes written."""
+def write_snapshot(snap: RankSnapshot, staging: str, writer: Any = None) -> int:
+    """Write this rank's files durably (``writer``: the ``checkpoint.writer`` section), then its marker;
+    returns bytes written."""
     files: dict[str, dict[str, Any]] = {}
     for rel, tensors in snap.tensor_files.items():
-        size, digest = write_tensors(os.path.join(staging, rel), tensors, {"format": "pt"})
+        size, digest = write_tensors(os.path.join(staging, rel), tensors, {"format": "pt"}, writer)
         files[rel] = {"bytes": size, "sha256": digest}
     for rel, obj in snap.json_files.items():
         size, digest = layout.write_json(os.path.join(staging, rel), obj)
@@ -135,7 +138,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     try:
         snap = snapshot(engine, rank, world, client_state or {}, copy=False, exclude_frozen=exclude_frozen)
         t1 = time.perf_counter()
-        nbytes = write_snapshot(snap, staging)
+        nbytes = write_snapshot(snap, staging, engine.config.checkpoint.writer)
     except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
         error = f"{type(exc).__name__}: {exc}"
     try:
@@ -157,7 +160,17 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         raise CheckpointError(f"save_checkpoint({final!r}): rank 0 could not commit the checkpoint: {commit_error}")
     stats = SaveStats(final, stall_s=time.perf_counter() - t0, write_s=time.perf_counter() - t1, bytes=nbytes, done=True)
     writer.last = stats
+    _statistics(engine, rank, stats)
     return stats
+
+
+def _statistics(engine: Any, rank: int, stats: SaveStats) -> None:
+    """``checkpoint.writer.show_statistics``: rank 0 logs what it wrote and how fast."""
+    cfg = engine.config.checkpoint.writer
+    if cfg is not None and cfg.show_statistics and rank == 0:
+        rate = stats.bytes / stats.write_s / 1e9 if stats.write_s > 0 else 0.0
+        logger.info("checkpoint %s: rank 0 wrote %d bytes in %.3f s (%.3f GB/s, writer %s)", stats.path,
+                    stats.bytes, stats.write_s, rate, cfg.type)
 
 
 def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, client_state: dict[str, Any] | None,
@@ -189,7 +202,7 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
 
     def job() -> int:
         try:
-            nbytes = write_snapshot(snap, staging)
+            nbytes = write_snapshot(snap, staging, engine.config.checkpoint.writer)
         except Exception as exc:
             raise fail(exc) from exc
         if rank != 0:
