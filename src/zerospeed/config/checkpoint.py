@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from .base import Section
 
@@ -71,6 +71,45 @@ class CheckpointWriterConfig(Section):
             raise ValueError(f"{v} is not supported yet by zerospeed "
                                        "(DeepSpeed's aio queue depth multiplier); use 1")
         return v
+
+
+class NebulaConfig(Section):
+    """DeepSpeed's ``nebula`` section, served by zerospeed's own tiered checkpointing (runtime/checkpoint/tiered.py):
+    each save is a snapshot in host memory first, then written and committed to the save directory in the
+    background with the usual atomic commit; ``num_of_version_in_retention`` committed checkpoints are kept
+    in the directory (older ones removed after each commit, never the one ``latest`` names)."""
+
+    enabled: bool = False
+    persistent_storage_path: str | None = None
+    persistent_time_interval: int = 100
+    num_of_version_in_retention: int = Field(2, ge=1)
+    enable_nebula_load: bool = True
+    nebula_load_path: str | None = None
+
+    @field_validator("persistent_storage_path", "nebula_load_path")
+    @classmethod
+    def _no_service_path(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("a Nebula storage path is not supported yet by zerospeed: checkpoints are persisted to "
+                             "(and loaded from) the directory given to save_checkpoint / load_checkpoint")
+        return v
+
+    @field_validator("persistent_time_interval")
+    @classmethod
+    def _every_save(cls, v: int) -> int:
+        if v != 100:
+            raise ValueError(f"{v} is not supported yet by zerospeed: every save is persisted as soon as it is "
+                             "written (DeepSpeed's default 100 is accepted)")
+        return v
+
+
+class DataStatesConfig(Section):
+    """DeepSpeed's ``datastates_ckpt`` section (on when present), served by zerospeed's tiered checkpointing:
+    snapshot in host memory, then written and committed in the background. ``host_cache_size`` (GB): the
+    host memory a snapshot may take; a save whose largest rank's state is bigger is written synchronously
+    (from the state itself, no host copy), on every rank alike."""
+
+    host_cache_size: float | None = Field(None, gt=0)
 
 
 class CheckpointConfig(Section):

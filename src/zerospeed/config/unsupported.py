@@ -27,8 +27,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
     "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",
     "quantize_training": "quantization-aware training",
-    "nebula": "Nebula checkpointing",
-    "datastates_ckpt": "DataStates checkpointing",
     "data_types.grad_accum_dtype": "data_types.grad_accum_dtype (the gradient accumulation dtype)",
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",

@@ -516,11 +516,12 @@ class Engine(nn.Module):
         """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's;
         ``overwrite``: docs/checkpointing.md, "Existing tags")."""
         from .checkpoint import save_checkpoint
+        from .checkpoint.tiered import background_writes
 
         if not save_dir:  # DeepSpeed's ValueError (a None would otherwise fail deep inside os.path)
             raise ValueError(f"save_checkpoint(save_dir) needs a non-empty directory path, got {save_dir!r}")
 
-        use_async = self.config.checkpoint.background_writes if async_save is None else async_save
+        use_async = background_writes(self.config) if async_save is None else async_save
         self.last_checkpoint_stats = save_checkpoint(self, save_dir, tag, client_state, save_latest, use_async,
                                                      self.config.comms_timeout_s, exclude_frozen_parameters,
                                                      overwrite)

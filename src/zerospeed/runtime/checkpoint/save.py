@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ... import comm
-from . import agree
+from . import agree, tiered
 from .async_save import BackgroundWriter, SaveStats
 from .channel import FailureChannel
 from .errors import CheckpointError
@@ -131,7 +131,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     staging = os.path.join(save_dir, name)
     timeout = commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S
     final = os.path.join(save_dir, tag)
-    if async_save:
+    if async_save and tiered.snapshot_fits(engine, group):
         return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0,
                            exclude_frozen, overwrite)
     error, nbytes, t1 = "", 0, time.perf_counter()
@@ -153,6 +153,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         try:
             layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest,
                           overwrite)
+            tiered.retain(engine.config, save_dir)
         except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank below
             commit_error = f"{type(exc).__name__}: {exc}"
     commit_error = comm.broadcast_object(commit_error, src=0, group=group)
@@ -211,6 +212,7 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
         try:
             layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout, channel=channel),
                           save_latest, overwrite)
+            tiered.retain(engine.config, save_dir)
         except Exception as exc:
             channel.publish_outcome(f"{type(exc).__name__}: {exc}")
             layout.write_outcome(staging, f"{type(exc).__name__}: {exc}")
