@@ -115,8 +115,7 @@ def test_deepspeed_keys_we_lack_say_not_supported_yet_never_unknown() -> None:
               "zero_optimization.zenflow.pt_reserved_cores_perc"),
              ({"seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type"),
              ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
-             ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
-             ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write")]
+             ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation")]
     for extra, key in cases:
         with pytest.raises(NotSupportedYetError, match=rf"'{key}'.*not supported yet"):
             load_config({"train_batch_size": 8, **extra}, 2)

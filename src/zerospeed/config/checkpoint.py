@@ -112,6 +112,14 @@ class DataStatesConfig(Section):
     host_cache_size: float | None = Field(None, gt=0)
 
 
+class ParallelWriteConfig(Section):
+    """DeepSpeed's ``checkpoint.parallel_write``. ``pipeline_stage``: a pipeline's module tensors (frozen
+    parameters, buffers) are written by their own stage, spread over the stage's data-parallel ranks, into
+    each rank's shard file (``module/<name>``), instead of being gathered to rank 0's ``model_states``."""
+
+    pipeline_stage: bool = False
+
+
 class CheckpointConfig(Section):
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     load_universal: bool = False
@@ -119,6 +127,7 @@ class CheckpointConfig(Section):
     async_save: bool = False
     """zerospeed only: ``save_checkpoint`` returns after a CPU snapshot; files are written in the background."""
     writer: CheckpointWriterConfig | None = None
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     checkpoint_serialization: bool = True
     """DeepSpeed's torch.save zip format switch: zerospeed's own files are safetensors and JSON, so it decides
     the format of the few torch files written beside them (``runtime/checkpoint/torch_file.py``); DeepSpeed

@@ -36,7 +36,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "comet": "the Comet monitor",
     "timers": "the timers section (throughput timer options)",
     "log_level": "log_level (DeepSpeed's logger level)",
-    "checkpoint.parallel_write": "pipeline-stage parallel checkpoint writes (checkpoint.parallel_write)",
     "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
                                                          "ZenFlow optimizer process)",
     "zero_optimization.mics_shard_size": "MiCS sharding",

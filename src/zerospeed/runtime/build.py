@@ -109,7 +109,8 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
     experts_sharded = grids.moe is not None and any(m.ep_size > 1 for m in moe_layers(model))
     de = data_efficiency(plan, cfg, batch.train_batch_size)
     parts = EngineParts(checkpoint_group=None if tp is None and not plan.pipelined else comm.world_group(),
-                        checkpoint_parts=checkpoint_parts(plan, model, zero_opt, scheduler, loader, de, tp),
+                        checkpoint_parts=checkpoint_parts(plan, model, zero_opt, scheduler, loader, de, tp,
+                                                         cfg.checkpoint.parallel_write.pipeline_stage),
                         activation_checkpointing=activation_checkpointing(cfg),
                         experts_sharded=experts_sharded,
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,

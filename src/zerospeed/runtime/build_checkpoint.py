@@ -16,7 +16,8 @@ PIPELINE_WITH_TP = ("checkpoints of a pipeline with tensor parallelism are not s
 
 
 def checkpoint_parts(plan: TrainPlan, model: nn.Module, optimizer: Any, scheduler: Any, loader: Any,
-                     data_efficiency: Any, tensor_parallel: Any) -> tuple[CheckpointPart, ...]:
+                     data_efficiency: Any, tensor_parallel: Any, parallel_write: bool = False
+                     ) -> tuple[CheckpointPart, ...]:
     parts: list[CheckpointPart] = []
     if optimizer is not None and optimizer.stepper is not None:  # ZeRO-Offload's stepper, ZenFlow
         parts.append(OffloadPart(optimizer.stepper))
@@ -24,7 +25,7 @@ def checkpoint_parts(plan: TrainPlan, model: nn.Module, optimizer: Any, schedule
     if tensor_parallel is not None and not plan.pipelined:
         parts.append(TensorParallelPart(model))
     if plan.pipelined:
-        parts.append(PipelineStagePart(model, PIPELINE_WITH_TP if tensor_parallel is not None else ""))
+        parts.append(PipelineStagePart(model, PIPELINE_WITH_TP if tensor_parallel is not None else "", parallel_write))
     if plan.moe:
         parts.append(ExpertsPart(model))
     parts += [SchedulerPart(scheduler), CountersPart(),

@@ -137,6 +137,8 @@ def load_rest(module: nn.Module, grouped: set[str], saved: dict[str, Any], modul
                 src = mf.read(key)
             elif reader.has(f"master/{key}"):
                 src = reader.read_range(f"master/{key}", 0, t.numel()).view(t.shape)
+            elif reader.has(f"module/{key}"):  # written by its pipeline stage (checkpoint.parallel_write)
+                src = reader.read_range(f"module/{key}", 0, t.numel()).view(t.shape)
             else:
                 raise CheckpointError(f"checkpoint has no data for {key!r}")
             t.data.copy_(src)

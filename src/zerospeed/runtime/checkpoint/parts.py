@@ -212,8 +212,9 @@ class PipelineStagePart(Part):
 
     name = "pipeline"
 
-    def __init__(self, module: Any, refused: str = "") -> None:
+    def __init__(self, module: Any, refused: str = "", parallel_write: bool = False) -> None:
         self.module, self.grid, self.refused = module, module.mpu(), refused
+        self.parallel_write = parallel_write  # checkpoint.parallel_write.pipeline_stage
 
     def _refuse(self) -> None:
         if self.refused:
@@ -230,12 +231,19 @@ class PipelineStagePart(Part):
         snap.shard = {k: v for k, v in snap.shard.items() if _param_name(k) not in skip}
         snap.index = {k: v for k, v in snap.index.items() if _param_name(k) not in skip}
         snap.opt_layout = {k: v for k, v in snap.opt_layout.items() if k not in skip}
-        snap.module_rank = self.grid.get_data_parallel_rank()
+        snap.module_rank = 0 if self.parallel_write else self.grid.get_data_parallel_rank()
 
     def meta(self, snap: RankSnapshot, ctx: SaveContext) -> Any:
         skip = self._skip(ctx.names)
         mine = {k: v for k, v in snap.module_tensors.items() if k not in skip}
         snap.module_tensors = {}
+        if self.parallel_write:  # this rank's share of its stage's module tensors, in its own shard file
+            keys = sorted(mine)
+            dp, dp_size = self.grid.get_data_parallel_rank(), self.grid.get_data_parallel_world_size()
+            for key in keys[dp::dp_size]:
+                snap.shard[f"module/{key}"] = mine[key].reshape(-1)
+                snap.index[f"module/{key}"] = [0, mine[key].numel()]
+            mine = {}
         for entries, lay, tensors in comm.all_gather_object((snap.entries, snap.opt_layout, mine), group=ctx.group):
             snap.entries.update(entries)
             snap.opt_layout.update(lay)
