@@ -94,3 +94,23 @@ def test_checkpoint_serialization_false_writes_and_reads_torch_legacy_files(tmp_
         manifest = layout.read_json(str(tmp_path / f"out{legacy}" / "global_step3" / layout.MANIFEST))
         outs.append({k: v["sha256"] for k, v in manifest["files"].items() if k.endswith(".safetensors")})
     assert outs[0] == outs[1] and outs[0]
+
+
+def test_offload_core_shares_follow_deepspeeds_split() -> None:
+    """Issue 32 item 5 (tier 0): cpuadam_cores_perc -> the host step's torch threads, restored after;
+    pt_reserved_cores_perc -> ceil(perc * n) cores for training, the rest for ZenFlow's overlapped update."""
+    from zerospeed.offload import cores
+
+    cfg = load_config({"train_batch_size": 1, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5},
+        "zenflow": {"pt_reserved_cores_perc": 0.3, "overlap_step": True}}}).zero_optimization
+    assert cfg.offload_optimizer.cpuadam_cores_perc == 0.5 and cfg.zenflow.pt_reserved_cores_perc == 0.3
+    assert [cores.host_step_threads(0.5, n) for n in (1, 2, 8, 16)] == [1, 1, 4, 8]
+    assert cores.split_cores(list(range(10)), 0.3) == ([0, 1, 2], [3, 4, 5, 6, 7, 8, 9])
+    assert cores.split_cores([5], 0.5) == ([5], [5])  # one core: shared
+    before = torch.get_num_threads()
+    with cores.host_step(1e-9):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ConfigError, match="cpuadam_cores_perc"):
+        load_config({"train_batch_size": 1, "zero_optimization": {"offload_optimizer": {"cpuadam_cores_perc": 0}}})

@@ -110,9 +110,6 @@ def test_bad_files(tmp_path) -> None:
 def test_deepspeed_keys_we_lack_say_not_supported_yet_never_unknown() -> None:
     cases = [({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast"),
              ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
-             ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                     "zenflow": {"pt_reserved_cores_perc": 0.3}}},
-              "zero_optimization.zenflow.pt_reserved_cores_perc"),
              ({"seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type"),
              ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
              ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation")]

@@ -44,6 +44,8 @@ class OffloadOptimizerConfig(Section):
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = Field(1.0, ge=0.0, le=1.0)
+    cpuadam_cores_perc: float = Field(0.8, gt=0.0, le=1.0)
+    """The share of the host's cores the host optimizer step computes with (offload/cores.py)."""
 
     @field_validator("device", mode="before")
     @classmethod
