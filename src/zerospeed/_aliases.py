@@ -21,7 +21,8 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.pipe": "zerospeed.parallel.pipeline",
     "zerospeed.runtime.pipe": "zerospeed.parallel.pipeline",
     "zerospeed.runtime.pipe.module": "zerospeed.parallel.pipeline.module",
-    "zerospeed.runtime.pipe.engine": "zerospeed.parallel.pipeline.engine",
+    "zerospeed.runtime.pipe.engine": "zerospeed.runtime.pipeline_engine",
+    "zerospeed.parallel.pipeline.engine": "zerospeed.runtime.pipeline_engine",  # the facade's old home
     "zerospeed.runtime.pipe.topology": "zerospeed.parallel.topology",
     "zerospeed.runtime.pipe.schedule": "zerospeed.parallel.pipeline.schedule",
     "zerospeed.runtime.utils": "zerospeed.parallel.pipeline.partition",

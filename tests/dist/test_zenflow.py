@@ -58,7 +58,7 @@ def _run(stage: int, zf: dict[str, Any]) -> dict[str, Any]:
     state = full_state_dict(model, rank0_only=False) if stage == 3 else model.state_dict()
     out = {"losses": losses, "state": {k: v.detach().clone().float() for k, v in state.items()},
            "host_updates": st.host_updates, "home": st.state_bytes_by_home(),
-           "sel_device": [str(v.device) for s in st.sel_state for v in s.values()]}
+           "sel_device": [str(v.device) for s in st.sel_state for v in s.values()], "core_split": st.core_split}
     st.close()
     return out
 
@@ -83,7 +83,10 @@ def _check(results: list[dict[str, Any]], ref: dict[str, Any], offload: bool) ->
 def test_zenflow_equals_hand_written_reference(stage: int, extra: dict[str, Any]) -> None:
     zf = {**FIXED, **extra}
     ref = reference(STEPS, MB * GAS * 2, CLIP, zf)
-    _check(run_distributed(_run, 2, stage, zf, timeout=120), ref, zf.get("offload", False))
+    results = run_distributed(_run, 2, stage, zf, timeout=120)
+    _check(results, ref, zf.get("offload", False))
+    if zf.get("overlap_step"):  # pt_reserved_cores_perc (0.5): the training thread keeps its share, the update the rest
+        assert all(r["core_split"] is not None and r["core_split"][0] and r["core_split"][1] for r in results)
 
 
 def test_zenflow_is_not_full_offload() -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerospeed"
 PLACES_THAT_DECIDE = {"runtime/plan.py", "runtime/build.py", "runtime/build_model.py", "runtime/build_optimizer.py",
-                      "runtime/build_parallel.py", "runtime/build_data.py", "runtime/facts.py"}
+                      "runtime/build_parallel.py", "runtime/build_data.py", "runtime/build_checkpoint.py",
+                      "runtime/facts.py"}
 
 
 @lru_cache(maxsize=1)
@@ -37,7 +38,8 @@ BRANCHES_ALLOWED: dict[str, tuple[int, str]] = {
     "parallel/sequence/hf.py": (1, "the HF adapter's sequence size check"),
     "profiling/plan.py": (16, "`zerospeed plan`: the memory model of each stage (a planner, not the runtime)"),
     "runtime/checkpoint/deepspeed_read.py": (4, "reading DeepSpeed's per-stage checkpoint layouts"),
-    "runtime/checkpoint/load.py": (2, "checkpoint meta: the saved tensor-parallel size (issue 30 item 5: not done)"),
+    "runtime/checkpoint/load.py": (3, "check_partitioning: names the saved stage / tensor-parallel size against this "
+                                   "engine's (the third was counted 0 while hidden in a getattr probe)"),
 }
 
 
@@ -97,10 +99,9 @@ STATE_ALLOWED = {
     "comm/backend.py:_AT_EXIT": "the process group's exit handler (one per process, as torch.distributed's)",
     "comm/logger.py:COMMS_LOGGER": "the process default DeepSpeed's module-level comm API writes to",
     "comm/logger.py:_ENGINE_LOGGER": "a ContextVar: the running engine's own logger, set only inside its calls",
-    "checkpointing.py:_RNG_TRACKER": "activation checkpointing's RNG tracker (issue 30 item 6: not moved yet)",
-    "checkpointing.py:_SETTINGS": "activation checkpointing's settings (issue 30 item 6: not moved yet)",
-    "checkpointing.py:_LIVE_FRAMES": "weak set of live checkpoint frames (issue 30 item 6: not moved yet)",
-    "checkpointing.py:_depth": "nesting depth of the checkpoint timers (issue 30 item 6: not moved yet)",
+    "checkpointing.py:_PROCESS": "the process default DeepSpeed's module-level deepspeed.checkpointing API acts "
+                                 "on outside an engine's calls (the last engine built with the section)",
+    "checkpointing.py:_CURRENT": "a ContextVar: the running engine's activation checkpointing, set only inside its calls",
     "launcher/*:COMMAND": "each subcommand's constant description",
     "offload/cpu_adam.py:ADAM": "a constant kernel description", "offload/cpu_adam.py:ADAMW": "ditto",
     "offload/cpu_adam.py:ADAGRAD": "ditto",
@@ -153,12 +154,7 @@ def test_no_module_level_mutable_state_outside_the_allow_list() -> None:
 
 
 # --- 4. parallel/ does not import runtime/ ----------------------------------------------------------------
-RUNTIME_INTERFACES = {
-    "zerospeed.runtime.engine": "PipelineEngine subclasses Engine (DeepSpeed's facade; issue 30 item 5 moves it)",
-    "zerospeed.runtime.checkpoint": "pipeline checkpoints reuse the checkpoint package (issue 30 item 5)",
-    "zerospeed.runtime.dataloader": "PipelineEngine's data loader",
-    "zerospeed.runtime.compile": "the compiled-graph hooks",
-}
+RUNTIME_INTERFACES: dict[str, str] = {}  # none left: the pipeline's facade and checkpoints live in runtime/
 
 
 def _resolve(rel: str, node: ast.ImportFrom) -> str:
@@ -184,9 +180,53 @@ def test_parallel_imports_runtime_only_through_documented_interfaces() -> None:
     assert not bad, bad
 
 
+def test_parallel_imports_no_engine_and_no_checkpoint_code() -> None:
+    """The pipeline's executor runs the instruction table without the engine (runtime/pipeline_engine.py is
+    DeepSpeed's facade over it); checkpoints of every parallelism are written by runtime/checkpoint's parts."""
+    bad = [f"{rel}: {m}" for rel, tree in _files() if rel.startswith("parallel/") for node in ast.walk(tree)
+           for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [_resolve(rel, node)] if isinstance(node, ast.ImportFrom) else [])
+           if m.startswith(("zerospeed.runtime.engine", "zerospeed.runtime.checkpoint",
+                            "zerospeed.runtime.pipeline_engine"))]
+    assert not bad, bad
+
+
+# --- 4b. checkpoint code reads the engine's parts, it does not probe for them -------------------------------
+CHECKPOINT_CODE = ("runtime/checkpoint/",)
+
+
+def _probes(tree: ast.Module) -> list[str]:
+    """``getattr(engine..., "x", default)`` / ``hasattr(engine..., "x")``: a part found by looking for it."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr") and node.args
+                and any(isinstance(n, ast.Name) and n.id == "engine" for n in ast.walk(node.args[0]))):
+            found.append(f"{node.func.id}({ast.unparse(node.args[0])}, ...) line {node.lineno}")  # type: ignore[attr-defined]
+    return found
+
+
+def _lazy_imports(tree: ast.Module) -> list[str]:
+    """Imports inside functions of zerospeed.parallel: the upward-import workaround of two layers that import
+    each other (a pipeline that imported runtime/checkpoint)."""
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level >= 3 and (node.module or "").startswith("parallel"):
+                    found.append(f"{fn.name}: from {'.' * node.level}{node.module}")
+    return found
+
+
+def test_checkpoint_code_has_no_probes_of_engine_parts_and_no_lazy_parallel_imports() -> None:
+    bad = [f"{rel}: {p}" for rel, tree in _files() if rel.startswith(CHECKPOINT_CODE)
+           for p in _probes(tree) + _lazy_imports(tree)]
+    assert not bad, ("save/load iterate engine.checkpoint_parts (runtime/checkpoint/part.py; built in "
+                     "runtime/build_checkpoint.py), they do not look for parts:\n" + "\n".join(bad))
+
+
 # --- 5. torch.cuda only inside accelerator/ ----------------------------------------------------------------
 CUDA_ALLOWED: dict[str, tuple[int, str]] = {
-    "checkpointing.py": (7, "activation checkpointing's CUDA RNG states"),
+    "recompute.py": (7, "activation checkpointing's CUDA RNG states"),
     "launcher/report.py": (1, "`zerospeed report` prints what torch sees"),
     "offload/stepper.py": (4, "the offload copy stream and event (to move behind Accelerator.side_stream)"),
     "parallel/sequence/tiled.py": (3, "tiled compute's CUDA RNG state"),

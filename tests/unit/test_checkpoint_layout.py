@@ -28,17 +28,18 @@ def test_tensor_file_round_trip_and_is_real_safetensors(tmp_path: Any) -> None:
         assert torch.equal(r.read_range("a", 4, 9), tensors["a"].reshape(-1)[4:9])
 
 
-def _commit(save_dir: str, tag: str, value: float) -> str:
+def _commit(save_dir: str, tag: str, value: float, overwrite: bool | None = None) -> str:
     staging = layout.begin(save_dir, tag)
     size, digest = write_tensors(os.path.join(staging, layout.shard_file(0)), {"master/w": torch.full((4,), value)})
     layout.publish_marker(staging, 0, {layout.shard_file(0): {"bytes": size, "sha256": digest}}, {"master/w": [0, 4]})
-    return layout.commit(save_dir, tag, staging, layout.wait_markers(staging, 1, 5), save_latest=True)
+    return layout.commit(save_dir, tag, staging, layout.wait_markers(staging, 1, 5), save_latest=True,
+                         overwrite=overwrite)
 
 
 def test_commit_overwrite_and_recovery_between_renames(tmp_path: Any) -> None:
     d = str(tmp_path)
     _commit(d, "t", 1.0)
-    final = _commit(d, "t", 2.0)
+    final = _commit(d, "t", 2.0, overwrite=True)
     assert layout.resolve(d, None) == final
     layout.verify_files(final, layout.read_manifest(final))
     # A crash between "rename old aside" and "rename new into place": the old copy is still found.

@@ -107,10 +107,11 @@ def test_bad_files(tmp_path) -> None:
 
 # --- issue 10: every key honoured; real DeepSpeed configs get precise messages -----------------------------
 def test_deepspeed_keys_we_lack_say_not_supported_yet_never_unknown() -> None:
-    cases = [({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                     "zenflow": {"pt_reserved_cores_perc": 0.3}}},
-              "zero_optimization.zenflow.pt_reserved_cores_perc"),
-             ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write")]
+    cases = [({"amp": {"enabled": True}}, "amp"),
+             ({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}},
+              "zero_optimization.pipeline_loading_checkpoint"),
+             ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
+             ({"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}, "hybrid_engine.inference_tp_size")]
     for extra, key in cases:
         with pytest.raises(NotSupportedYetError, match=rf"'{key}'.*not supported yet"):
             load_config({"train_batch_size": 8, **extra}, 2)

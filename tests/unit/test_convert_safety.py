@@ -63,8 +63,8 @@ def test_existing_tag_is_refused_and_overwrite_keeps_user_files(tmp_path: Path) 
 
 
 def test_commit_overwrite_policy(tmp_path: Path) -> None:
-    """``overwrite=None`` (the engine's default) replaces an earlier zerospeed checkpoint of the tag, keeping
-    other files in it; it refuses a directory that is not a zerospeed checkpoint; ``False`` refuses any."""
+    """``overwrite=True`` replaces an earlier zerospeed checkpoint of the tag, keeping other files in it;
+    ``None`` (the engine's default) and ``False`` refuse any existing tag, zerospeed's or not (issue 31)."""
     d = str(tmp_path)
     for i in range(2):
         staging = layout.begin(d, "t")
@@ -73,8 +73,10 @@ def test_commit_overwrite_policy(tmp_path: Path) -> None:
             layout.commit(d, "t", staging, layout.wait_markers(staging, 1, 5.0), True)
             (tmp_path / "t" / "user.txt").write_text("keep")
         else:
-            layout.commit(d, "t", staging, layout.wait_markers(staging, 1, 5.0), True, overwrite=None)
+            layout.commit(d, "t", staging, layout.wait_markers(staging, 1, 5.0), True, overwrite=True)
     assert (tmp_path / "t" / "user.txt").read_text() == "keep"
+    with pytest.raises(CheckpointError, match=r"tag 't' already exists .*a zerospeed checkpoint.*overwrite=True"):
+        layout.check_overwrite(d, "t", None)  # the default: a save never silently replaces a checkpoint
     with pytest.raises(CheckpointError, match="already exists"):
         layout.check_overwrite(d, "t", False)
     (tmp_path / "foreign").mkdir()

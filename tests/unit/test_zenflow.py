@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerospeed.config import ConfigError, NotSupportedYetError, load_config
+from zerospeed.config import ConfigError, load_config
 from zerospeed.config.zenflow import ZenFlowConfig
 from zerospeed.offload.zenflow.schedule import AutoInterval, Schedule
 from zerospeed.offload.zenflow.select import (column_sums, layout_of, matrix_sums, num_selected, selected_elements,
@@ -60,9 +60,10 @@ def test_refused_combinations() -> None:
     with pytest.raises(ConfigError, match="ratio < 1.*not supported yet"):
         load_config({"train_batch_size": 8, "zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}, "zenflow": {}}}, 2)
-    with pytest.raises(NotSupportedYetError, match="pt_reserved_cores_perc"):
-        zen(pt_reserved_cores_perc=0.25)
-    assert zen(pt_reserved_cores_perc=0.5).topk_ratio == 0.1  # DeepSpeed's default: accepted
+    with pytest.raises(ConfigError, match="pt_reserved_cores_perc"):  # a share of the cores: in (0, 1)
+        zen(pt_reserved_cores_perc=1.5)
+    assert zen(pt_reserved_cores_perc=0.25).pt_reserved_cores_perc == 0.25  # read (offload/cores.py)
+    assert zen(pt_reserved_cores_perc=0.5).topk_ratio == 0.1  # DeepSpeed's default
 
 
 def test_schedule_fixed_intervals() -> None:

@@ -15,6 +15,9 @@ from typing import Any
 from pydantic import BaseModel
 
 ACCEPTED_HINTS: dict[str, str] = {
+    "nebula.enable_nebula_load": (
+        "whether DeepSpeed loads through the Nebula service or torch.load; zerospeed's tiered checkpoints are the "
+        "same committed files either way, which load_checkpoint reads; the loaded state is the same either way"),
     "autotuning.model_info.hidden_size": (
         "DeepSpeed's tuner reports it with the model info; zerospeed's memory pruning uses the measured "
         "parameter count, and the micro-batch ascent finds the activation limit by running (it stops at the "

@@ -48,6 +48,8 @@ class OffloadOptimizerConfig(Section):
     """SuperOffload (``offload/super_offload.py``): each sub-group's host step starts during backward, as soon
     as its gradient is complete, and is validated (kept, or rolled back on overflow) at ``step()``. ZeRO
     stage 3, ``device: cpu``, ``ratio: 1``; speculates only with ``gradient_clipping: 0`` (as DeepSpeed)."""
+    cpuadam_cores_perc: float = Field(0.8, gt=0.0, le=1.0)
+    """The share of the host's cores the host optimizer step computes with (offload/cores.py)."""
 
     @field_validator("device", mode="before")
     @classmethod

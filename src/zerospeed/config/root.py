@@ -17,7 +17,7 @@ from .data_types import DataTypesConfig
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
-from .checkpoint import CheckpointConfig
+from .checkpoint import CheckpointConfig, DataStatesConfig, NebulaConfig
 from .compile import CompileConfig
 from .expert_parallel import ExpertParallelConfig
 from .hybrid_engine import HybridEngineConfig
@@ -114,6 +114,14 @@ class ZeroSpeedConfig(Section):
     dataloader_drop_last: bool = False
     seed: int | None = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    nebula: NebulaConfig = Field(default_factory=NebulaConfig)
+    datastates_ckpt: DataStatesConfig | None = None
+
+    @field_validator("datastates_ckpt", mode="before")
+    @classmethod
+    def _datastates_on(cls, v: object) -> object:
+        """DeepSpeed: the section is on whenever it is present and not ``false``."""
+        return None if v is False else {} if v is True else v
     aio: AioConfig = Field(default_factory=AioConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     sequence_parallel_size: int = Field(1, ge=1)

@@ -20,19 +20,11 @@ NOT_SUPPORTED_YET: dict[str, str] = {
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
     "quantize_training": "quantization-aware training",
-    "nebula": "Nebula checkpointing",
-    "datastates_ckpt": "DataStates checkpointing",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
     "weight_quantization": "weight quantization",
-    "checkpoint.parallel_write": "pipeline-stage parallel checkpoint writes (checkpoint.parallel_write)",
-    "checkpoint.writer": "DeepSpeed's checkpoint writers (checkpoint.writer)",
-    "checkpoint.checkpoint_serialization": "torch's legacy checkpoint serialization (checkpoint_serialization: false)",
-    "zero_optimization.zenflow.pt_reserved_cores_perc": "pt_reserved_cores_perc (the core split of DeepSpeed's "
-                                                         "ZenFlow optimizer process)",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
-    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "cpuadam_cores_perc (DeepSpeedCPUAdam's core share)",
 }
 
 # The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain
@@ -60,9 +52,6 @@ for _k in AUTOEP_ROUTING_KEYS:
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "checkpoint.checkpoint_serialization": (None, True),
-    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (None, 0.8),
-    "zero_optimization.zenflow.pt_reserved_cores_perc": (None, 0.5),
     "compile.free_activation_threshold": (None, 10 * 1024 * 1024),
     "compile.offload_activation_pin_memory": (None, True),
     "compile.double_buffer": (None, True),

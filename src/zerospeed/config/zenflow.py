@@ -25,8 +25,9 @@ class ZenFlowConfig(Section):
     ``auto`` (``epoch`` with ``select_interval`` 1). ``update_interval``: host update every that many steps, or
     ``auto`` (when the accumulated unselected gradient mass outgrows the selected one on ``auto_ratio`` of
     the 2-D weights). ``full_warm_up_rounds``: first steps fully updated (no selection). ``offload``: keep
-    the device-side (selected) Adam state in host memory between steps. ``pt_reserved_cores_perc`` (the
-    core split of DeepSpeed's optimizer process) is accepted only at its default (config/unsupported.py).
+    the device-side (selected) Adam state in host memory between steps. ``pt_reserved_cores_perc``: with
+    ``overlap_step``, the share of the cores kept by the training thread; the overlapped host update runs
+    on the rest (offload/cores.py).
     """
 
     topk_ratio: float = Field(0.1, gt=0.0, lt=1.0)
@@ -38,6 +39,7 @@ class ZenFlowConfig(Section):
     auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
     full_warm_up_rounds: int = Field(0, ge=0)
     steps_per_epoch: int | None = Field(None, ge=1)
+    pt_reserved_cores_perc: float = Field(0.5, gt=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> ZenFlowConfig:

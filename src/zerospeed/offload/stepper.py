@@ -40,6 +40,7 @@ from .grad_sink import GRAD, HostGrads, SwappedGrads
 from .master_home import MASTER, SwappedMaster
 from .preflight import check_nvme_path
 from .state_store import HostStore, SwappedState, state_layout, state_views
+from .cores import host_step
 from .partial import DeviceShare, HostWorker, split_subgroups
 from .subgroups import SubGroup, plan_subgroups
 from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
@@ -194,14 +195,8 @@ class OffloadStepper:
                                "reload a checkpoint")
         error: BaseException | None = None
         try:
-            if self.kernel is None:
-                self.optimizer.step()  # cpu offload of an optimizer without a flat kernel: its own step on host
-            elif self.swapper is None:
-                self._step_host(grads)
-            else:
-                if self.sink is not None and self.sink.error is not None:
-                    raise self.sink.error  # a gradient read or write failed during backward
-                self._step_nvme(grads)
+            with host_step(self.cfg.cpuadam_cores_perc):  # the host step's share of the cores (offload/cores.py)
+                self._dispatch(grads)
         except Exception as exc:  # noqa: BLE001 - any failure (I/O, memory, a kernel) is agreed across ranks
             error = exc
         failed = comm.all_reduce_max_flag(error is not None, group=self.dp_group) if self.partitioned else error is not None
@@ -212,6 +207,16 @@ class OffloadStepper:
             self.broken = "the offloaded optimizer step failed on another rank"
             raise RuntimeError("the offloaded optimizer step failed on another rank (see its error); the weights "
                                "were not updated")
+
+    def _dispatch(self, grads: list[torch.Tensor]) -> None:
+        if self.kernel is None:
+            self.optimizer.step()  # cpu offload of an optimizer without a flat kernel: its own step on host
+        elif self.swapper is None:
+            self._step_host(grads)
+        else:
+            if self.sink is not None and self.sink.error is not None:
+                raise self.sink.error  # a gradient read or write failed during backward
+            self._step_nvme(grads)
 
     def on_skipped_step(self) -> None:
         """The optimizer skipped this step (overflow) before calling ``step``: nothing to undo here

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm
+from .. import checkpointing, comm
 from ..accelerator import get_accelerator
 from ..accelerator.host_malloc import HeapTrimmer, limit_heap_retention
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.hints import log_accepted_hints
 from ..precision import AutocastRegion, make_policy
+from .build_checkpoint import checkpoint_parts
 from .build_data import data_efficiency, training_loader
 from .build_model import fp8_linears, optimizer_groups, place_model
 from .build_optimizer import build_scheduler, optimizer_stack
@@ -32,6 +33,14 @@ from .log import set_log_level_from_string
 from .parts import EngineParts
 from .plan import TrainPlan, plan_training
 from .state_dump import engine_state
+
+
+def activation_checkpointing(cfg: ZeroSpeedConfig) -> checkpointing.ActivationCheckpointing:
+    """The engine's own activation checkpointing when its config has the section; otherwise the process
+    default, which DeepSpeed scripts configure through ``deepspeed.checkpointing.configure``."""
+    if "activation_checkpointing" in cfg.model_fields_set:
+        return checkpointing.ActivationCheckpointing()
+    return checkpointing.current()
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> Any:
@@ -99,16 +108,21 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
     comms.configure(lg.enabled, False, lg.prof_all, lg.prof_ops, lg.debug)
     from ..parallel.expert.training import moe_layers
 
-    tp = grids.tp  # every rank writes under AutoTP: tp shards x dp partitions
+    tp = grids.tp  # every rank writes under AutoTP (tp shards x dp partitions) and in a pipeline (every stage)
     experts_sharded = grids.moe is not None and any(m.ep_size > 1 for m in moe_layers(model))
-    parts = EngineParts(checkpoint_group=None if tp is None else comm.world_group(), experts_sharded=experts_sharded,
+    de = data_efficiency(plan, cfg, batch.train_batch_size)
+    parts = EngineParts(checkpoint_group=None if tp is None and not plan.pipelined else comm.world_group(),
+                        checkpoint_parts=checkpoint_parts(plan, model, zero_opt, scheduler, loader, de, tp,
+                                                         cfg.checkpoint.parallel_write.pipeline_stage),
+                        activation_checkpointing=activation_checkpointing(cfg),
+                        experts_sharded=experts_sharded,
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,
-                        data_efficiency=data_efficiency(plan, cfg, batch.train_batch_size), tensor_parallel=grids.tp,
+                        data_efficiency=de, tensor_parallel=grids.tp,
                         sequence_grid=grids.seq, fp8_modules=fp8_modules, heap_trimmer=trimmer, comms=comms, plan=plan,
                         autocast=autocast, hybrid=hybrid_engine(cfg.hybrid_engine, model))
     engine_cls: type[Engine] = Engine
     if plan.pipelined:
-        from ..parallel.pipeline.engine import PipelineEngine
+        from .pipeline_engine import PipelineEngine
 
         engine_cls = PipelineEngine
     return engine_cls(model, cfg, batch, parts, grids.dp_group, device, compute)
@@ -125,10 +139,9 @@ def _finish(engine: Engine, cfg: ZeroSpeedConfig, args: Any) -> None:
                           "utilization (DeepSpeed's warning)")
         if cfg.dump_state:
             print(engine_state(engine), flush=True)
-    if "activation_checkpointing" in cfg.model_fields_set:
-        from .. import checkpointing
-
-        checkpointing.configure(cfg.activation_checkpointing, mp_world_size=1, timers=engine.timers)
+    if "activation_checkpointing" in cfg.model_fields_set:  # the engine's own, made the process default
+        engine.activation_checkpointing.configure(cfg.activation_checkpointing, mp_world_size=1, timers=engine.timers)
+        checkpointing.set_default(engine.activation_checkpointing)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

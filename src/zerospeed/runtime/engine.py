@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm
+from .. import checkpointing, comm
 from ..accelerator.host_malloc import HeapTrimmer
 from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
@@ -50,6 +50,8 @@ class Engine(nn.Module):
         self.zero3, self.data_efficiency, self.fp8_modules = parts.zero3, parts.data_efficiency, parts.fp8_modules
         self.heap_trimmer: HeapTrimmer | None = parts.heap_trimmer
         self.comms, self.checkpoint_writer = parts.comms, parts.checkpoint_writer
+        self.checkpoint_parts = parts.checkpoint_parts  # what save/load_checkpoint iterate (runtime/checkpoint/part.py)
+        self.activation_checkpointing = parts.activation_checkpointing or checkpointing.current()
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -165,6 +167,11 @@ class Engine(nn.Module):
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
+    @property
+    def accumulating(self) -> bool:
+        """Gradients accumulated since the last boundary step (a checkpoint refuses to drop them)."""
+        return self._accumulating
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step that ends an accumulation (or as set by ``set_gradient_accumulation_boundary``)."""
         if not self.torch_backward.managed:  # the caller's boundary: step() (DeepSpeed's unmanaged mode)
@@ -214,7 +221,8 @@ class Engine(nn.Module):
         """Run one engine call; on an exception abandon the step on every rank and re-raise."""
         self._ensure_usable()
         try:
-            with comm.recording(self.comms):  # this engine's collectives count in its own logger
+            # this engine's collectives count in its own logger; its activation checkpointing is the current one
+            with comm.recording(self.comms), self.activation_checkpointing.active():
                 yield
         except Exception as exc:
             self._abandon_step(what, exc)
@@ -547,13 +555,14 @@ class Engine(nn.Module):
         """Collective: write a universal checkpoint atomically (``async_save`` defaults to the config's;
         ``overwrite``: docs/checkpointing.md, "Existing tags")."""
         from .checkpoint import save_checkpoint
+        from .checkpoint.tiered import background_writes
 
         if not save_dir:  # DeepSpeed's ValueError (a None would otherwise fail deep inside os.path)
             raise ValueError(f"save_checkpoint(save_dir) needs a non-empty directory path, got {save_dir!r}")
         if self.zero3 is not None:
             self.zero3.check_checkpointable()  # MiCS: refused by name before anything is written
 
-        use_async = self.config.checkpoint.async_save if async_save is None else async_save
+        use_async = background_writes(self.config) if async_save is None else async_save
         self.last_checkpoint_stats = save_checkpoint(self, save_dir, tag, client_state, save_latest, use_async,
                                                      self.config.comms_timeout_s, exclude_frozen_parameters,
                                                      overwrite)

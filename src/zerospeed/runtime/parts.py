@@ -38,3 +38,5 @@ class EngineParts:
     autocast: Any = None  # torch_autocast: the forward's autocast region (precision/autocast.py)
     hybrid: Any = None  # hybrid_engine: rollout phases for engine.generate() (runtime/hybrid_engine.py)
     checkpoint_writer: Any = field(default_factory=_background_writer)  # async saves (runtime/checkpoint/)
+    activation_checkpointing: Any = None  # checkpointing.ActivationCheckpointing (None: the process default's)
+    checkpoint_parts: tuple[Any, ...] = ()  # what each part keeps in a checkpoint (runtime/build_checkpoint.py)

@@ -26,6 +26,7 @@ from transformers import Trainer
 
 import zerospeed
 
+from ...runtime.checkpoint.torch_file import save_torch
 from . import auto
 
 CHECKPOINT_TAG = "zerospeed"
@@ -135,7 +136,8 @@ class ZeroSpeedTrainer(Trainer):
         """Collective: the engine's checkpoint (weights, optimizer, counters) and the Trainer's schedule."""
         self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, exclude_frozen_parameters=_is_peft(self.model))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+            save_torch(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE),
+                       self.engine.config.checkpoint.checkpoint_serialization)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self.engine is None:

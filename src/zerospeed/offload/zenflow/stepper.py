@@ -29,6 +29,7 @@ from ... import comm
 from ...config import ConfigError
 from ...config.zenflow import ZenFlowConfig
 from ..stepper import OffloadStepper
+from ..cores import available_cores, bind_this_thread, split_cores
 from ..partial import HostWorker
 from ..subgroups import SubGroup
 from .schedule import AutoInterval, Schedule
@@ -64,6 +65,7 @@ class ZenFlowStepper(OffloadStepper):
         self.cpu_master = [g.master.clone() for g in self.groups] if zenflow.overlap_step else []  # type: ignore[union-attr]
         self.spare = [torch.zeros_like(a) for a in self.accum] if zenflow.overlap_step else []
         self.pending: Future[None] | None = None
+        self.core_split: tuple[list[int], list[int]] | None = None  # (training, host update) cores, once split
         self.ckpt = ZenFlowCheckpoint(self)
 
     def set_steps_per_epoch(self, steps: int) -> None:
@@ -186,7 +188,17 @@ class ZenFlowStepper(OffloadStepper):
         job, self.accum, self.spare = self.accum, self.spare, self.accum
         if self.worker is None:
             self.worker = HostWorker()
+            self._split_cores()
         self.pending = self.worker.submit(lambda: self._host_step(job, self.cpu_master, t))
+
+    def _split_cores(self) -> None:
+        """``pt_reserved_cores_perc``: the training thread keeps its share of the cores, the overlapped host
+        update's thread runs on the rest (offload/cores.py)."""
+        assert self.worker is not None
+        train, update = split_cores(available_cores(), self.zf.pt_reserved_cores_perc)
+        bind_this_thread(train)
+        self.worker.submit(lambda: bind_this_thread(update) and None).result()
+        self.core_split = (train, update)
 
     @torch.no_grad()
     def _finish_pending(self) -> None:

@@ -78,6 +78,8 @@ def consolidate(checkpoint_dir: str, output: str, tag: str | None = None, dtype:
                     t = reader.read_range(f"master/{base}", 0, _numel(spec.shape)).view(spec.shape)
                 elif base in module_file.entries:
                     t = module_file.read(base)
+                elif reader.has(f"module/{base}"):  # written by its pipeline stage (checkpoint.parallel_write)
+                    t = reader.read_range(f"module/{base}", 0, _numel(spec.shape)).view(spec.shape)
                 else:
                     raise CheckpointError(f"checkpoint {ckpt} has no data for {base!r}")
                 writer.write(spec.key, t.to(spec.dtype))

@@ -248,18 +248,16 @@ def carry_foreign(old: str, new: str) -> None:
 
 
 def check_overwrite(save_dir: str, tag: str, overwrite: bool | None) -> None:
-    """Refuse to replace an existing tag: ``overwrite=False`` refuses any; ``None`` (the engine's default,
-    DeepSpeed's repeated saves under one tag) refuses a directory that is not a zerospeed checkpoint;
-    ``True`` allows it. Whatever replaces a tag keeps the files that are not zerospeed's."""
+    """Refuse to replace an existing tag unless ``overwrite`` is true (``None``, the default, and ``False``
+    refuse, a zerospeed checkpoint as much as any other directory: a save never silently replaces what is
+    there). Whatever replaces a tag keeps the files that are not zerospeed's."""
     final = os.path.join(save_dir, tag)
     if overwrite or not os.path.lexists(final):
         return
-    if overwrite is None and os.path.isfile(os.path.join(final, MANIFEST)):
-        return
     what = "a zerospeed checkpoint" if os.path.isfile(os.path.join(final, MANIFEST)) else "a directory that is not a zerospeed checkpoint"
     raise CheckpointError(f"checkpoint tag {tag!r} already exists in {save_dir} ({what}): refusing to replace it; "
-                          "pass another tag, or overwrite=True (zerospeed convert-deepspeed --overwrite) to replace "
-                          "zerospeed's files in it (other files are kept)")
+                          "pass another tag, or overwrite=True (save_checkpoint(..., overwrite=True); zerospeed "
+                          "convert-deepspeed --overwrite) to replace zerospeed's files in it (other files are kept)")
 
 
 def commit(save_dir: str, tag: str, staging: str, markers: list[dict[str, Any]], save_latest: bool,

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from ... import comm
-from ...precision import NoScaler
+from ...parallel.tensor.checkpoint import TPReader
 from . import binding, layout, module_state, staged
 from .agree import check_same_checkpoint
 from .errors import CheckpointError
+from .part import LoadContext
 from .save import CLIENT_FILE, save_group, writer_of
-from .state import check_rng_state, from_json, restore_param_group_options, set_rng_state
+from .state import check_rng_state, from_json, set_rng_state
 from .tensor_file import TensorReader
-from .universal import CheckpointReader, load_optimizer_state, load_params, names_by_id, owned_params
+from .universal import CheckpointReader, load_params, names_by_id, owned_params
 
 
 def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
@@ -49,13 +50,14 @@ def _partitioning(stage: int, world: int) -> str:
 def check_partitioning(engine: Any, meta: dict[str, Any], ckpt: str) -> None:
     """``checkpoint.load_universal: false`` (DeepSpeed's default): the optimizer state must go back into the
     partitioning it was saved from, as DeepSpeed requires of a non-universal checkpoint. ``true`` lets it
-    reshard to any world size and stage (every zerospeed checkpoint is stored universally)."""
+    reshard to any world size and stage (every zerospeed checkpoint is stored universally). A pipeline
+    stage reads its layers by name at any degree (``PipelineStagePart``: ``partial_model``)."""
     if engine.config.checkpoint.load_universal or engine.optimizer is None or meta.get("optimizer") is None:
         return
     world = comm.get_world_size(engine.dp_group)
     tp = int(meta.get("tensor_parallel_size", 1))
     saved = _partitioning(int(meta["zero_stage"]), int(meta["world_size"]) // tp)
-    if tp != int(getattr(engine, "mp_world_size", 1)):
+    if tp != int(engine.mp_world_size):
         saved += f" with tensor parallelism {tp}"
     here = _partitioning(engine.zero_optimization_stage(), world)
     if saved != here:
@@ -102,7 +104,8 @@ def open_checkpoint(load_dir: str, tag: Any, group: Any) -> tuple[str, dict, dic
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
-    """Collective and atomic (``staged``): stage and check everything, agree, then apply."""
+    """Collective and atomic (``staged``): stage and check everything, agree, then apply: the ZeRO groups'
+    masters and the module's other tensors, then each of the engine's checkpoint parts (``part``) in order."""
     writer_of(engine).wait()
     group = save_group(engine)
     opened = open_checkpoint(load_dir, tag, group)
@@ -110,73 +113,71 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         return None, None
     ckpt, manifest, meta, index = opened
     what = f"load_checkpoint({ckpt!r})"
-    plan: dict[str, Any] = {}
+    ctx: LoadContext | None = None
     error = ""
     try:
-        plan = _stage(engine, ckpt, manifest, meta, index, group, load_module_strict,
-                      load_optimizer_states and not load_module_only, load_module_only)
+        ctx = _stage(engine, ckpt, manifest, meta, index, group, load_module_strict, load_optimizer_states,
+                     load_lr_scheduler_states, load_module_only)
     except (CheckpointError, ValueError, KeyError, TypeError, IndexError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
     try:
         staged.agree(error, group, what, "; nothing was loaded, the engine is unchanged on every rank")
     except CheckpointError:
-        if "reader" in plan:
-            plan["reader"].close()
+        if ctx is not None and ctx.reader is not None:
+            ctx.reader.close()
         raise
-    reader = plan["reader"]
+    assert ctx is not None
     client: dict[str, Any] | None = None
     try:
-        load_params(plan["groups"], plan["names"], reader,
+        load_params(_groups(engine), ctx.names, ctx.reader,
                     from_fp32=engine.config.zero_optimization.load_from_fp32_weights)
-        module_state.load_rest(engine.module, plan["grouped"], meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE),
-                               reader)
+        module_state.load_rest(engine.module, ctx.grouped, meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE),
+                               ctx.reader)
         if not load_module_only:
-            _load_training_state(engine, meta, reader, plan["names"], load_optimizer_states, load_lr_scheduler_states)
-            if plan["rng"] is not None:
-                set_rng_state(plan["rng"])
+            for part in engine.checkpoint_parts:
+                part.load(meta.get(part.name) if part.name else None, ctx)
+            if ctx.rng is not None:
+                set_rng_state(ctx.rng)
         client = _client_state(ckpt, meta)
         error = ""
     except Exception as exc:  # noqa: BLE001 - agreed on and raised on every rank below
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        reader.close()
+        ctx.reader.close()
     staged.agree(error, group, what, "; the state may be partly loaded: build a new engine and load again")
     return ckpt, client
 
 
-def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any], index: dict[str, Any],
-           group: Any, strict: bool, with_optimizer: bool, module_only: bool) -> dict[str, Any]:
-    """Everything that can be checked or read before the engine changes (``staged``, step 1)."""
-    from ...parallel.tensor.checkpoint import TPReader, base_name, remap_layout
+def _groups(engine: Any) -> list[Any]:
+    return list(engine.optimizer.groups) if engine.optimizer is not None else []
 
+
+def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any], index: dict[str, Any],
+           group: Any, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+           module_only: bool) -> LoadContext:
+    """Everything that can be checked or read before the engine changes (``staged``, step 1)."""
     rank = comm.get_rank(group)
     where = os.path.join(ckpt, layout.META)
     if not isinstance(meta.get("tensors"), dict):
         raise CheckpointError(f"{where}: field 'tensors' is not a mapping of name -> shape/dtype")
-    if with_optimizer:
-        check_partitioning(engine, meta, ckpt)
-    module_state.check_names(engine.module, meta["tensors"], strict)
     names = names_by_id(engine.module)
-    groups = list(engine.optimizer.groups) if engine.optimizer is not None else []
-    plan: dict[str, Any] = {"names": names, "groups": groups, "rng": None,
-                            "grouped": {base_name(names[id(p)]) for g in groups for p in g.params}}
-    plan["reader"] = reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"],
-                                                           engine.module), ckpt)
-    saved_opt = meta.get("optimizer")
-    lay = None
+    groups = _groups(engine)
+    ctx = LoadContext(engine, ckpt, meta, names, {names[id(p)] for g in groups for p in g.params}, module_only,
+                      load_optimizer_states and not module_only, load_lr_scheduler_states)
     if not module_only:
-        staged.check_counters(meta.get("engine"), where)
-        if with_optimizer and engine.optimizer is not None and saved_opt is not None:
-            lay = remap_layout(saved_opt["layout"], names)
-            if len(saved_opt["param_groups"]) != len(engine.optimizer.optimizer.param_groups):
-                raise CheckpointError(f"{where}: field 'optimizer.param_groups' has {len(saved_opt['param_groups'])} "
-                                      f"groups, the engine's optimizer {len(engine.optimizer.optimizer.param_groups)}")
         rng_path = binding.rng_to_load(ckpt, manifest, layout.rng_file(rank), rank, meta.get("world_size"))
         if rng_path is not None:
-            plan["rng"] = layout.read_json(rng_path)
-            check_rng_state(plan["rng"], rng_path)
-    staged.stage_tensors(reader, list(owned_params(groups, names)), lay)
-    return plan
+            ctx.rng = layout.read_json(rng_path)
+            check_rng_state(ctx.rng, rng_path)
+    for part in engine.checkpoint_parts:
+        part.check(meta.get(part.name) if part.name else None, ctx)
+    if ctx.load_optimizer_states and not ctx.partial_model:
+        check_partitioning(engine, meta, ckpt)
+    module_state.check_names(engine.module, meta["tensors"], strict, ctx.partial_model)
+    ctx.reader = reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module),
+                                              ckpt)
+    staged.stage_tensors(reader, list(owned_params(groups, names)), ctx.layout)
+    return ctx
 
 
 def _client_state(ckpt: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -185,40 +186,3 @@ def _client_state(ckpt: str, meta: dict[str, Any]) -> dict[str, Any]:
         with TensorReader(os.path.join(ckpt, CLIENT_FILE)) as cf:
             client_tensors = {k: cf.read(k) for k in cf.keys()}
     return from_json(meta.get("client_state") or {}, client_tensors)
-
-
-def _load_training_state(engine: Any, meta: dict[str, Any], reader: Any, names: dict[int, str],
-                         load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
-    saved_opt = meta.get("optimizer")
-    if engine.optimizer is not None and saved_opt is not None and load_optimizer_states:
-        opt = engine.optimizer.optimizer
-        if saved_opt["type"] != type(opt).__name__:
-            warnings.warn(f"checkpoint optimizer is {saved_opt['type']}, the engine's is {type(opt).__name__}; "
-                          "loading its state by name anyway", stacklevel=4)
-        restore_param_group_options(opt.param_groups, saved_opt["param_groups"])
-        from ...parallel.tensor.checkpoint import remap_layout
-
-        load_optimizer_state(list(engine.optimizer.groups), names, reader, remap_layout(saved_opt["layout"], names), opt)
-        if not isinstance(engine.optimizer.loss_scaler, NoScaler):  # bf16/fp32 keep scale 1 whatever was saved
-            engine.optimizer.loss_scaler.load_state_dict(saved_opt["loss_scaler"])
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    counters = meta["engine"]
-    engine.global_steps = int(counters["global_steps"])
-    engine.global_samples = int(counters["global_samples"])
-    gas = int(counters.get("gradient_accumulation_steps", engine.gradient_accumulation_steps()))
-    if gas == engine.gradient_accumulation_steps():
-        engine.micro_steps = int(counters["micro_steps"])
-    else:  # another world size or accumulation: count micro-steps in the new unit, from a step boundary
-        if int(counters["micro_steps"]) % gas:
-            warnings.warn("the checkpoint was saved in the middle of a gradient accumulation; its partial "
-                          "gradients are not stored, the next step starts a fresh accumulation", stacklevel=4)
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    engine.skipped_steps = int(counters["skipped_steps"])
-    if hasattr(engine.optimizer, "set_compression_steps"):  # the top-k warm-up counts optimizer steps taken
-        engine.optimizer.set_compression_steps(engine.global_steps - engine.skipped_steps)
-    loader = engine.training_dataloader
-    if meta.get("data") is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(meta["data"])
-    if meta.get("data_efficiency") is not None and engine.data_efficiency is not None:
-        engine.data_efficiency.load_state_dict(meta["data_efficiency"])

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from ...parallel.expert.auto.layer import expert_slice
+from ...parallel.expert.checkpoint import expert_writers, other_expert_keys, rename
+from ...parallel.tensor.checkpoint import full_shapes, saved_shape, transposed_names
 from ...zero.stage3 import GatheredParameters, shard_of
 from ...zero.stage3.export import state_entries
 from .errors import CheckpointError
@@ -29,14 +31,10 @@ from .tensor_file import TensorReader
 
 def entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """State entries under their checkpoint names (MoE experts by global expert id)."""
-    from ...parallel.expert.checkpoint import rename
-
     return rename(state_entries(module), module)
 
 
 def _other_experts(module: nn.Module) -> list[tuple[str, str]]:
-    from ...parallel.expert.checkpoint import other_expert_keys
-
     return other_expert_keys(entries(module), module)
 
 
@@ -61,8 +59,6 @@ def _gathered(tensors: list[torch.Tensor], modifier_rank: int | None) -> Any:
 
 def _expert_keys(module: nn.Module) -> dict[str, int]:
     """Checkpoint names of this rank's expert tensors -> whether this rank writes them (edp rank 0)."""
-    from ...parallel.expert.checkpoint import expert_writers
-
     return expert_writers(entries(module), module)
 
 
@@ -114,15 +110,15 @@ def describe(module: nn.Module, grouped: set[str], rank: int, copy: bool, exclud
     return meta, tensors
 
 
-def check_names(module: nn.Module, saved: dict[str, Any], strict: bool) -> None:
-    from ...parallel.tensor.checkpoint import full_shapes, saved_shape, transposed_names
-
+def check_names(module: nn.Module, saved: dict[str, Any], strict: bool, partial: bool = False) -> None:
+    """The saved entries match the model's names and shapes; ``strict``: none missing, none unexpected
+    (``partial``: this module is one pipeline stage of the saved model, so the other stages' are expected)."""
     current = {k: full_shape(t) for k, t in entries(module)}
     current.update({k: current[like] for k, like in _other_experts(module)})
     current.update({k: torch.Size(s) for k, s in full_shapes(module).items() if k in current})
     here_t = transposed_names(module)
     missing = [k for k in current if k not in saved]
-    unexpected = [k for k in saved if k not in current]
+    unexpected = [] if partial else [k for k in saved if k not in current]
     if strict and (missing or unexpected):
         more = " (and more)" if len(missing) > 10 or len(unexpected) > 10 else ""
         raise CheckpointError(f"checkpoint does not match the model: missing {missing[:10]}, "
@@ -146,6 +142,8 @@ def load_rest(module: nn.Module, grouped: set[str], saved: dict[str, Any], modul
                 src = mf.read(key)
             elif reader.has(f"master/{key}"):
                 src = reader.read_range(f"master/{key}", 0, t.numel()).view(t.shape)
+            elif reader.has(f"module/{key}"):  # written by its pipeline stage (checkpoint.parallel_write)
+                src = reader.read_range(f"module/{key}", 0, t.numel()).view(t.shape)
             else:
                 raise CheckpointError(f"checkpoint has no data for {key!r}")
             t.data.copy_(src)

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ... import comm
-from . import agree
+from . import agree, tiered
 from .async_save import BackgroundWriter, SaveStats
 from .channel import FailureChannel
 from .errors import CheckpointError
-from .state import param_group_options, rng_state, to_json
+from .part import RankSnapshot, SaveContext
+from .state import rng_state, to_json
 from .tensor_file import write_tensors
 from . import layout, module_state
-from .universal import names_by_id, snapshot_shards
+from .universal import names_by_id
 
+logger = logging.getLogger(__name__)
 CLIENT_FILE = "client_state.safetensors"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
 
@@ -29,93 +31,49 @@ def writer_of(engine: Any) -> BackgroundWriter:
     return engine.checkpoint_writer
 
 
-@dataclass
-class RankSnapshot:
-    """Everything one rank writes: tensor files (relpath -> tensors) and JSON files (relpath -> object)."""
-
-    rank: int
-    world: int
-    tensor_files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    json_files: dict[str, Any] = field(default_factory=dict)
-    index: dict[str, list[int]] = field(default_factory=dict)
-
-
 def save_group(engine: Any) -> Any:
-    """The ranks that write one checkpoint: the data-parallel group, or every rank under tensor parallelism."""
-    return getattr(engine, "checkpoint_group", None) or engine.dp_group
-
-
-def _groups(engine: Any) -> list[Any]:
-    return list(engine.optimizer.groups) if engine.optimizer is not None else []
+    """The ranks that write one checkpoint: the data-parallel group, or every rank (tensor parallelism, a
+    pipeline: ``EngineParts.checkpoint_group``)."""
+    return engine.checkpoint_group or engine.dp_group
 
 
 def snapshot(engine: Any, rank: int, world: int, client_state: dict[str, Any], copy: bool,
              exclude_frozen: bool = False) -> RankSnapshot:
-    """Take the state to write. With ``copy`` every tensor is cloned to CPU (the async-save stall).
-    ``exclude_frozen``: parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
+    """Take the state to write: each of the engine's checkpoint parts (``part``) in order, then the module's
+    entries. With ``copy`` every tensor is cloned to CPU (the async-save stall). ``exclude_frozen``:
+    parameters with ``requires_grad=False`` are listed but not written (DeepSpeed's
     ``exclude_frozen_parameters``); a load keeps the values the model has for them."""
-    from ...parallel.tensor import checkpoint as tp_ckpt
-
-    names = names_by_id(engine.module)
-    groups = _groups(engine)
-    opt = engine.optimizer.optimizer if engine.optimizer is not None else None
-    stepper = getattr(engine.optimizer, "stepper", None)
-    if stepper is not None:  # partial offload on an accelerator: device-held state into optimizer.state
-        stepper.sync_for_checkpoint()
-    dp_rank = comm.get_rank(engine.dp_group)
-    tensors, ranges, opt_layout = snapshot_shards(groups, names, opt.state if opt is not None else None, copy, dp_rank)
-    if save_group(engine) is not engine.dp_group:  # tensor parallelism: replicated tensors by the first tp rank
-        if not tp_ckpt.writes_replicated(engine.module):
-            tensors = {k: v for k, v in tensors.items() if k.rpartition("/")[2] != tp_ckpt.base_name(k.rpartition("/")[2])}
-            ranges = {k: v for k, v in ranges.items() if k in tensors}
-        for other in comm.all_gather_object(opt_layout, group=save_group(engine)):
-            opt_layout.update(other)
-    grouped = {tp_ckpt.base_name(names[id(p)]) for g in groups for p in g.params}
-    if not exclude_frozen:  # MoE: frozen experts, per expert-data-parallel group (collective under ZeRO-3)
-        frozen, frozen_ranges = module_state.frozen_experts(engine.module, grouped)
-        tensors.update(frozen)
-        ranges.update(frozen_ranges)
-    snap = RankSnapshot(rank, world, index=ranges)
-    snap.tensor_files[layout.shard_file(rank)] = tensors
+    ctx = SaveContext(engine, save_group(engine), names_by_id(engine.module), copy, exclude_frozen)
+    snap = RankSnapshot(rank, world, module_rank=rank)
+    for part in engine.checkpoint_parts:
+        part.save(snap, ctx)
+    snap.entries, snap.module_tensors = module_state.describe(engine.module, snap.grouped, snap.module_rank,
+                                                              copy, exclude_frozen)
+    metas = {part.name: part.meta(snap, ctx) for part in engine.checkpoint_parts}  # every rank: may gather
+    snap.tensor_files[layout.shard_file(rank)] = snap.shard
     snap.json_files[layout.rng_file(rank)] = rng_state()
-    entries, module_tensors = module_state.describe(engine.module, grouped, rank, copy, exclude_frozen)
-    tp_ckpt.describe_split(engine.module, entries)
     if rank != 0:
         return snap
     client_tensors: dict[str, torch.Tensor] = {}
     client_json = to_json(dict(client_state or {}), "client_state", client_tensors)
-    loader = engine.training_dataloader
-    meta = {
-        "format": layout.FORMAT, "version": layout.VERSION,
-        "world_size": world, "zero_stage": engine.zero_optimization_stage(),
-        "tensor_parallel_size": int(getattr(engine, "mp_world_size", 1)),
-        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-        "tensors": entries,
-        "optimizer": None if opt is None else {
-            "type": type(opt).__name__, "param_groups": param_group_options(opt.param_groups), "layout": opt_layout,
-            "loss_scaler": to_json(engine.optimizer.loss_scaler.state_dict(), "loss_scaler")},
-        "lr_scheduler": None if engine.lr_scheduler is None else
-        to_json(engine.lr_scheduler.state_dict(), "lr_scheduler"),
-        "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                   "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                   "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
-        "data": to_json(loader.state_dict(), "dataloader") if hasattr(loader, "state_dict") else None,
-        "data_efficiency": None if engine.data_efficiency is None else
-        to_json(engine.data_efficiency.state_dict(), "data_efficiency"),
-        "client_state": client_json,
-    }
+    meta = {"format": layout.FORMAT, "version": layout.VERSION, "world_size": world,
+            "zero_stage": engine.zero_optimization_stage(), "tensor_parallel_size": int(engine.mp_world_size),
+            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+            **{name: value for name, value in metas.items() if name}, "tensors": snap.entries,
+            "client_state": client_json}
     snap.json_files[layout.META] = meta
-    snap.tensor_files[layout.MODULE_FILE] = module_tensors
+    snap.tensor_files[layout.MODULE_FILE] = snap.module_tensors
     if client_tensors:
         snap.tensor_files[CLIENT_FILE] = client_tensors
     return snap
 
 
-def write_snapshot(snap: RankSnapshot, staging: str) -> int:
-    """Write this rank's files durably, then its marker; returns bytes written."""
+def write_snapshot(snap: RankSnapshot, staging: str, writer: Any = None) -> int:
+    """Write this rank's files durably (``writer``: the ``checkpoint.writer`` section), then its marker;
+    returns bytes written."""
     files: dict[str, dict[str, Any]] = {}
     for rel, tensors in snap.tensor_files.items():
-        size, digest = write_tensors(os.path.join(staging, rel), tensors, {"format": "pt"})
+        size, digest = write_tensors(os.path.join(staging, rel), tensors, {"format": "pt"}, writer)
         files[rel] = {"bytes": size, "sha256": digest}
     for rel, obj in snap.json_files.items():
         size, digest = layout.write_json(os.path.join(staging, rel), obj)
@@ -129,7 +87,7 @@ def write_snapshot(snap: RankSnapshot, staging: str) -> int:
 def _check_accumulation(engine: Any) -> None:
     """Refuse to save gradients half-accumulated: they are not part of a checkpoint, and dropping them
     silently would make the resumed run differ from the uninterrupted one."""
-    if getattr(engine, "_accumulating", False):
+    if engine.accumulating:
         gas = engine.gradient_accumulation_steps()
         raise CheckpointError(
             f"save_checkpoint called in the middle of a gradient accumulation (micro-step {engine.micro_steps} with "
@@ -173,14 +131,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     staging = os.path.join(save_dir, name)
     timeout = commit_timeout_s or DEFAULT_COMMIT_TIMEOUT_S
     final = os.path.join(save_dir, tag)
-    if async_save:
+    if async_save and tiered.snapshot_fits(engine, group):
         return _save_async(engine, writer, rank, world, client_state, save_dir, tag, staging, save_latest, timeout, t0,
                            exclude_frozen, overwrite)
     error, nbytes, t1 = "", 0, time.perf_counter()
     try:
         snap = snapshot(engine, rank, world, client_state or {}, copy=False, exclude_frozen=exclude_frozen)
         t1 = time.perf_counter()
-        nbytes = write_snapshot(snap, staging)
+        nbytes = write_snapshot(snap, staging, engine.config.checkpoint.writer)
     except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
         error = f"{type(exc).__name__}: {exc}"
     try:
@@ -195,6 +153,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         try:
             layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout), save_latest,
                           overwrite)
+            tiered.retain(engine.config, save_dir)
         except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank below
             commit_error = f"{type(exc).__name__}: {exc}"
     commit_error = comm.broadcast_object(commit_error, src=0, group=group)
@@ -202,7 +161,17 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         raise CheckpointError(f"save_checkpoint({final!r}): rank 0 could not commit the checkpoint: {commit_error}")
     stats = SaveStats(final, stall_s=time.perf_counter() - t0, write_s=time.perf_counter() - t1, bytes=nbytes, done=True)
     writer.last = stats
+    _statistics(engine, rank, stats)
     return stats
+
+
+def _statistics(engine: Any, rank: int, stats: SaveStats) -> None:
+    """``checkpoint.writer.show_statistics``: rank 0 logs what it wrote and how fast."""
+    cfg = engine.config.checkpoint.writer
+    if cfg is not None and cfg.show_statistics and rank == 0:
+        rate = stats.bytes / stats.write_s / 1e9 if stats.write_s > 0 else 0.0
+        logger.info("checkpoint %s: rank 0 wrote %d bytes in %.3f s (%.3f GB/s, writer %s)", stats.path,
+                    stats.bytes, stats.write_s, rate, cfg.type)
 
 
 def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, client_state: dict[str, Any] | None,
@@ -234,7 +203,7 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
 
     def job() -> int:
         try:
-            nbytes = write_snapshot(snap, staging)
+            nbytes = write_snapshot(snap, staging, engine.config.checkpoint.writer)
         except Exception as exc:
             raise fail(exc) from exc
         if rank != 0:
@@ -243,6 +212,7 @@ def _save_async(engine: Any, writer: BackgroundWriter, rank: int, world: int, cl
         try:
             layout.commit(save_dir, tag, staging, layout.wait_markers(staging, world, timeout, channel=channel),
                           save_latest, overwrite)
+            tiered.retain(engine.config, save_dir)
         except Exception as exc:
             channel.publish_outcome(f"{type(exc).__name__}: {exc}")
             layout.write_outcome(staging, f"{type(exc).__name__}: {exc}")

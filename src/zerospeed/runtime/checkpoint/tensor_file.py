@@ -12,7 +12,6 @@ elements it owns; a consolidator's memory stays one tensor, not the pages of a m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -23,6 +22,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .errors import CheckpointError
+from .writer import open_sink
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -50,24 +50,17 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
 class TensorWriter:
-    """Write tensors in the order of ``specs``; ``close()`` fsyncs and returns ``(bytes, sha256)``."""
+    """Write tensors in the order of ``specs``; ``close()`` fsyncs and returns ``(bytes, sha256)``.
+    ``writer``: the ``checkpoint.writer`` section (how the bytes are written: ``writer.py``), None: inline."""
 
-    def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> None:
+    def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None,
+                 writer: Any = None) -> None:
         if path.endswith(".safetensors") is False:
             raise ValueError(f"tensor file names end with .safetensors, got {path!r}")
         self.path = path
         self._specs = list(specs)
         self._next = 0
-        self._hash = hashlib.sha256()
-        self._size = 0
         header: dict[str, Any] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -79,13 +72,8 @@ class TensorWriter:
             offset += s.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._put(struct.pack("<Q", len(blob)) + blob)
-
-    def _put(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
-        self._hash.update(data)
-        self._size += len(data)
+        self._sink = open_sink(path, writer)
+        self._sink.put(struct.pack("<Q", len(blob)) + blob)
 
     def write(self, key: str, t: torch.Tensor) -> None:
         spec = self._specs[self._next] if self._next < len(self._specs) else None
@@ -93,23 +81,30 @@ class TensorWriter:
             raise RuntimeError(f"{self.path}: expected tensor {spec.key if spec else '(none)'}, got {key}")
         if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
             raise RuntimeError(f"{self.path}: {key} is {t.dtype}{tuple(t.shape)}, header says {spec.dtype}{spec.shape}")
-        self._put(_raw(t))
+        self._sink.put_tensor(t)
         self._next += 1
 
     def close(self) -> tuple[int, str]:
         if self._next != len(self._specs):
+            self.abort()
             raise RuntimeError(f"{self.path}: {len(self._specs) - self._next} tensors were never written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        return self._size, self._hash.hexdigest()
+        return self._sink.close()
+
+    def abort(self) -> None:
+        """Stop writing (the file is left incomplete; a staging directory is removed by its owner)."""
+        self._sink.abort()
 
 
-def write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, str]:
-    """Write a whole dict of tensors; returns ``(bytes, sha256)`` of the file."""
-    w = TensorWriter(path, [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata)
-    for k, t in tensors.items():
-        w.write(k, t)
+def write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                  writer: Any = None) -> tuple[int, str]:
+    """Write a whole dict of tensors; returns ``(bytes, sha256)`` of the file (``writer``: see TensorWriter)."""
+    w = TensorWriter(path, [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata, writer)
+    try:
+        for k, t in tensors.items():
+            w.write(k, t)
+    except BaseException:
+        w.abort()
+        raise
     return w.close()
 
 

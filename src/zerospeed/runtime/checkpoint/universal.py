@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from ...parallel.expert.auto.layer import expert_slice
+from ...parallel.expert.checkpoint import global_param_names
+from ...parallel.tensor.checkpoint import rename_split
 from ...zero import ShardedGroup
 from .errors import CheckpointError
 from .tensor_file import TensorReader
@@ -32,9 +34,6 @@ from .tensor_file import TensorReader
 
 def names_by_id(module: nn.Module) -> dict[int, str]:
     """Checkpoint name of each parameter: its ``named_parameters`` name, MoE experts by global expert id."""
-    from ...parallel.expert.checkpoint import global_param_names
-    from ...parallel.tensor.checkpoint import rename_split
-
     return rename_split(global_param_names(module), module)  # tensor-parallel shards: name@tp<r>of<T>
 
 

@@ -1,0 +1,34 @@
+"""The engine's checkpoint parts (``runtime/checkpoint/part.py``), in save order, from what ``initialize()``
+built: which parallelism changes who writes what is decided here, once, not in the checkpoint code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .checkpoint.part import CheckpointPart
+from .checkpoint.parts import (CountersPart, DataEfficiencyPart, ExpertsPart, LoaderPart, OffloadPart,
+                               PipelineStagePart, SchedulerPart, TensorParallelPart, ZeroGroupsPart)
+from .plan import TrainPlan
+
+PIPELINE_WITH_TP = ("checkpoints of a pipeline with tensor parallelism are not supported yet by zerospeed")
+
+
+def checkpoint_parts(plan: TrainPlan, model: nn.Module, optimizer: Any, scheduler: Any, loader: Any,
+                     data_efficiency: Any, tensor_parallel: Any, parallel_write: bool = False
+                     ) -> tuple[CheckpointPart, ...]:
+    parts: list[CheckpointPart] = []
+    if optimizer is not None and optimizer.stepper is not None:  # ZeRO-Offload's stepper, ZenFlow
+        parts.append(OffloadPart(optimizer.stepper))
+    parts.append(ZeroGroupsPart(optimizer))
+    if tensor_parallel is not None and not plan.pipelined:
+        parts.append(TensorParallelPart(model))
+    if plan.pipelined:
+        parts.append(PipelineStagePart(model, PIPELINE_WITH_TP if tensor_parallel is not None else "", parallel_write))
+    if plan.moe:
+        parts.append(ExpertsPart(model))
+    parts += [SchedulerPart(scheduler), CountersPart(),
+              LoaderPart(loader, hasattr(loader, "state_dict"), hasattr(loader, "load_state_dict")),
+              DataEfficiencyPart(data_efficiency)]
+    return tuple(parts)
