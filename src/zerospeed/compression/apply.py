@@ -16,7 +16,17 @@ from typing import Any
 from torch import nn
 
 from ..compat.compression_helper import recursive_getattr, recursive_setattr
-from ..config.compression_training import CompressionTrainingConfig, LayerReduction
+from ..config.compression_training import (
+    ActQuantParams,
+    ActQuantShared,
+    CompressionTrainingConfig,
+    DenseRatioParams,
+    LayerReduction,
+    RowShared,
+    SparseShared,
+    WeightQuantParams,
+    WeightQuantShared,
+)
 from ..config.errors import ConfigError, NotSupportedYetError
 from . import shrink
 from .groups import MatchedGroup, get_module_name, match_groups
@@ -49,24 +59,35 @@ def check_supported(cfg: CompressionTrainingConfig) -> None:
                                    "supported yet by zerospeed: use 'l1' or 'topk'")
 
 
-def enable(module: nn.Module, technique: str, p: dict[str, Any], name: str) -> None:
-    """Configure ``technique`` with parameters ``p`` on the compression-aware ``module`` called ``name``."""
-    calls = {
-        "weight_quantization": ("enable_weight_quantization", lambda: (
-            p["start_bits"], p["target_bits"], p["quantization_period"], p["quantize_weight_in_forward"],
-            p["quantization_type"], p["quantize_groups"], p["rounding"], p["fp16_mixed_quantize"]["enabled"])),
-        "activation_quantization": ("enable_activation_quantization", lambda: (
-            p["bits"], p["quantization_type"], p["range_calibration"])),
-        "sparse_pruning": ("enable_sparse_pruning", lambda: (p["dense_ratio"], p["method"])),
-        "row_pruning": ("enable_row_pruning", lambda: (p["dense_ratio"], p["method"])),
-        "head_pruning": ("enable_head_pruning", lambda: (p["dense_ratio"], p["method"], p["num_heads"])),
-        "channel_pruning": ("enable_channel_pruning", lambda: (p["dense_ratio"], p["method"])),
-    }
-    method, args = calls[technique]
+def enable(module: nn.Module, technique: str, group: MatchedGroup, name: str) -> None:
+    """Configure ``group``'s ``technique`` on the compression-aware ``module`` called ``name``."""
+    method = {"weight_quantization": "enable_weight_quantization", "row_pruning": "enable_row_pruning",
+              "activation_quantization": "enable_activation_quantization", "sparse_pruning": "enable_sparse_pruning",
+              "head_pruning": "enable_head_pruning", "channel_pruning": "enable_channel_pruning"}[technique]
     if not hasattr(module, method):
         raise ConfigError(f"compression_training.{technique}", f"module '{name}' ({type(module).__name__}) cannot "
                           f"take {technique.replace('_', ' ')}")
-    getattr(module, method)(*args())
+    if technique == "weight_quantization":
+        _enable_weights(module, group.params, group.shared)
+    elif technique == "activation_quantization":
+        _enable_activations(module, group.params, group.shared)
+    elif technique == "head_pruning":
+        module.enable_head_pruning(group.params.dense_ratio, group.shared.method, group.shared.num_heads)
+    else:
+        _enable_pruning(getattr(module, method), group.params, group.shared)
+
+
+def _enable_weights(module: Any, p: WeightQuantParams, s: WeightQuantShared) -> None:
+    module.enable_weight_quantization(p.start_bits, p.target_bits, p.quantization_period, s.quantize_weight_in_forward,
+                                      s.quantization_type, s.quantize_groups, s.rounding, s.fp16_mixed_quantize.enabled)
+
+
+def _enable_activations(module: Any, p: ActQuantParams, s: ActQuantShared) -> None:
+    module.enable_activation_quantization(p.bits, s.quantization_type, s.range_calibration)
+
+
+def _enable_pruning(enable_fn: Any, p: DenseRatioParams, s: SparseShared | RowShared) -> None:
+    enable_fn(p.dense_ratio, s.method)
 
 
 def _root(model: nn.Module) -> nn.Module:
@@ -87,7 +108,7 @@ def init_compression(model: nn.Module, deepspeed_config: Any, teacher_model: nn.
         else:
             student_initialization(root, _root(teacher_model), cfg)
     groups = match_groups(root, cfg)
-    compression_preparation(root, [(g.modules, g.related, {g.technique: g.params}) for g in groups], mpu)
+    compression_preparation(root, [(g.modules, g.related, {g.technique: g}) for g in groups], mpu)
     return model
 
 

@@ -27,7 +27,8 @@ class MatchedGroup:
     name: str
     modules: list[list[str]]
     related: list[list[list[str]]]  # per modules pattern: per related pattern: module names
-    params: dict[str, Any]  # the group's params with the technique's shared parameters
+    params: Any  # the group's ``params`` section (bits, dense ratio)
+    shared: Any  # the technique's ``shared_parameters`` section
 
     def all_modules(self) -> list[str]:
         return [n for names in self.modules for n in names]
@@ -68,6 +69,5 @@ def match_groups(model: nn.Module, cfg: CompressionTrainingConfig, techniques: t
             for rel_patterns in group.related_modules or []:
                 related.append([get_module_name(gname, model, kw, set())[0] for kw in rel_patterns])
             if any(modules):
-                params = {**shared.model_dump(), **group.params.model_dump()}  # snip keys: shared only
-                out.append(MatchedGroup(technique, gname, modules, related, params))
+                out.append(MatchedGroup(technique, gname, modules, related, group.params, shared))
     return out

@@ -73,8 +73,8 @@ def module_replacement(model: nn.Module, module_name: str, compression_technique
     if compression_technique is not None:
         from .apply import enable
 
-        for technique, params in compression_technique.items():
-            enable(recursive_getattr(model, module_name), technique, params, module_name)
+        for technique, group in compression_technique.items():
+            enable(recursive_getattr(model, module_name), technique, group, module_name)
 
 
 def compression_preparation(model: nn.Module, compression_technique_list: Any = (), mpu: Any = None) -> nn.Module:

@@ -33,6 +33,7 @@ class WeightQuant:
     mixed: bool = False
     bits: int = 0  # the current precision (MoQ); 0: start_bits
     ratio: float = 1.0  # MoQ fp16-mixed: weight of the unquantized value
+    started: bool = False  # MoQ: the quantizer has run once (DeepSpeed quantized after the step that enabled it)
 
     def __post_init__(self) -> None:
         if self.bits == 0:
@@ -47,6 +48,8 @@ class WeightQuant:
         """The weight the forward uses (straight-through gradient to ``weight``)."""
         if self.in_forward:
             return fake_quant(weight, self.spec(self.target_bits, groups))
+        if not self.started:
+            return weight
         with torch.no_grad():
             q = quantize_value(weight.detach(), self.spec(groups=groups))
             if self.mixed:

@@ -11,11 +11,14 @@ student's first layers. The code lives in ``zerospeed/compression/``.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from .base import Section
+
+_log = logging.getLogger("zerospeed.config")
 
 
 class _Group(Section):
@@ -119,6 +122,20 @@ class SparseShared(Section):
     dense_ratio: float = Field(0.1, gt=0, lt=1)
     excluded_modules: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _snip_only(self) -> SparseShared:
+        """``block_pattern``, ``dense_ratio``, ``excluded_modules``, ``schedule_offset_end`` and
+        ``schedule_offset_stride`` belong to ``snip_momentum`` (refused: compression/apply.py); with ``l1`` or
+        ``topk`` DeepSpeed ignores them, so a warning names them."""
+        snip = {"block_pattern": self.block_pattern, "dense_ratio": self.dense_ratio,
+                "excluded_modules": self.excluded_modules, "schedule_offset_end": self.schedule_offset_end,
+                "schedule_offset_stride": self.schedule_offset_stride}
+        unused = sorted(set(snip) & self.model_fields_set)
+        if self.method != "snip_momentum" and unused:
+            _log.warning("compression_training.sparse_pruning.shared_parameters: %s only apply to method "
+                         "snip_momentum; ignored with %r (as in DeepSpeed)", unused, self.method)
+        return self
+
 
 class RowShared(Section):
     enabled: bool = False
@@ -211,3 +228,71 @@ class CompressionTrainingConfig(Section):
     def any_enabled(self) -> bool:
         return self.layer_reduction.enabled or any(self.technique(n).shared_parameters.enabled  # type: ignore[attr-defined]
                                                    for n in TECHNIQUES)
+
+
+# --- MoQ (legacy ``quantize_training``) and the eigenvalue section ---------------------------------------------
+class EigenvalueConfig(Section):
+    """Power iteration on the Hessian-vector product per layer block (``layer_name``'s first ``layer_num``
+    entries); MoQ lengthens a block's next period by ``1 + floor(4 * eigenvalue / max eigenvalue)``."""
+
+    enabled: bool = False
+    verbose: bool = False
+    max_iter: int = Field(100, ge=1)
+    tol: float = Field(1e-2, gt=0)
+    stability: float = Field(1e-6, ge=0)
+    gas_boundary_resolution: int = Field(1, ge=1)
+    """Compute the eigenvalues every this many accumulation boundaries."""
+    layer_name: str = "bert.encoder.layer"
+    layer_num: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _layers(self) -> EigenvalueConfig:
+        if self.enabled and self.layer_num < 1:
+            raise ValueError("eigenvalue needs layer_num >= 1 (the number of blocks under layer_name)")
+        return self
+
+
+class QuantizeBits(Section):
+    start_bits: int = Field(16, ge=1, le=16)
+    target_bits: int = Field(8, ge=1, le=8)
+
+
+class QuantizeSchedule(Section):
+    quantize_period: int = Field(1000, ge=1)
+    schedule_offset: int = Field(1000, ge=0)
+
+
+class QuantizeAlgo(Section):
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+
+
+class QuantizeTrainingConfig(Section):
+    """MoQ's own section (DeepSpeed's MoQ tutorial): every 2-D weight (linear, embedding, convolution) is
+    quantized from ``start_bits`` down to ``target_bits``, one bit per period, the period doubling each time.
+    Runs as ``compression_training.weight_quantization`` with ``quantize_weight_in_forward: false`` on all
+    layers (``compression/moq.py``)."""
+
+    enabled: bool = False
+    quantize_verbose: bool = False
+    quantizer_kernel: bool = False
+    """DeepSpeed's CUDA quantizer kernel: the same formula, computed here by PyTorch on every device."""
+    quantize_type: Literal["symmetric", "asymmetric"] | None = None
+    quantize_algo: QuantizeAlgo = Field(default_factory=QuantizeAlgo, alias="quantize-algo")
+    quantize_bits: QuantizeBits = Field(default_factory=QuantizeBits)
+    quantize_schedule: QuantizeSchedule = Field(default_factory=QuantizeSchedule)
+    quantize_groups: int = Field(1, ge=1)
+    fp16_mixed_quantize: Fp16MixedQuantize = Field(default_factory=Fp16MixedQuantize)
+    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+
+    def as_weight_quantization(self) -> WeightQuantization:
+        """The same MoQ as a ``compression_training.weight_quantization`` section over every layer."""
+        shared = WeightQuantShared(enabled=self.enabled, schedule_offset=self.quantize_schedule.schedule_offset,
+                                   quantize_groups=self.quantize_groups, quantize_verbose=self.quantize_verbose,
+                                   quantization_type=self.quantize_type or self.quantize_algo.q_type,
+                                   rounding=self.quantize_algo.rounding, fp16_mixed_quantize=self.fp16_mixed_quantize,
+                                   quantizer_kernel=self.quantizer_kernel)
+        params = WeightQuantParams(start_bits=self.quantize_bits.start_bits, target_bits=self.quantize_bits.target_bits,
+                                   quantization_period=self.quantize_schedule.quantize_period)
+        return WeightQuantization(shared_parameters=shared,
+                                  different_groups={"quantize_training": WeightQuantGroup(params=params)})

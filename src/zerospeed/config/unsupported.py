@@ -17,7 +17,6 @@ from .errors import NotSupportedYetError
 NOT_SUPPORTED_YET: dict[str, str] = {
     "seq_parallel_communication_data_type": "the sequence-parallel communication dtype",
     "expert_parallel": "expert parallelism (AutoEP)",
-    "compression_training": "compression training",
     "data_efficiency.data_sampling.dynamic_batching": "dynamic batching with learning-rate scaling",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
@@ -26,13 +25,11 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "graph_harvesting": "graph harvesting (CUDA graphs)",
     "managed_gradient_accumulation": "client-managed gradient accumulation (managed_gradient_accumulation: false)",
     "gradient_allreduce_op": "a gradient all-reduce op other than 'mean'",
-    "quantize_training": "quantization-aware training",
     "nebula": "Nebula checkpointing",
     "datastates_ckpt": "DataStates checkpointing",
     "data_types.grad_accum_dtype": "data_types.grad_accum_dtype (the gradient accumulation dtype)",
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
-    "eigenvalue": "eigenvalue computation",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "weight_quantization": "weight quantization",
     "comet": "the Comet monitor",

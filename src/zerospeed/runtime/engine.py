@@ -49,6 +49,7 @@ class Engine(nn.Module):
         self.zero3, self.data_efficiency, self.fp8_modules = parts.zero3, parts.data_efficiency, parts.fp8_modules
         self.heap_trimmer: HeapTrimmer | None = parts.heap_trimmer
         self.comms, self.checkpoint_writer = parts.comms, parts.checkpoint_writer
+        self.compression = parts.compression  # compression_training / MoQ (compression/runtime.py) or None
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -262,6 +263,8 @@ class Engine(nn.Module):
             if self.data_efficiency is not None:  # curriculum_seqlen=, progressive_layer_drop=, pld_theta=
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             self.lockstep.forward_seen(self.module)
+            if self.compression is not None:
+                self.compression.before_forward(self.global_steps)
             out = self.module(*inputs, **kwargs)
             self.observer.forward_end()
         return out
@@ -286,6 +289,8 @@ class Engine(nn.Module):
             reducer.begin_micro_step(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
             if self.heap_trimmer is not None:  # host: the forward's freed heap leaves the peak (host_malloc.py)
                 self.heap_trimmer.trim()
+            if self.compression is not None:  # MoQ's eigenvalues differentiate the loss first
+                self.compression.on_backward(loss, self.is_gradient_accumulation_boundary())
             scaled.backward(retain_graph=retain_graph)
             reducer.end_micro_step()
             self.backwards_in_window += 1
@@ -319,6 +324,8 @@ class Engine(nn.Module):
             if self.data_efficiency is not None:
                 self.data_efficiency.on_step_boundary(self.global_steps)
             applied = self.optimizer.step()
+            if self.compression is not None:
+                self.compression.after_step(applied)
             self._accumulating = False
             self._step_applied = applied
             if applied:

@@ -36,3 +36,4 @@ class EngineParts:
     mp_world_size: int = 1  # tensor-parallel ways (DeepSpeed's engine.mp_world_size)
     experts_sharded: bool = False  # expert parallelism: each rank holds only its own experts (ep_size > 1)
     checkpoint_writer: Any = field(default_factory=_background_writer)  # async saves (runtime/checkpoint/)
+    compression: Any = None  # compression_training / MoQ schedule (compression/runtime.py:CompressionRuntime)
