@@ -66,8 +66,8 @@ def test_compression_training_zero2_zero3_world2_equal_one_process() -> None:
         assert two[0]["losses"] == two[1]["losses"] and two[0]["bits"] == one["bits"] and two[0]["steps"] == 4
 
 
-def test_compression_training_needs_init_compression_first() -> None:
-    def plain(_: int) -> str:
+def test_initialize_refuses_plain_layers_and_quantizes_post_init() -> None:
+    def at_load(_: int) -> tuple[str, str, bool]:
         import zerospeed
         from zerospeed.config import ConfigError
 
@@ -75,8 +75,14 @@ def test_compression_training_needs_init_compression_first() -> None:
                   "compression_training": COMPRESSION}
         try:
             zerospeed.initialize(model=_model(), config=config)
+            refused = "no error"
         except ConfigError as exc:
-            return str(exc)
-        return "no error"
+            refused = str(exc)
+        ptq = {"train_batch_size": 1, "weight_quantization": {"post_init_quant": {"2": {"num_bits": 4, "group_size": 16}}}}
+        engine, _, _, _ = zerospeed.initialize(model=_model(), config=ptq)
+        out = engine(torch.randn(1, 16))
+        return refused, type(engine.module[2]).__name__, bool(torch.isfinite(out).all())
 
-    assert "call zerospeed.compression.init_compression" in run_distributed(plain, 1, 0, timeout=60)[0]
+    refused, kind, finite = run_distributed(at_load, 1, 0, timeout=60)[0]
+    assert "call zerospeed.compression.init_compression" in refused
+    assert kind == "QuantizedLinear" and finite

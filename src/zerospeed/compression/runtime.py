@@ -23,6 +23,7 @@ from .apply import check_supported, init_compression
 from .eigenvalue import Eigenvalue
 from .layers import _Compressed
 from .moq import MoQ
+from .ptq import post_init_quantization
 from .scheduler import CompressionScheduler
 
 
@@ -84,7 +85,10 @@ def _check_prepared(model: nn.Module, scheduler: CompressionScheduler) -> None:
 
 
 def compression_runtime(config: Any, model: nn.Module) -> CompressionRuntime | None:
-    """The engine's compression part for ``config`` (a ZeroSpeedConfig), or None when nothing is on."""
+    """The engine's compression part for ``config`` (a ZeroSpeedConfig), or None when nothing is on. Before
+    that, ``weight_quantization.post_init_quant`` quantizes the matched linears (``ptq.py``)."""
+    if config.weight_quantization is not None:
+        post_init_quantization(model, config.weight_quantization)
     cfg: CompressionTrainingConfig = config.compression_training
     qt = config.quantize_training
     if qt.eigenvalue.enabled and config.eigenvalue.enabled:

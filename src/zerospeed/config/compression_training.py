@@ -12,9 +12,9 @@ student's first layers. The code lives in ``zerospeed/compression/``.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 
@@ -296,3 +296,37 @@ class QuantizeTrainingConfig(Section):
                                    quantization_period=self.quantize_schedule.quantize_period)
         return WeightQuantization(shared_parameters=shared,
                                   different_groups={"quantize_training": WeightQuantGroup(params=params)})
+
+
+# --- weight_quantization: post-training weight quantization at load ---------------------------------------------
+class GroupWiseQuant(Section):
+    """One ``post_init_quant`` entry: asymmetric ``num_bits`` codes in groups of ``group_size`` along ``group_dim``
+    (1: the input columns of each row, the only layout the inference engine's quantized linears hold)."""
+
+    num_bits: Literal[4, 8] | None = None
+    group_size: int | None = Field(None, ge=1)
+    """None: the section's ``q_groups`` groups per row."""
+    group_dim: int = 1
+    symmetric: bool | None = None
+
+    @field_validator("group_dim")
+    @classmethod
+    def _dim(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"group_dim {value}: only 1 (groups of input columns) is supported yet by zerospeed")
+        return value
+
+
+class WeightQuantizationConfig(Section):
+    """DeepSpeed's top-level ``weight_quantization``: ``post_init_quant`` maps a module-name substring to its
+    quantization; ``initialize`` swaps each matched linear for the inference engine's ``QuantizedLinear`` before
+    placing the model (``compression/ptq.py``). ``num_bits`` and ``q_type`` are the entries' defaults."""
+
+    enabled: bool = True
+    num_bits: Literal[4, 8] = 8
+    q_type: Literal["symmetric", "asymmetric"] = "asymmetric"
+    q_groups: int = Field(1, ge=1)
+    """Groups per row for an entry without ``group_size``."""
+    post_init_quant: dict[str, GroupWiseQuant] = Field(default_factory=dict)
+    quantized_initialization: dict[str, Any] = Field(default_factory=dict)
+    """zero.Init quantizing weights as they are made: not supported yet (config/unsupported.py)."""

@@ -31,7 +31,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "sparse_gradients": "sparse gradients",
     "disable_allgather": "disable_allgather",
     "hybrid_engine": "the hybrid (RLHF) engine",
-    "weight_quantization": "weight quantization",
+    "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
+                                                    "(weight_quantization.quantized_initialization)",
     "comet": "the Comet monitor",
     "timers": "the timers section (throughput timer options)",
     "log_level": "log_level (DeepSpeed's logger level)",
