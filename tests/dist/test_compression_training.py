@@ -86,3 +86,37 @@ def test_initialize_refuses_plain_layers_and_quantizes_post_init() -> None:
     refused, kind, finite = run_distributed(at_load, 1, 0, timeout=60)[0]
     assert "call zerospeed.compression.init_compression" in refused
     assert kind == "QuantizedLinear" and finite
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.blocks[1](torch.tanh(self.blocks[0](x)))).pow(2).mean()
+
+
+def test_moq_eigenvalues_through_the_engine_set_per_block_periods() -> None:
+    """quantize_training (legacy MoQ section) with its eigenvalue subsection: the engine differentiates the loss
+    before the backward when a bit drop is due, and each block's next period is 4 x (1 + floor(4 e))."""
+    def train(_: int) -> tuple[list[int], list[int]]:
+        import zerospeed
+
+        config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 6},
+                                        "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0},
+                                        "eigenvalue": {"enabled": True, "layer_name": "blocks", "layer_num": 2,
+                                                       "tol": 1e-4}}}
+        engine, _, _, _ = zerospeed.initialize(model=Blocks(), config=config)
+        for step in range(2):
+            loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(step)))
+            engine.backward(loss)
+            engine.step()
+        layers = engine.compression.moq.layers
+        return [wq.bits for _, wq in layers], [wq.period for _, wq in layers]
+
+    bits, periods = run_distributed(train, 1, 0, timeout=60)[0]
+    assert bits == [6, 6]  # 8 -> 7 before the first forward, 7 -> 6 after step 1 (eigenvalues known then)
+    assert 20 in periods and all(p in (4, 8, 12, 16, 20) for p in periods) and periods != [4, 4], periods
