@@ -173,3 +173,16 @@ def test_swap_keeps_tied_parameters_and_config_errors() -> None:
         "a": {"params": {"dense_ratio": 0.5}, "modules": ["0"]}, "b": {"params": {"dense_ratio": 0.5}}}}}}
     with pytest.raises(ConfigError, match="already in another group"):
         init_compression(linear(), two)
+
+
+def test_fp32_mask_and_range_buffers_follow_a_bf16_model() -> None:
+    m = linear()
+    cfg = section("row_pruning", {"method": "l1"}, {"dense_ratio": 0.5})
+    cfg["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"a": {"params": {"bits": 8}}}}
+    compressed(m, cfg)
+    for p in m.parameters():  # what place_model does: parameters cast, buffers keep fp32 (no buffer_dtype)
+        p.data = p.data.to(torch.bfloat16)
+    assert m[0].row_pruning_mask.dtype == torch.float32
+    assert m(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16

@@ -95,3 +95,22 @@ def test_quantize_training_section_makes_every_layer_moq() -> None:
     assert runtime.scheduler.weight_quantization_enabled and runtime.moq.qsteps == 0
     runtime.after_step(True)
     assert runtime.moq.qsteps == 1 and wq.started
+
+
+def test_resumed_engine_replays_the_schedule_to_its_step() -> None:
+    cfg = load_config({"train_batch_size": 1, "quantize_training": {
+        "enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 4},
+        "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0}}})
+    runs = []
+    for resumed in (False, True):
+        model = nn.Sequential(nn.Linear(4, 4))
+        rt = compression_runtime(cfg, model)
+        assert rt is not None and rt.moq is not None
+        if resumed:
+            rt.before_forward(5)  # first forward after loading a step-5 checkpoint
+        else:
+            rt.before_forward(0)
+            for _ in range(5):
+                rt.after_step(True)
+        runs.append((rt.scheduler.training_steps, rt.moq.qsteps, [(wq.bits, wq.period) for _, wq in rt.moq.layers]))
+    assert runs[0] == runs[1] == (5, 6, [(5, 8)])

@@ -154,12 +154,12 @@ def _fix_group(root: nn.Module, group: MatchedGroup) -> None:
             elif group.technique == "sparse_pruning":
                 module.fix_sparse_pruning_helper()
             elif group.technique == "row_pruning":
-                kept.append((shrink.fix_rows(module, reduce), None))
+                kept.append((shrink.fix_outputs(module, "row", reduce), None))
             elif group.technique == "head_pruning":
                 head_dim = module.in_features // module.num_heads
                 kept.append((shrink.fix_heads(module, reduce), head_dim))
             elif group.technique == "channel_pruning":
-                kept.append((shrink.fix_channels(module, reduce), None))
+                kept.append((shrink.fix_outputs(module, "channel", reduce), None))
         for related_names in (group.related[i] if reduce else []):
             if len(related_names) != len(kept):
                 raise ConfigError(f"compression_training.{group.technique}.different_groups.{group.name}",

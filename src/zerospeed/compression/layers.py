@@ -43,7 +43,8 @@ class QuantAct(nn.Module):
             self.x_min_max[0] = self.x_min_max[0] * m + lo * (1 - m)
             self.x_min_max[1] = self.x_min_max[1] * m + hi * (1 - m)
         spec = QuantSpec(num_bits, self.quant_mode == "symmetric")
-        return fake_quant(x, spec, self.x_min_max[0], self.x_min_max[1])
+        lo, hi = self.x_min_max.to(x.dtype)  # the running range is an fp32 buffer in an fp16/bf16 model
+        return fake_quant(x, spec, lo, hi)
 
 
 class _Compressed:
@@ -123,11 +124,11 @@ class _Compressed:
     def get_mask(self, pruning_type: str = "row") -> torch.Tensor:
         method = getattr(self, f"{pruning_type}_pruning_method")
         ratio = getattr(self, f"{pruning_type}_pruning_ratio")
-        if method == "l1":
-            return getattr(self, f"{pruning_type}_pruning_mask")  # type: ignore[no-any-return]
+        if method == "l1":  # a buffer: it may keep fp32 in an fp16/bf16 model
+            return getattr(self, f"{pruning_type}_pruning_mask").to(self.weight.dtype)  # type: ignore[no-any-return]
         if method == "topk":
             scores = self.head_pruning_scores if pruning_type == "head" else getattr(self, f"{pruning_type}_mask_scores")
-            return masks.learned_mask(scores, ratio)
+            return masks.learned_mask(scores, ratio).to(self.weight.dtype)
         raise ValueError(f"{pruning_type} pruning is not enabled on this layer")
 
     def _drop_mask(self, unit: str) -> None:

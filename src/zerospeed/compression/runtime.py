@@ -47,11 +47,16 @@ class CompressionRuntime:
         self._started = False
 
     def before_forward(self, global_steps: int) -> None:
-        if global_steps == 0 and not self._started:
-            self._started = True
-            self.scheduler.step(step_zero_check=True)
-            if self.moq is not None and self.scheduler.weight_quantization_enabled:
-                self.moq.quantize(False, self.eigenvalue is not None, None)
+        """Step 0's check; after a checkpoint resume (first forward at ``global_steps`` > 0) the schedule is
+        replayed up to there (MoQ's bits and periods follow from the step count; eigenvalue factors do not)."""
+        if self._started:
+            return
+        self._started = True
+        self.scheduler.step(step_zero_check=True)
+        if self.moq is not None and self.scheduler.weight_quantization_enabled:
+            self.moq.quantize(False, self.eigenvalue is not None, None)
+        for _ in range(global_steps):
+            self.after_step(True)
 
     def on_backward(self, loss: torch.Tensor, boundary: bool) -> None:
         if self.eigenvalue is None or not boundary or self.moq is None:

@@ -28,17 +28,18 @@ def _set_linear(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | Non
         layer.out_channels, layer.in_channels = layer.weight.shape[0], layer.weight.shape[1] * layer.groups
 
 
-def fix_rows(layer: nn.Module, dim_reduction: bool) -> torch.Tensor:
-    """Row pruning: the kept-row mask ``[out]`` (bool); rows cut out or zeroed."""
-    keep = layer.get_mask("row").detach().reshape(-1).bool()  # type: ignore[operator]
+def fix_outputs(layer: nn.Module, unit: str, dim_reduction: bool) -> torch.Tensor:
+    """Row pruning (linear) or channel pruning (convolution): the kept output mask ``[out]`` (bool); the pruned
+    outputs (weight rows or filters, and their bias) cut out or zeroed."""
+    keep = layer.get_mask(unit).detach().reshape(-1).bool()  # type: ignore[operator]
     bias = layer.bias
     if dim_reduction:
         _set_linear(layer, layer.weight[keep], None if bias is None else bias[keep])
     else:
-        layer.weight.data = layer.weight.data * keep.reshape(-1, 1)
+        layer.weight.data = layer.weight.data * keep.reshape(-1, *[1] * (layer.weight.dim() - 1))
         if bias is not None:
             bias.data = bias.data * keep
-    layer._drop_mask("row")  # type: ignore[operator]
+    layer._drop_mask(unit)  # type: ignore[operator]
     return keep
 
 
@@ -73,20 +74,6 @@ def fix_head_rows(layer: nn.Module, keep: torch.Tensor, head_dim: int) -> None:
     bias = layer.bias
     b = None if bias is None else bias.detach().reshape(blocks, heads, -1)[:, keep].reshape(-1)
     _set_linear(layer, w, b)
-
-
-def fix_channels(layer: nn.Module, dim_reduction: bool) -> torch.Tensor:
-    """Channel pruning on a convolution: the kept output-channel mask; channels cut out or zeroed."""
-    keep = layer.get_mask("channel").detach().reshape(-1).bool()  # type: ignore[operator]
-    bias = layer.bias
-    if dim_reduction:
-        _set_linear(layer, layer.weight[keep], None if bias is None else bias[keep])
-    else:
-        layer.weight.data = layer.weight.data * keep.reshape(-1, 1, 1, 1)
-        if bias is not None:
-            bias.data = bias.data * keep
-    layer._drop_mask("channel")  # type: ignore[operator]
-    return keep
 
 
 def fix_in_channels(layer: nn.Module, keep: torch.Tensor) -> None:
