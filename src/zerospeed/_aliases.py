@@ -87,14 +87,19 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.git_version_info": "zerospeed.compat.git_version_info",
     "zerospeed.runtime.zero.partition_parameters": "zerospeed.compat.partition_parameters",
     "zerospeed.utils.numa": "zerospeed.compat.numa",
+    # --- issue 35: DeepSpeed 0.19.6's compression library (zerospeed/compression/) ---
+    "zerospeed.compression.compress": "zerospeed.compression.apply",
+    "zerospeed.compression.basic_layer": "zerospeed.compression.layers",
+    "zerospeed.compression.utils": ("zerospeed.compression.quantizers", "zerospeed.compression.masks"),
+    "zerospeed.compression.config": "zerospeed.config.compression_training",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
 ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
                                 "zerospeed.compat.runtime_utils"),  # see_memory_usage
-    "zerospeed.compression": ("zerospeed.compat.compression_helper",),  # DS-Chat LoRA
-    "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",),
+    "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",  # DS-Chat LoRA
+                                     "zerospeed.compression.replace"),
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

@@ -84,6 +84,10 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
      ConfigError),
     (dict(stage=3, zero={"mics_shard_size": 2}), ModelFacts(optimizer=OptimizerFacts(client=False, class_name="Lamb")),
      "zero_optimization.mics_shard_size", NotSupportedYetError),
+    (dict(stage=1, quantize_training={"enabled": True}), ModelFacts(pipelined=True), "compression_training",
+     NotSupportedYetError),
+    (dict(stage=3, quantize_training={"enabled": True, "eigenvalue": {"enabled": True, "layer_num": 2}}),
+     ModelFacts(), "eigenvalue", NotSupportedYetError),
 ])
 def test_each_combination_is_refused_with_its_key(cfg: dict[str, Any], facts: ModelFacts, key: str,
                                                   kind: type) -> None:

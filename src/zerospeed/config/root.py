@@ -13,6 +13,12 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from .base import Section, known_keys
 from .compression import GradientCompressionConfig
+from .compression_training import (
+    CompressionTrainingConfig,
+    EigenvalueConfig,
+    QuantizeTrainingConfig,
+    WeightQuantizationConfig,
+)
 from .data_types import DataTypesConfig
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from .autotuning import AutotuningConfig
@@ -153,6 +159,14 @@ class ZeroSpeedConfig(Section):
     """DeepSpeed's autotuner section: ``zerospeed autotune`` plans experiments from it; the engine profiles them."""
     gradient_compression: GradientCompressionConfig = Field(default_factory=GradientCompressionConfig)
     """zerospeed only: top-k sparsified gradient averaging with error feedback (config/compression.py)."""
+    compression_training: CompressionTrainingConfig = Field(default_factory=CompressionTrainingConfig)
+    """DeepSpeed 0.19.6's compression library: the engine steps its scheduler (zerospeed/compression/)."""
+    quantize_training: QuantizeTrainingConfig = Field(default_factory=QuantizeTrainingConfig)
+    """MoQ over every 2-D weight, with its ``eigenvalue`` subsection (config/compression_training.py)."""
+    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    """The eigenvalue section at the top level: the same as ``quantize_training.eigenvalue``."""
+    weight_quantization: WeightQuantizationConfig | None = None
+    """Post-training weight quantization at load (``post_init_quant``), into the inference engine's INT8/INT4 linears."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     """When enabled, the batch sizes come from ``zerospeed.elasticity`` for the data-parallel size."""
     fp8: Fp8Config = Field(default_factory=Fp8Config)

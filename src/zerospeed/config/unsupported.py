@@ -15,15 +15,13 @@ from typing import Any
 from .errors import NotSupportedYetError
 
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "compression_training": "compression training",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
-    "quantize_training": "quantization-aware training",
-    "eigenvalue": "eigenvalue computation",
     "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
-    "weight_quantization": "weight quantization",
+    "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
+                                                    "(weight_quantization.quantized_initialization)",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
 }
 

@@ -70,15 +70,17 @@ def quantize(w: torch.Tensor, bits: int, symmetric: bool, groups: int
         offset = lo.squeeze(-1).to(scale_dtype)
         if bits == 8:
             codes = codes - 128  # int8 storage of 0..255
-    codes = codes.reshape(w.shape)
+    return _pack(codes.reshape(w.shape), bits), scale.squeeze(-1).to(scale_dtype), offset
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Stored codes ``[out, in]`` (already shifted to int8 / unsigned-nibble range): int8, or two per uint8."""
     if bits == 8:
-        packed = codes.to(torch.int8)
-    else:
-        if w.shape[1] % 2:
-            raise ValueError(f"INT4 needs an even in_features, got {w.shape[1]}")
-        c = codes.to(torch.uint8)
-        packed = c[:, 0::2] | (c[:, 1::2] << 4)
-    return packed, scale.squeeze(-1).to(scale_dtype), offset
+        return codes.to(torch.int8)
+    if codes.shape[1] % 2:
+        raise ValueError(f"INT4 needs an even in_features, got {codes.shape[1]}")
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
@@ -115,6 +117,23 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+                    bias: torch.Tensor | None) -> QuantizedLinear:
+        """A layer whose codes and scales were computed elsewhere (a quantization-aware-trained layer's):
+        ``w = levels * scale (+ offset)`` per group of a row, ``levels`` integers in the ``bits`` range
+        (signed when ``offset`` is None, else ``0 .. 2^bits - 1``); scales kept in fp32."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.bits, layer.kernel = bits, "dequant"
+        layer.out_features, layer.in_features = levels.shape
+        shift = (-128 if offset is not None else 0) if bits == 8 else (0 if offset is not None else 2 ** (bits - 1))
+        layer.register_buffer("codes", _pack(levels + shift, bits))
+        layer.register_buffer("scale", scale.float().contiguous())
+        layer.register_buffer("offset", None if offset is None else offset.float().contiguous())
+        layer.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
 
     def weight_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)

@@ -15,6 +15,7 @@ from torch import nn
 from .. import checkpointing, comm
 from ..accelerator import get_accelerator
 from ..accelerator.host_malloc import HeapTrimmer, limit_heap_retention
+from ..compression.runtime import compression_runtime
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.hints import log_accepted_hints
 from ..precision import AutocastRegion, make_policy
@@ -100,7 +101,7 @@ def _model_and_optimizer(model: nn.Module | None, optimizer: Any, model_paramete
 
 def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grids, zero_opt: Any, scheduler: Any,
             loader: Any, stage3: Any, fp8_modules: list[str], device: torch.device, compute: torch.dtype,
-            trimmer: Any, autocast: Any) -> Engine:
+            trimmer: Any, autocast: Any, compression: Any = None) -> Engine:
     batch = cfg.batch(grids.data_size)
     lg = cfg.comms_logger  # the engine's own counts; the process default prints (verbose) and serves comm's API
     comm.COMMS_LOGGER.configure(lg.enabled, lg.verbose, lg.prof_all, lg.prof_ops, lg.debug)
@@ -119,7 +120,8 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,
                         data_efficiency=de, tensor_parallel=grids.tp,
                         sequence_grid=grids.seq, fp8_modules=fp8_modules, heap_trimmer=trimmer, comms=comms, plan=plan,
-                        autocast=autocast, hybrid=hybrid_engine(cfg.hybrid_engine, model))
+                        autocast=autocast, hybrid=hybrid_engine(cfg.hybrid_engine, model),
+                        compression=compression)
     engine_cls: type[Engine] = Engine
     if plan.pipelined:
         from .pipeline_engine import PipelineEngine
@@ -177,6 +179,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                          cfg.fp16.fp16_master_weights_and_grads or cfg.bf16.bf16_master_weights_and_grads,
                          cfg.bf16.bf16_optimizer_states, cfg.data_types.resolved_grad_accum_dtype())
     limit_heap_retention()  # freed tensors leave the host RSS (accelerator/host_malloc.py)
+    compression = compression_runtime(cfg, model)  # before placement: quantize_training swaps the layers
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
     raw_groups = optimizer_groups(cfg, model, model_parameters, optimizer, grids.moe)
@@ -185,6 +188,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     scheduler = build_scheduler(cfg, lr_scheduler, base)
     loader = training_loader(cfg, training_data, cfg.batch(grids.data_size), grids, collate_fn, zero_opt)
     engine = _engine(plan, cfg, model, grids, zero_opt, scheduler, loader, stage3, fp8_modules, device, policy.compute,
-                     trimmer, autocast)
+                     trimmer, autocast, compression)
     _finish(engine, cfg, args)
     return engine, zero_opt, loader, scheduler

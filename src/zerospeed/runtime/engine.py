@@ -52,6 +52,7 @@ class Engine(nn.Module):
         self.comms, self.checkpoint_writer = parts.comms, parts.checkpoint_writer
         self.checkpoint_parts = parts.checkpoint_parts  # what save/load_checkpoint iterate (runtime/checkpoint/part.py)
         self.activation_checkpointing = parts.activation_checkpointing or checkpointing.current()
+        self.compression = parts.compression  # compression_training / MoQ (compression/runtime.py) or None
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -303,6 +304,8 @@ class Engine(nn.Module):
             if self.data_efficiency is not None:  # curriculum_seqlen=, progressive_layer_drop=, pld_theta=
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             self.lockstep.forward_seen(self.module)
+            if self.compression is not None:
+                self.compression.before_forward(self.global_steps)
             with self._autocast():
                 out = self.torch_backward.watch(self.module(*inputs, **kwargs))
             self.observer.forward_end()
@@ -323,6 +326,8 @@ class Engine(nn.Module):
         scaled = loss.float() * self.torch_backward.loss_factor(scale_wrt_gas)
         with self._guarded("backward"):
             self.torch_backward.begin(loss)  # the micro-step protocol, shared with loss.backward()
+            if self.compression is not None:  # MoQ's eigenvalues differentiate the loss first
+                self.compression.on_backward(loss, self.is_gradient_accumulation_boundary())
             with self.torch_backward.engine_pass(scaled):  # other engines' output hooks stand aside
                 scaled.backward(retain_graph=retain_graph)
             self.torch_backward.end()
@@ -366,6 +371,8 @@ class Engine(nn.Module):
             if self.data_efficiency is not None:
                 self.data_efficiency.on_step_boundary(self.global_steps)
             applied = self.optimizer.step()
+            if self.compression is not None:
+                self.compression.after_step(applied)
             self._accumulating = False
             self._step_applied = applied
             if applied:

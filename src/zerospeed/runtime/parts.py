@@ -40,3 +40,4 @@ class EngineParts:
     checkpoint_writer: Any = field(default_factory=_background_writer)  # async saves (runtime/checkpoint/)
     activation_checkpointing: Any = None  # checkpointing.ActivationCheckpointing (None: the process default's)
     checkpoint_parts: tuple[Any, ...] = ()  # what each part keeps in a checkpoint (runtime/build_checkpoint.py)
+    compression: Any = None  # compression_training / MoQ schedule (compression/runtime.py:CompressionRuntime)

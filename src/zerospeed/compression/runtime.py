@@ -1,0 +1,118 @@
+"""The engine's compression part: the scheduler, MoQ and the eigenvalues, stepped where DeepSpeed 0.19.6 did.
+
+* before the first forward (step 0): the scheduler's step-0 check; MoQ quantizes once if already on;
+* in the backward of an accumulation boundary, every ``gas_boundary_resolution`` boundaries, when a bit drop
+  is near: the eigenvalues per block, from the micro-batch's loss (DeepSpeed used the accumulated gradients);
+* after each optimizer step: MoQ (told whether the step overflowed), then, if the step was applied, the
+  scheduler counts it.
+
+``compression_runtime(config, model)`` builds it (None when nothing is on); with ``quantize_training`` it first
+makes every layer compression-aware with MoQ on (DeepSpeed quantized all 2-D weights there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config.compression_training import CompressionTrainingConfig, EigenvalueConfig
+from ..config.errors import ConfigError
+from .apply import check_supported, init_compression
+from .eigenvalue import Eigenvalue
+from .layers import _Compressed
+from .moq import MoQ
+from .ptq import post_init_quantization
+from .scheduler import CompressionScheduler
+
+
+class CompressionRuntime:
+    """One engine's compression schedule (module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: CompressionTrainingConfig, eigen: EigenvalueConfig) -> None:
+        self.model = model
+        self.scheduler = CompressionScheduler(model, cfg)
+        wq = cfg.weight_quantization.shared_parameters
+        self.moq: MoQ | None = None
+        if wq.enabled and not wq.quantize_weight_in_forward:
+            self.moq = MoQ(_moq_layers(model, self.scheduler), wq.fp16_mixed_quantize.enabled,
+                           wq.fp16_mixed_quantize.quantize_change_ratio, wq.quantize_verbose)
+        self.eigenvalue = None
+        if eigen.enabled:
+            self.eigenvalue = Eigenvalue(eigen.verbose, eigen.max_iter, eigen.tol, eigen.stability,
+                                         eigen.gas_boundary_resolution, eigen.layer_name, eigen.layer_num)
+        self.block_eigenvalue: dict[int, tuple[float, int]] | None = None
+        self._boundaries = 0
+        self._started = False
+
+    def before_forward(self, global_steps: int) -> None:
+        """Step 0's check; after a checkpoint resume (first forward at ``global_steps`` > 0) the schedule is
+        replayed up to there (MoQ's bits and periods follow from the step count; eigenvalue factors do not)."""
+        if self._started:
+            return
+        self._started = True
+        self.scheduler.step(step_zero_check=True)
+        if self.moq is not None and self.scheduler.weight_quantization_enabled:
+            self.moq.quantize(False, self.eigenvalue is not None, None)
+        for _ in range(global_steps):
+            self.after_step(True)
+
+    def on_backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        if self.eigenvalue is None or not boundary or self.moq is None:
+            return
+        self._boundaries += 1
+        if self._boundaries % self.eigenvalue.gas_boundary_resolution == 0 and self.moq.any_precision_switch():
+            self.block_eigenvalue = self.eigenvalue.from_loss(loss, self.model)
+
+    def after_step(self, applied: bool) -> None:
+        if self.moq is not None and self.scheduler.weight_quantization_enabled:
+            self.moq.quantize(not applied, self.eigenvalue is not None, self.block_eigenvalue)
+        self.block_eigenvalue = None
+        if applied:
+            self.scheduler.step()
+
+
+def _moq_layers(model: nn.Module, scheduler: CompressionScheduler) -> list[tuple[nn.Parameter, Any]]:
+    names = {n for g in scheduler.groups if g.technique == "weight_quantization" for n in g.all_modules()}
+    return [(m.weight, m.weight_quant) for n, m in model.named_modules()
+            if n in names and getattr(m, "weight_quant", None) is not None]
+
+
+def _check_prepared(model: nn.Module, scheduler: CompressionScheduler) -> None:
+    for group in scheduler.groups:
+        for name in group.all_modules():
+            module = model.get_submodule(name)
+            if not isinstance(module, _Compressed):
+                raise ConfigError(f"compression_training.{group.technique}", f"module '{name}' is a plain "
+                                  f"{type(module).__name__}: call zerospeed.compression.init_compression(model, "
+                                  "ds_config) before initialize() (as with DeepSpeed)")
+
+
+def compression_runtime(config: Any, model: nn.Module) -> CompressionRuntime | None:
+    """The engine's compression part for ``config`` (a ZeroSpeedConfig), or None when nothing is on. Before
+    that, ``weight_quantization.post_init_quant`` quantizes the matched linears (``ptq.py``)."""
+    if config.weight_quantization is not None:
+        post_init_quantization(model, config.weight_quantization)
+    cfg: CompressionTrainingConfig = config.compression_training
+    qt = config.quantize_training
+    if qt.eigenvalue.enabled and config.eigenvalue.enabled:
+        raise ConfigError("eigenvalue", "given twice: at the top level and in quantize_training; keep one")
+    eigen = qt.eigenvalue if qt.eigenvalue.enabled else config.eigenvalue
+    if qt.enabled:
+        if cfg.weight_quantization.shared_parameters.enabled:
+            raise ConfigError("quantize_training", "MoQ is configured twice: quantize_training and "
+                              "compression_training.weight_quantization; keep one")
+        moq = qt.as_weight_quantization()
+        cfg = cfg.model_copy(update={"weight_quantization": moq})
+        init_compression(model, {"compression_training": {"weight_quantization": moq.model_dump()}})
+    if not cfg.any_enabled and not eigen.enabled:
+        return None
+    check_supported(cfg)
+    if eigen.enabled and (cfg.weight_quantization.shared_parameters.quantize_weight_in_forward
+                          or not cfg.weight_quantization.shared_parameters.enabled):
+        raise ConfigError("eigenvalue", "eigenvalues steer MoQ's periods: enable quantize_training (or "
+                          "compression_training.weight_quantization with quantize_weight_in_forward false)")
+    runtime = CompressionRuntime(model, cfg, eigen)
+    _check_prepared(model, runtime.scheduler)
+    return runtime
