@@ -26,7 +26,8 @@ _LAZY = {
     "comm": ("zerospeed.comm", None),
     "checkpointing": ("zerospeed.checkpointing", None),
     "tp_model_init": ("zerospeed.parallel.tensor.model_init", "tp_model_init"),
-    "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),  # deepspeed.get_accelerator (DeepSpeed-Chat)
+    "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),
+    "OnDevice": ("zerospeed.compat.on_device", "OnDevice"),  # deepspeed.OnDevice  # deepspeed.get_accelerator (DeepSpeed-Chat)
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -80,6 +80,12 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.git_version_info": "zerospeed.compat.git_version_info",
     "zerospeed.runtime.zero.partition_parameters": "zerospeed.compat.partition_parameters",
     "zerospeed.utils.numa": "zerospeed.compat.numa",
+    "zerospeed.runtime.zero.config": "zerospeed.compat.zero_config",
+    "zerospeed.runtime.zero.offload_config": "zerospeed.compat.zero_config",
+    "zerospeed.runtime.config_utils": "zerospeed.compat.config_utils",
+    "zerospeed.utils.groups": "zerospeed.compat.groups",
+    "zerospeed.utils.zero_to_fp32": "zerospeed.compat.zero_to_fp32",
+    "zerospeed.utils.comms_logging": "zerospeed.comm.logger",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
@@ -88,6 +94,7 @@ ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
                                 "zerospeed.compat.runtime_utils"),  # see_memory_usage
     "zerospeed.compression": ("zerospeed.compat.compression_helper",),  # DS-Chat LoRA
     "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",),
+    "zerospeed.utils": ("zerospeed.compat.on_device",),  # deepspeed.utils.OnDevice
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

@@ -1,0 +1,88 @@
+"""DeepSpeed's ``utils`` names (issue 29): ``groups``' stateless helpers, ``zero_to_fp32``, ``OnDevice``,
+``comms_logging``. In one process (world 1, no process group)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zerospeed
+from zerospeed.config import NotSupportedYetError
+
+
+def test_expert_parallel_ranks_of_a_tensor_parallel_grid() -> None:
+    from zerospeed.utils.groups import _get_expert_parallel_ranks
+
+    ep, edp = _get_expert_parallel_ranks(world_size=8, tensor_parallel_size_=2, expert_parallel_size_=2)
+    assert ep == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert edp == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    ep, _ = _get_expert_parallel_ranks(8, 1, 2, pipeline_parallel_size_=2)  # experts never span stages
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_groups_without_a_process_group() -> None:
+    from zerospeed.utils import groups
+
+    assert groups._get_data_parallel_world_size() == 1 and groups._get_data_parallel_rank() == 0
+    with pytest.raises(NotSupportedYetError, match="_create_expert_and_data_parallel"):
+        groups._create_expert_and_data_parallel(2)
+
+
+def test_get_optim_files_natural_order(tmp_path) -> None:
+    from zerospeed.utils.zero_to_fp32 import get_optim_files
+
+    names = [f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in (10, 2, 1)]
+    for n in names:
+        (tmp_path / n).write_text("")
+    assert [os.path.basename(f) for f in get_optim_files(str(tmp_path))] == [names[2], names[1], names[0]]
+    with pytest.raises(FileNotFoundError):
+        get_optim_files(str(tmp_path / "none"))
+
+
+def test_fp32_state_dict_from_a_zero_checkpoint(tmp_path) -> None:
+    from zerospeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                              get_fp32_state_dict_from_zero_checkpoint,
+                                              load_state_dict_from_zero_checkpoint)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    engine.backward(engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().square().mean())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    master = {n: zerospeed.utils.safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))  # 'latest' -> t
+    assert sorted(state) == sorted(master)
+    for name, value in master.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], value)
+    convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path), str(tmp_path / "out"), tag="t")
+    assert torch.equal(torch.load(tmp_path / "out" / "pytorch_model.bin")["1.weight"], master["1.weight"])
+    fresh = load_state_dict_from_zero_checkpoint(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), str(tmp_path))
+    assert torch.equal(fresh[0].bias.data, master["0.bias"])
+
+
+def test_on_device_builds_in_the_dtype_and_device() -> None:
+    from zerospeed import OnDevice
+    from zerospeed.utils import OnDevice as same
+
+    assert same is OnDevice
+    before = torch.get_default_dtype()
+    with OnDevice(dtype=torch.half, device="meta"):
+        layer = nn.Linear(3, 4)
+        index = torch.arange(3)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.half and index.dtype == torch.int64
+    assert torch.get_default_dtype() == before and torch.empty(1).device.type == "cpu"
+    with OnDevice(dtype=torch.half, enabled=False):
+        assert nn.Linear(2, 2).weight.dtype == before
+
+
+def test_comms_logging_path() -> None:
+    from zerospeed.comm import CommsLogger
+    from zerospeed.utils.comms_logging import CommsLogger as ds_name
+
+    assert ds_name is CommsLogger
