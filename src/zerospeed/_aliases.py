@@ -86,12 +86,14 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils.groups": "zerospeed.compat.groups",
     "zerospeed.utils.zero_to_fp32": "zerospeed.compat.zero_to_fp32",
     "zerospeed.utils.comms_logging": "zerospeed.comm.logger",
+    "zerospeed.launcher.runner": "zerospeed.compat.launcher_runner",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
 ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
-                                "zerospeed.compat.runtime_utils"),  # see_memory_usage
+                                "zerospeed.compat.runtime_utils",  # see_memory_usage
+                                "zerospeed.compat.partitioned_tensor"),  # PartitionedTensor, prefix_sum_inc
     "zerospeed.compression": ("zerospeed.compat.compression_helper",),  # DS-Chat LoRA
     "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",),
     "zerospeed.utils": ("zerospeed.compat.on_device",),  # deepspeed.utils.OnDevice

@@ -86,3 +86,31 @@ def test_comms_logging_path() -> None:
     from zerospeed.utils.comms_logging import CommsLogger as ds_name
 
     assert ds_name is CommsLogger
+
+
+def test_partitioned_tensor_meta_round_trip_and_prefix_sums() -> None:
+    from zerospeed.runtime.utils import PartitionedTensor, prefix_sum_inc
+
+    assert prefix_sum_inc([1, 2, 3, 4]) == [1, 3, 6, 10]
+    full = torch.arange(15.0).view(5, 3)
+    part = PartitionedTensor(full, group=None)
+    assert part.local_size() == torch.Size([15]) and torch.equal(part.full(), full)
+    meta = part.to_meta()
+    assert meta.tolist() == [2, 5, 3, 1, 0, 15]
+    again = PartitionedTensor.from_meta(meta, part.data(), None)
+    assert torch.equal(again.full(), full)
+    with pytest.raises(ValueError, match="2 parts"):
+        PartitionedTensor.from_meta(torch.tensor([1, 4, 2, 0, 2, 4]), torch.zeros(2), None)
+
+
+def test_launcher_runner_names() -> None:
+    from zerospeed.launcher import runner
+
+    hosts = {"a": [0, 1, 2], "b": [0, 1]}
+    assert runner.parse_resource_filter(hosts, exclude_str="a:1@b") == {"a": [0, 2]}
+    assert runner.parse_inclusion_exclusion({"a": 3, "b": 2}, "b:1", "") == {"b": [1]}
+    assert runner._parse_hostfile(["a slots=2", "# c", "b slots=1"]) == {"a": 2, "b": 1}
+    with pytest.raises(ValueError):
+        runner._parse_hostfile(["a slots=2", "a slots=1"])
+    with pytest.raises(ValueError, match="--num_nodes"):
+        runner.main(["--num_nodes", "1", "-i", "localhost", "train.py"])
