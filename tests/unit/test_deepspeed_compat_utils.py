@@ -114,3 +114,23 @@ def test_launcher_runner_names() -> None:
         runner._parse_hostfile(["a slots=2", "a slots=1"])
     with pytest.raises(ValueError, match="--num_nodes"):
         runner.main(["--num_nodes", "1", "-i", "localhost", "train.py"])
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_safe_set_grad_is_what_the_step_uses(stage: int) -> None:
+    from zerospeed.utils import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    before = (model.weight.detach().clone(), model.bias.detach().clone())
+    engine.backward(engine(torch.randn(1, 3)).sum())
+    safe_set_full_grad(model.weight, torch.full((2, 3), 0.5))
+    safe_set_local_grad(model.bias, torch.tensor([1.0, -1.0]))
+    assert torch.equal(safe_get_full_grad(model.weight), torch.full((2, 3), 0.5))
+    assert torch.equal(safe_get_local_grad(model.bias).reshape(-1), torch.tensor([1.0, -1.0]))
+    engine.step()
+    assert torch.allclose(model.weight.detach(), before[0] - 0.5)
+    assert torch.allclose(model.bias.detach(), before[1] - torch.tensor([1.0, -1.0]))
