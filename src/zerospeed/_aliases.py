@@ -87,6 +87,9 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.utils.zero_to_fp32": "zerospeed.compat.zero_to_fp32",
     "zerospeed.utils.comms_logging": "zerospeed.comm.logger",
     "zerospeed.launcher.runner": "zerospeed.compat.launcher_runner",
+    "zerospeed.runtime.fp16.fused_optimizer": "zerospeed.compat.optimizer_names",
+    "zerospeed.runtime.fp16.unfused_optimizer": "zerospeed.compat.optimizer_names",
+    "zerospeed.runtime.bf16_optimizer": "zerospeed.compat.optimizer_names",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
@@ -97,6 +100,9 @@ ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.compression": ("zerospeed.compat.compression_helper",),  # DS-Chat LoRA
     "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",),
     "zerospeed.utils": ("zerospeed.compat.on_device",),  # deepspeed.utils.OnDevice
+    # DeepSpeed's optimizer-wrapper names, for isinstance checks (nothing is one: compat/optimizer_names.py)
+    "zerospeed.runtime.zero.stage_1_and_2": ("zerospeed.compat.optimizer_names",),
+    "zerospeed.runtime.zero.stage3": ("zerospeed.compat.optimizer_names",),
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

@@ -134,3 +134,18 @@ def test_safe_set_grad_is_what_the_step_uses(stage: int) -> None:
     engine.step()
     assert torch.allclose(model.weight.detach(), before[0] - 0.5)
     assert torch.allclose(model.bias.detach(), before[1] - torch.tensor([1.0, -1.0]))
+
+
+def test_deepspeed_optimizer_wrapper_names_answer_isinstance_truthfully() -> None:
+    from zerospeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, estimate_zero3_model_states_mem_needs
+    from zerospeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    assert callable(estimate_zero3_model_states_mem_needs)  # the module's own names stay
+    engine, *_ = zerospeed.initialize(model=nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for name in (FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        assert not isinstance(engine.optimizer, name)
+    with pytest.raises(NotImplementedError, match="ZeroOptimizer"):
+        DeepSpeedZeroOptimizer()
