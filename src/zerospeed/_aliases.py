@@ -90,6 +90,8 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.fp16.fused_optimizer": "zerospeed.compat.optimizer_names",
     "zerospeed.runtime.fp16.unfused_optimizer": "zerospeed.compat.optimizer_names",
     "zerospeed.runtime.bf16_optimizer": "zerospeed.compat.optimizer_names",
+    "zerospeed.runtime.comm": "zerospeed.compat.coalesced_collectives",
+    "zerospeed.runtime.comm.coalesced_collectives": "zerospeed.compat.coalesced_collectives",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---

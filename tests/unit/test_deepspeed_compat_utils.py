@@ -149,3 +149,13 @@ def test_deepspeed_optimizer_wrapper_names_answer_isinstance_truthfully() -> Non
         assert not isinstance(engine.optimizer, name)
     with pytest.raises(NotImplementedError, match="ZeroOptimizer"):
         DeepSpeedZeroOptimizer()
+
+
+def test_reduce_scatter_coalesced_one_rank() -> None:
+    from zerospeed.runtime.comm.coalesced_collectives import all_to_all_quant_reduce, reduce_scatter_coalesced
+
+    a, b = torch.arange(6.0), torch.arange(3.0).view(3, 1)
+    out_a, out_b = reduce_scatter_coalesced([a, b])
+    assert torch.equal(out_a, a) and torch.equal(out_b, b.reshape(-1))
+    with pytest.raises(NotImplementedError, match="zero_quantized_gradients"):
+        all_to_all_quant_reduce([a], None)
