@@ -159,3 +159,8 @@ def test_reduce_scatter_coalesced_one_rank() -> None:
     assert torch.equal(out_a, a) and torch.equal(out_b, b.reshape(-1))
     with pytest.raises(NotImplementedError, match="zero_quantized_gradients"):
         all_to_all_quant_reduce([a], None)
+
+
+def test_inference_all_reduce_one_rank() -> None:
+    x = torch.arange(4.0)
+    assert zerospeed.comm.inference_all_reduce(x) is None and torch.equal(x, torch.arange(4.0))
