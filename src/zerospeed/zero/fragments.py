@@ -244,29 +244,31 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     return None if fr is None else _grad_shard(fr)
 
 
-def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Replace ``param``'s reduced gradient (between the boundary backward and ``step()``) with the whole
-    tensor ``value``; each rank keeps its own elements (no collective). ``param.grad`` when the module holds
-    one, as in DeepSpeed."""
+def _set_grad(param: nn.Parameter, value: torch.Tensor, is_full: bool) -> None:
+    """``param.grad`` when the module holds one (as in DeepSpeed), else this rank's reduced-gradient elements."""
     if param.grad is not None:
         param.grad.copy_(value.to(param.grad.dtype))
         return
     fr = fragment_of(param)
-    if fr is not None:
+    if fr is None:
+        return
+    flat = value.reshape(-1)
+    if is_full:
         _check_shape(fr, value)
         lo, hi = fr.owned
-        flat = value.reshape(-1)
-        _write_grad(fr, flat[lo:hi] if fr.group.num_partitions > 1 else flat)
+        flat = flat[lo:hi] if fr.group.num_partitions > 1 else flat
+    _write_grad(fr, flat)
+
+
+def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace ``param``'s reduced gradient (between the boundary backward and ``step()``) with the whole
+    tensor ``value``; each rank keeps its own elements (no collective)."""
+    _set_grad(param, value, is_full=True)
 
 
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     """Replace this rank's elements of ``param``'s reduced gradient (the shape ``safe_get_local_grad`` gives)."""
-    if param.grad is not None:
-        param.grad.copy_(value.to(param.grad.dtype))
-        return
-    fr = fragment_of(param)
-    if fr is not None:
-        _write_grad(fr, value)
+    _set_grad(param, value, is_full=False)
 
 
 def _check_shape(fr: Fragment, value: torch.Tensor) -> None:
