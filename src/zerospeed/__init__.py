@@ -27,7 +27,8 @@ _LAZY = {
     "checkpointing": ("zerospeed.checkpointing", None),
     "tp_model_init": ("zerospeed.parallel.tensor.model_init", "tp_model_init"),
     "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),
-    "OnDevice": ("zerospeed.compat.on_device", "OnDevice"),  # deepspeed.OnDevice  # deepspeed.get_accelerator (DeepSpeed-Chat)
+    "OnDevice": ("zerospeed.compat.on_device", "OnDevice"),  # deepspeed.OnDevice
+    "DeepSpeedConfigError": ("zerospeed.config", "ConfigError"),  # deepspeed.DeepSpeedConfigError  # deepspeed.get_accelerator (DeepSpeed-Chat)
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -74,6 +74,8 @@ def test_config_model_deprecated_alias_auto_and_strictness() -> None:
 def test_deepspeed_config_batch_method_and_optimizer_names() -> None:
     from zerospeed.runtime.config import ADAM_OPTIMIZER, DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
 
+    assert zerospeed.DeepSpeedConfigError is ConfigError  # deepspeed.DeepSpeedConfigError
+
     assert ADAM_OPTIMIZER == "adam" and "lamb" in DEEPSPEED_OPTIMIZERS
     cfg = DeepSpeedConfig({"train_batch_size": 8})
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = 32, 8, None
