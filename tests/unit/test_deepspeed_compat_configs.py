@@ -75,6 +75,8 @@ def test_deepspeed_config_batch_method_and_optimizer_names() -> None:
     from zerospeed.runtime.config import ADAM_OPTIMIZER, DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
 
     assert zerospeed.DeepSpeedConfigError is ConfigError  # deepspeed.DeepSpeedConfigError
+    assert (zerospeed.__version_major__, zerospeed.__version_minor__) == tuple(
+        int(p) for p in zerospeed.__version__.split(".")[:2]) and zerospeed.__git_hash__ == "unknown"
 
     assert ADAM_OPTIMIZER == "adam" and "lamb" in DEEPSPEED_OPTIMIZERS
     cfg = DeepSpeedConfig({"train_batch_size": 8})
