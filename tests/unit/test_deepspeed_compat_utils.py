@@ -1,8 +1,11 @@
-"""DeepSpeed's ``utils`` names (issue 29): ``groups``' stateless helpers, ``zero_to_fp32``, ``OnDevice``,
-``comms_logging``. In one process (world 1, no process group)."""
+"""DeepSpeed names its unit tests reach (issue 29): ``utils`` (``groups``' stateless helpers, ``zero_to_fp32``,
+``OnDevice``, ``comms_logging``, the grad setters), ``launcher.runner``, ``PartitionedTensor``, the ZeRO-3
+``ds_*`` attributes. In this process: a test that builds an engine joins a one-rank group, and the
+``alone`` fixture leaves the process as it found it (no group, the launcher variables unset)."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -11,6 +14,17 @@ from torch import nn
 
 import zerospeed
 from zerospeed.config import NotSupportedYetError
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch):
+    """initialize() in this process: the group it joins and the variables it sets go away afterwards."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # recorded, so monkeypatch restores (or removes) it at the end
+        monkeypatch.delenv(key)
+    yield
+    if zerospeed.comm.is_initialized():
+        zerospeed.comm.destroy()
 
 
 def test_expert_parallel_ranks_of_a_tensor_parallel_grid() -> None:
@@ -42,7 +56,7 @@ def test_get_optim_files_natural_order(tmp_path) -> None:
         get_optim_files(str(tmp_path / "none"))
 
 
-def test_fp32_state_dict_from_a_zero_checkpoint(tmp_path) -> None:
+def test_fp32_state_dict_from_a_zero_checkpoint(tmp_path, alone) -> None:
     from zerospeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                               get_fp32_state_dict_from_zero_checkpoint,
                                               load_state_dict_from_zero_checkpoint)
@@ -117,7 +131,7 @@ def test_launcher_runner_names() -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_safe_set_grad_is_what_the_step_uses(stage: int) -> None:
+def test_safe_set_grad_is_what_the_step_uses(stage: int, alone) -> None:
     from zerospeed.utils import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
 
     torch.manual_seed(0)
@@ -136,7 +150,7 @@ def test_safe_set_grad_is_what_the_step_uses(stage: int) -> None:
     assert torch.allclose(model.bias.detach(), before[1] - torch.tensor([1.0, -1.0]))
 
 
-def test_deepspeed_optimizer_wrapper_names_answer_isinstance_truthfully() -> None:
+def test_deepspeed_optimizer_wrapper_names_answer_isinstance_truthfully(alone) -> None:
     from zerospeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, estimate_zero3_model_states_mem_needs
     from zerospeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -164,3 +178,33 @@ def test_reduce_scatter_coalesced_one_rank() -> None:
 def test_inference_all_reduce_one_rank() -> None:
     x = torch.arange(4.0)
     assert zerospeed.comm.inference_all_reduce(x) is None and torch.equal(x, torch.arange(4.0))
+
+
+def test_ds_attributes_follow_the_stage3_state(alone) -> None:
+    """What transformers, PEFT and TRL read, kept true by stage 3; parameters cut by offload (world 1)."""
+    from zerospeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    full = model[0].weight.detach().clone()
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                              "stage3_param_persistence_threshold": 0}})
+    w = model[0].weight
+    assert isinstance(w, nn.Parameter) and hasattr(w, "ds_id") and w.shape == (0,)
+    assert (w.ds_numel, w.ds_shape, w.ds_persist, w.partition_numel()) == (35, torch.Size([7, 5]), False, 35)
+    assert w.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert torch.equal(w.ds_tensor, full.reshape(-1))
+    assert len({p.ds_id for p in model.parameters()}) == 4
+    with zerospeed.zero.GatheredParameters([w]):
+        assert w.ds_status == ZeroParamStatus.AVAILABLE and w.shape == (7, 5)
+    engine.backward(engine(torch.randn(2, 5)).square().sum())
+    engine.step()
+    assert w.ds_status == ZeroParamStatus.NOT_AVAILABLE and not torch.equal(w.ds_tensor, full.reshape(-1))
+    assert not hasattr(nn.Linear(2, 2).weight, "ds_id")
+    assert not hasattr(copy.deepcopy(w), "ds_numel")  # a copy is not in the stage-3 table
+
+
+def test_alone_left_no_group_and_no_launcher_variables() -> None:
+    assert not zerospeed.comm.is_initialized() and "MASTER_PORT" not in os.environ
