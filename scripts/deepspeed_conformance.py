@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
+from typing import IO
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -108,12 +110,22 @@ def run_area(checkout: Path, area: str, args: argparse.Namespace, out: Path) -> 
     with open(args.log, "a") as log:
         log.write(f"\n===== {area}: {' '.join(cmd)}\n")
         log.flush()
-        try:
-            subprocess.run(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT,
-                           timeout=args.area_timeout)
-        except subprocess.TimeoutExpired:
+        if not run_bounded(cmd, tests, env, log, args.area_timeout):
             log.write(f"\n===== {area}: stopped after {args.area_timeout} s\n")
     return json.loads(out.read_text()) if out.exists() else {}
+
+
+def run_bounded(cmd: list[str], cwd: Path, env: dict[str, str], log: IO[str], timeout: float) -> bool:
+    """Run ``cmd`` in its own session; past ``timeout`` kill the whole session (pytest and the ranks its
+    harness forked, which would otherwise outlive it), returning False."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ from typing import Any
 from . import _aliases
 
 __version__ = "0.1.0"
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
 
 _LAZY = {
     "initialize": ("zerospeed.runtime", "initialize"),
@@ -26,7 +27,11 @@ _LAZY = {
     "comm": ("zerospeed.comm", None),
     "checkpointing": ("zerospeed.checkpointing", None),
     "tp_model_init": ("zerospeed.parallel.tensor.model_init", "tp_model_init"),
-    "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),  # deepspeed.get_accelerator (DeepSpeed-Chat)
+    "get_accelerator": ("zerospeed.accelerator", "get_accelerator"),
+    "OnDevice": ("zerospeed.compat.on_device", "OnDevice"),  # deepspeed.OnDevice
+    "DeepSpeedConfigError": ("zerospeed.config", "ConfigError"),  # deepspeed.DeepSpeedConfigError
+    "__git_hash__": ("zerospeed.compat.git_version_info", "git_hash"),  # DeepSpeed's build facts
+    "__git_branch__": ("zerospeed.compat.git_version_info", "git_branch"),  # deepspeed.get_accelerator (DeepSpeed-Chat)
 }
 
 __all__ = ["__version__", *_LAZY]

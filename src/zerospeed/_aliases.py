@@ -92,14 +92,31 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.compression.basic_layer": "zerospeed.compression.layers",
     "zerospeed.compression.utils": ("zerospeed.compression.quantizers", "zerospeed.compression.masks"),
     "zerospeed.compression.config": "zerospeed.config.compression_training",
+    "zerospeed.runtime.zero.config": "zerospeed.compat.zero_config",
+    "zerospeed.runtime.zero.offload_config": "zerospeed.compat.zero_config",
+    "zerospeed.runtime.config_utils": "zerospeed.compat.config_utils",
+    "zerospeed.utils.groups": "zerospeed.compat.groups",
+    "zerospeed.utils.zero_to_fp32": "zerospeed.compat.zero_to_fp32",
+    "zerospeed.utils.comms_logging": "zerospeed.comm.logger",
+    "zerospeed.launcher.runner": "zerospeed.compat.launcher_runner",
+    "zerospeed.runtime.fp16.fused_optimizer": "zerospeed.compat.optimizer_names",
+    "zerospeed.runtime.fp16.unfused_optimizer": "zerospeed.compat.optimizer_names",
+    "zerospeed.runtime.bf16_optimizer": "zerospeed.compat.optimizer_names",
+    "zerospeed.runtime.comm": "zerospeed.compat.coalesced_collectives",
+    "zerospeed.runtime.comm.coalesced_collectives": "zerospeed.compat.coalesced_collectives",
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---
 ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
-                                "zerospeed.compat.runtime_utils"),  # see_memory_usage
+                                "zerospeed.compat.runtime_utils",  # see_memory_usage
+                                "zerospeed.compat.partitioned_tensor"),  # PartitionedTensor, prefix_sum_inc
     "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",  # DS-Chat LoRA
                                      "zerospeed.compression.replace"),
+    "zerospeed.utils": ("zerospeed.compat.on_device",),  # deepspeed.utils.OnDevice
+    # DeepSpeed's optimizer-wrapper names, for isinstance checks (nothing is one: compat/optimizer_names.py)
+    "zerospeed.runtime.zero.stage_1_and_2": ("zerospeed.compat.optimizer_names",),
+    "zerospeed.runtime.zero.stage3": ("zerospeed.compat.optimizer_names",),
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

@@ -74,3 +74,26 @@ def test_read_ids_skips_comments(tmp_path):
     f = tmp_path / "ids.txt"
     f.write_text("# header\n\nunit/a.py::t\n  unit/b.py::u  \n")
     assert conformance.read_ids(f) == ["unit/a.py::t", "unit/b.py::u"]
+
+
+def test_an_area_past_its_time_takes_its_forked_ranks_with_it(tmp_path):
+    import os
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as log:
+        start = time.monotonic()
+        finished = conformance.run_bounded([sys.executable, "-c", script], tmp_path, dict(os.environ), log, 1.0)
+    assert not finished and time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild is killed with the session (a zombie until init reaps it)
+        try:
+            if Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the forked child outlived the area timeout")

@@ -125,6 +125,7 @@ def test_one_cycle_lr_and_momentum():
                                      "cycle_second_step_size": 6, "decay_step_size": 2, "decay_lr_rate": 0.5,
                                      "decay_mom_rate": 0.1, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9}, opt)
     assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["betas"] == (0.8, 0.99)
+    assert s.get_mom()[0] == (0.9, 0.99)  # DeepSpeed: before a step, the cycle's position 0 (max), not the groups'
     lrs, moms = [], []
     for _ in range(14):
         s.step()

@@ -52,7 +52,8 @@ from .sparse import row_sparse_all_reduce, sparse_all_reduce, topk_count, union_
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
 from .recoverable import RecoverableGroup, resolve
 from .deepspeed_names import (all_gather_into_tensor, configure, destroy_process_group, get_global_rank,
-                              get_world_group, log_summary, monitored_barrier, reduce_scatter_tensor)
+                              get_world_group, inference_all_reduce, log_summary, monitored_barrier,
+                              reduce_scatter_tensor)
 
 __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "recording", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
@@ -67,6 +68,6 @@ __all__ = [
     "Hierarchy", "hierarchical_all_gather", "intra_node_group", "ranks_per_node_from_env", "dequantize_int4", "quantize_int4", "quantized_reduce_scatter",
     "QuantizedGather", "dequantize_fp8", "dequantize_int8", "quant_groups", "quantize_fp8", "quantize_int8",
     "quantized_all_gather",
-    "all_gather_into_tensor", "configure", "destroy_process_group", "get_global_rank", "get_world_group",
+    "all_gather_into_tensor", "inference_all_reduce", "configure", "destroy_process_group", "get_global_rank", "get_world_group",
     "log_summary", "monitored_barrier", "reduce_scatter_tensor",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .backend import Group, barrier, destroy, get_world_size, world_group
-from .collectives import ReduceOp, all_gather, reduce_scatter
+from .collectives import ReduceOp, all_gather, all_reduce, reduce_scatter
 from .logger import COMMS_LOGGER
 from .p2p import global_rank_of
 
@@ -20,6 +20,12 @@ from .p2p import global_rank_of
 def destroy_process_group(group: Group | None = None) -> None:
     """Tear down the default process group (DeepSpeed's name for ``destroy``)."""
     destroy()
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None = None) -> None:
+    """In-place all-reduce for inference (DeepSpeed's argument order; it has a shared-memory path on CPU,
+    zerospeed uses its one all-reduce)."""
+    all_reduce(tensor, group=group, op=op)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | None = None,

@@ -11,8 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ZeroSpeedConfig, load_config
+from ..config.batch import resolve_batch
 
 DeepSpeedConfigError = ConfigError
+
+# DeepSpeed's names of the config's optimizer ``type`` values (lower case, as it compares them)
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER = "muadam", "muadamw", "musgd"
+LION_OPTIMIZER, MUON_OPTIMIZER = "lion", "muon"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, MUADAM_OPTIMIZER,
+                        MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = "torch_adam", "adam_w_mode", True
 
 
 def _dp_world(mpu: Any) -> int:
@@ -46,10 +55,25 @@ class DeepSpeedConfig:
         self.steps_per_print = self.config.steps_per_print
         self.monitor_config = getattr(self.config, "monitor_config", None)
 
+    def _configure_train_batch_size(self) -> None:
+        """Fill in the batch triple from the ones set (DeepSpeed's method; tests and scripts call it after
+        assigning the attributes) with zerospeed's ``resolve_batch``; an inconsistent triple is an
+        ``AssertionError`` carrying zerospeed's message, as DeepSpeed asserts."""
+        try:
+            batch = resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                  self.gradient_accumulation_steps, self.world_size)
+        except ConfigError as exc:
+            raise AssertionError(str(exc)) from None
+        self.train_batch_size = batch.train_batch_size
+        self.train_micro_batch_size_per_gpu = batch.micro_batch_per_gpu
+        self.gradient_accumulation_steps = batch.gradient_accumulation_steps
+
     def __getattr__(self, name: str) -> Any:  # the config's own sections, e.g. .optimizer, .scheduler
         if name.startswith("_") or name == "config":
             raise AttributeError(name)
         return getattr(self.config, name)
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT",
+           "DEEPSPEED_OPTIMIZERS", "DeepSpeedConfig", "DeepSpeedConfigError", "LAMB_OPTIMIZER", "LION_OPTIMIZER",
+           "MUADAMW_OPTIMIZER", "MUADAM_OPTIMIZER", "MUON_OPTIMIZER", "MUSGD_OPTIMIZER", "TORCH_ADAM_PARAM"]

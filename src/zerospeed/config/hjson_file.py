@@ -13,6 +13,17 @@ from typing import Any
 from .errors import ConfigError
 
 
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for JSON and HJSON: a key written twice in one object is an error (as in
+    DeepSpeed), never the last value silently winning."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ConfigError(key, "the key is written twice in the same object of the config file")
+        data[key] = value
+    return data
+
+
 def read_hjson(path: Path, json_error: json.JSONDecodeError) -> Any:
     """The file's value read as HJSON; ConfigError naming the file when that fails or hjson is absent."""
     try:
@@ -21,7 +32,7 @@ def read_hjson(path: Path, json_error: json.JSONDecodeError) -> Any:
         raise ConfigError("", f"config file {str(path)!r} is not valid JSON ({json_error}); if it is HJSON, "
                               "install the hjson package (pip install 'zerospeed[deepspeed-compat]')") from None
     try:
-        return hjson.loads(path.read_text())
+        return hjson.loads(path.read_text(), object_pairs_hook=no_duplicate_keys)
     except hjson.HjsonDecodeError as exc:
         raise ConfigError("", f"config file {str(path)!r} is not valid JSON ({json_error}), nor HJSON "
                               f"({exc})") from None

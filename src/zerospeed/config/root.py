@@ -29,7 +29,7 @@ from .expert_parallel import ExpertParallelConfig
 from .hybrid_engine import HybridEngineConfig
 from .elasticity import ElasticityConfig, ElasticityConfigError
 from .errors import ConfigError, UnknownKeyError
-from .hjson_file import read_hjson
+from .hjson_file import no_duplicate_keys, read_hjson
 from .fp8 import Fp8Config
 from .offload import AioConfig
 from .monitoring import (
@@ -284,7 +284,7 @@ def _read(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError("", f"config file {str(path)!r} does not exist")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=no_duplicate_keys)
     except json.JSONDecodeError as exc:
         data = read_hjson(path, exc)  # DeepSpeed reads config files as HJSON
     if not isinstance(data, dict):

@@ -132,17 +132,29 @@ def _state(fr: Fragment, key: str) -> torch.Tensor:
     return state[key]
 
 
-def _grad_shard(fr: Fragment) -> torch.Tensor | None:
+def _grad_slice(fr: Fragment, what: str) -> torch.Tensor:
+    """This rank's elements of the reduced gradient, as a view of the reducer's partition (loss-scaled)."""
     opt = fr.optimizer
     if getattr(opt.reducer, "sink", None) is not None:
-        raise NotSupportedYetError("offload_optimizer", "safe_get_full_grad with offloaded gradients is not "
+        raise NotSupportedYetError("offload_optimizer", f"{what} with offloaded gradients is not "
                                    "supported yet by zerospeed")
     gi = opt.groups.index(fr.group)
     part = opt.reducer.partition_buffer(gi)
     start, _ = fr.group.slot_range(fr.index)
     lo, hi = fr.owned
     length = fr.numel if fr.group.num_partitions == 1 else hi - lo
-    return part[start:start + length].float() / opt.loss_scaler.loss_scale
+    return part[start:start + length]
+
+
+def _grad_shard(fr: Fragment) -> torch.Tensor | None:
+    return _grad_slice(fr, "safe_get_full_grad").float() / fr.optimizer.loss_scaler.loss_scale
+
+
+def _write_grad(fr: Fragment, own: torch.Tensor) -> None:
+    """Overwrite this rank's reduced-gradient elements with ``own`` (unscaled; the loss scale is applied)."""
+    target = _grad_slice(fr, "safe_set_*_grad")
+    scaled = own.detach().reshape(-1).to(torch.float32) * fr.optimizer.loss_scaler.loss_scale
+    target.copy_(scaled[: target.numel()].to(target.dtype))
 
 
 # --- DeepSpeed's public helpers ---------------------------------------------------------------------
@@ -232,6 +244,33 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     return None if fr is None else _grad_shard(fr)
 
 
+def _set_grad(param: nn.Parameter, value: torch.Tensor, is_full: bool) -> None:
+    """``param.grad`` when the module holds one (as in DeepSpeed), else this rank's reduced-gradient elements."""
+    if param.grad is not None:
+        param.grad.copy_(value.to(param.grad.dtype))
+        return
+    fr = fragment_of(param)
+    if fr is None:
+        return
+    flat = value.reshape(-1)
+    if is_full:
+        _check_shape(fr, value)
+        lo, hi = fr.owned
+        flat = flat[lo:hi] if fr.group.num_partitions > 1 else flat
+    _write_grad(fr, flat)
+
+
+def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace ``param``'s reduced gradient (between the boundary backward and ``step()``) with the whole
+    tensor ``value``; each rank keeps its own elements (no collective)."""
+    _set_grad(param, value, is_full=True)
+
+
+def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's elements of ``param``'s reduced gradient (the shape ``safe_get_local_grad`` gives)."""
+    _set_grad(param, value, is_full=False)
+
+
 def _check_shape(fr: Fragment, value: torch.Tensor) -> None:
     if value.numel() != fr.numel:
         raise ValueError(f"value has {value.numel()} elements (shape {tuple(value.shape)}); the parameter has "
@@ -241,5 +280,6 @@ def _check_shape(fr: Fragment, value: torch.Tensor) -> None:
 __all__ = [
     "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
     "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
-    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
+    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad", "safe_set_full_grad",
+    "safe_set_local_grad",
 ]

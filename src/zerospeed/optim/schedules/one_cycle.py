@@ -7,7 +7,8 @@ many stairs per half. After the cycle, with ``d`` steps past it, ``lr = min_lr /
 decay_step_size)`` and ``beta1 = max_mom * (1 + decay_mom_rate * d / decay_step_size)``.
 
 Faithful to DeepSpeed where it surprises: position ``i + 1`` is used (so the first ``step()`` already moves
-one step up), the constructor writes ``cycle_min_lr`` and beta1 = ``cycle_min_mom``, beta2 is set to 0.99
+one step up), the constructor writes ``cycle_min_lr`` and beta1 = ``cycle_min_mom`` while ``get_mom()`` before
+the first ``step()`` reports the cycle's value at position 0 (``cycle_max_mom``), beta2 is set to 0.99
 whenever momentum is cycled, and momentum cycling is turned off (with a warning) for optimizers without
 ``betas`` (e.g. SGD).
 """
@@ -113,7 +114,11 @@ class OneCycle(LRSchedule):
         return [(beta1, BETA2_WHEN_CYCLING)] * n
 
     def get_mom(self) -> list[tuple[float, float]] | None:
-        return self.moms_at(self.last_batch_iteration) if self.cycle_momentum else None
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < 0:  # DeepSpeed's formula at position 0, not what the constructor wrote
+            return [(self.max_mom, BETA2_WHEN_CYCLING)] * len(self.param_groups)
+        return self.moms_at(self.last_batch_iteration)
 
     def _apply(self) -> None:
         super()._apply()

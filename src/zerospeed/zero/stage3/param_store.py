@@ -45,6 +45,7 @@ from ... import comm
 from ...accelerator.huge_pages import advise_huge_pages, empty_buffer
 from ..layout import gather_from
 from ..partition import shard_size
+from ...compat.zero_param_attrs import expose_ds_attributes
 
 if TYPE_CHECKING:
     from .lockstep import Lockstep
@@ -305,6 +306,7 @@ def register(param: nn.Parameter, group: comm.Group | None, persistent: bool) ->
     if state is None:
         state = ParamShard(param, group, persistent)
         _SHARDS[param] = state
+        expose_ds_attributes(param)  # DeepSpeed's read-only ds_* view of this state (compat/zero_param_attrs.py)
     return state
 
 
