@@ -187,7 +187,7 @@ def main() -> None:
     first, final = (ends / world).tolist()
     curve = torch.tensor(losses, device=engine.device)
     comm.all_reduce(curve)
-    engine.save_checkpoint(str(out / "checkpoint"))
+    engine.save_checkpoint(str(out / "checkpoint"), overwrite=True)  # a rerun of the demo replaces its own last one
     text = sample(engine, cfg.block_size, args.sample_bytes, seed=args.seed)
     mem = comm.all_gather_object(memory_line(engine))
     if rank == 0:

@@ -14,6 +14,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = os.path.dirname(__file__)
     for item in items:

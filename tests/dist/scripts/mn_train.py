@@ -79,7 +79,8 @@ def train(out_dir: str, steps: int, ckpt: str | None = None, sleep: float = 0.0,
         comm.all_reduce(total)
         losses.append(total.item() / world)
         if ckpt and save:
-            engine.save_checkpoint(ckpt, tag=f"step{step + 1}", client_state={"step": step + 1})
+            # a run resumed from an older tag replays the steps after it: their tags are replaced, as asked
+            engine.save_checkpoint(ckpt, tag=f"step{step + 1}", client_state={"step": step + 1}, overwrite=True)
         if rank == 0:
             with open(os.path.join(out_dir, "losses.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, "loss": losses[-1], "world": world, "start": start}) + "\n")
