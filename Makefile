@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/zerospeed launch --nproc-per-node 2 examples/train_gpt.py --config examples/configs/demo_zero2.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -1,4 +1,5 @@
-"""One test cluster (3 hosts in network namespaces, sshd on each) for every test in tests/cluster.
+"""One test cluster (3 hosts in network namespaces, sshd on each) for every test in tests/cluster (one
+module, test_cluster.py: `make test` runs each file on one xdist worker, and the cluster must exist once).
 
 Skipped with the reason where a cluster cannot be made (not root, no ``ip netns``, packages missing and
 not installable). At the end of the session nothing it made may remain: no namespace (veths and bridge
