@@ -102,3 +102,27 @@ def test_draft_model_sampling_keeps_seeded_requests_reproducible():
     a = _engine(target, spec).generate([[1, 2, 3]], params)[0].output
     b = _engine(target, spec).generate([[1, 2, 3]], params)[0].output
     assert a == b and len(a) == 16
+
+
+def test_speculation_through_the_openai_client(tmp_path):
+    """The official ``openai`` client against a server whose engine drafts (n-gram, then a draft model): greedy
+    completions equal a server's without speculation, and the drafts were used."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+
+    from zerospeed.inference.model_dir import load_model_dir, save_gpt_dir
+    from zerospeed.inference.server import create_app
+
+    loaded = load_model_dir(save_gpt_dir(GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32), seed=5),
+                                         tmp_path / "tiny"))
+    texts = {}
+    for name, spec in (("plain", None), ("ngram", {"num_speculative_tokens": 3}),
+                       ("draft", {"model": loaded.model, "num_speculative_tokens": 3})):
+        engine = _engine(loaded.model, spec)
+        with TestClient(create_app(loaded, engine)) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+            texts[name] = client.completions.create(model="tiny", prompt="abcabcabcabc", max_tokens=24,
+                                                    temperature=0).choices[0].text
+        assert spec is None or engine.accepted > 0, name
+    assert texts["ngram"] == texts["plain"] == texts["draft"]
