@@ -24,6 +24,7 @@ the 4-rank run. After each test node1 is brought back fresh. The link-down, dela
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -177,6 +178,17 @@ def _fault_run(cluster: Cluster, env: dict[str, str], tmp: Path, fault: Callable
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_host_brought_back_is_that_host(cluster: Cluster, node1_reset: None) -> None:
+    """After a fault node1 comes back fresh: an ssh session there has its name, its /etc/hosts, its
+    namespaces (not the machine's, which resolve no cluster name)."""
+    cluster.kill_host(1)
+    cluster.reset_host(1)
+    said = cluster.run(0, ["ssh", "node1", "hostname; getent hosts node0; readlink /proc/self/ns/mnt"]).stdout.split()
+    holder = cluster.hosts[1].holder
+    assert holder is not None
+    assert said == ["node1", cluster.hosts[0].addr, "node0", os.readlink(f"/proc/{holder.pid}/ns/mnt")], said
 
 
 @pytest.mark.parametrize("fault", ["kill_host", pytest.param("link_down", marks=full_only), "iptables_drop"])

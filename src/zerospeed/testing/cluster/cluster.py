@@ -121,11 +121,12 @@ class Cluster:
         log.close()
 
     def wait_sshd(self, index: int, timeout_s: float = 20.0) -> None:
-        """Wait until ``ssh nodeI true`` works from node 0 (keys, config and name resolution together)."""
+        """Wait until ``ssh nodeI hostname`` works from node 0 and answers ``nodeI`` (keys, config, name
+        resolution, and a session that runs on the host: its name, its files)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            done = self.run(0, ["ssh", self.names[index], "true"], timeout=timeout_s)
-            if done.returncode == 0:
+            done = self.run(0, ["ssh", self.names[index], "hostname"], timeout=timeout_s)
+            if done.returncode == 0 and done.stdout.strip() == self.names[index]:
                 return
             if self.sshd[index].poll() is not None and time.monotonic() < deadline:
                 self.start_sshd(index)  # it could not bind yet (address still being set up): once more

@@ -146,6 +146,10 @@ class Network:
     def start_holder(self, h: Host, binds: dict[str, str], timeout_s: float = 20.0) -> None:
         """Start ``h``'s holder: new UTS + mount namespaces, its hostname, ``binds`` (src -> target)."""
         ready = os.path.join(self.run_dir, f"{h.name}.ready")
+        # A host brought back must not find the file its previous holder left: nsenter would enter this
+        # holder before it has its own names and mounts (the machine's /etc/hosts, its host name).
+        if os.path.exists(ready):
+            os.remove(ready)
         mounts = "".join(f"mount --bind '{src}' '{dst}' && " for src, dst in binds.items())
         script = f"hostname '{h.name}' && {mounts}touch '{ready}' && exec sleep 2147483647"
         # nsenter --net, not `ip netns exec`: that one remounts /sys, hiding the cgroup tree slurmd needs.
