@@ -53,7 +53,7 @@ class Fragment:
 
     @property
     def shape(self) -> torch.Size:
-        return self.group._full_shape(self.index)
+        return self.group.full_shape(self.index)
 
     @property
     def owned(self) -> tuple[int, int]:

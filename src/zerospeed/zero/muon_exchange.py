@@ -77,9 +77,9 @@ class MuonShardExchange:
     def _exchange(self, grp: ShardedGroup, mats: list[tuple[int, torch.Tensor, str]]) -> list[torch.Tensor]:
         n, me = grp.num_partitions, grp.rank
         for i, _, _ in mats:  # checked on every rank before any exchange, so all ranks fail alike
-            if len(grp._full_shape(i)) < 2:
+            if len(grp.full_shape(i)) < 2:
                 raise ValueError(f"Muon updates matrices (ndim >= 2), got a parameter of shape "
-                                 f"{tuple(grp._full_shape(i))}; give it to the auxiliary Adam (use_muon = False)")
+                                 f"{tuple(grp.full_shape(i))}; give it to the auxiliary Adam (use_muon = False)")
         pg = self._group_of(grp)
         slots = [grp.plan.slots[i] for i, _, _ in mats]
         owners = assign_owners([s.numel for s in slots], n)
@@ -96,7 +96,7 @@ class MuonShardExchange:
         recv2d, back2d = recv.view(n, row), torch.empty(n, row, dtype=send.dtype, device=dev)
         off = 0
         for j in mine:
-            s, shape = slots[j].shard, grp._full_shape(mats[j][0])
+            s, shape = slots[j].shard, grp.full_shape(mats[j][0])
             full = recv2d[:, off:off + s].reshape(-1)[: slots[j].numel].view(shape)
             padded = torch.zeros(n * s, dtype=send.dtype, device=dev)
             padded[: slots[j].numel] = orthogonalize(full, mats[j][2]).reshape(-1)

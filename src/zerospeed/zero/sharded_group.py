@@ -37,6 +37,10 @@ class ShardedGroup:
     # Stage 3 (a subclass) keeps the model parameters themselves partitioned: the optimizer's write-back
     # is then local (``copy_master_to_params``) instead of an all-gather of full parameters.
     params_sharded = False
+    # The rank among the replicas of this group that decides who writes an unpartitioned copy in a
+    # checkpoint (only replica 0 does). None: the global data-parallel rank. MoE expert groups set their
+    # expert-data-parallel rank (``parallel/expert/training.py``).
+    replica_rank: int | None = None
 
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
                  bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None,
@@ -76,8 +80,8 @@ class ShardedGroup:
         """Whether the model parameters may serve as the fp32 master (stage 3 says no when offloaded)."""
         return True
 
-    def _full_shape(self, i: int) -> torch.Size:
-        """Parameter i's shape (stage 3 reads it from its shard state: the data may be a placeholder)."""
+    def full_shape(self, i: int) -> torch.Size:
+        """Parameter i's full shape (stage 3 reads it from its shard state: the data may be a placeholder)."""
         return self.params[i].shape
 
     def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
@@ -94,7 +98,7 @@ class ShardedGroup:
     def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         start, end = self.slot_range(i)
         if self.num_partitions == 1:
-            return flat[start:start + self.plan.slots[i].numel].view(self._full_shape(i))
+            return flat[start:start + self.plan.slots[i].numel].view(self.full_shape(i))
         return flat[start:end]
 
     # --- the master, resident or parked ---------------------------------------------------------

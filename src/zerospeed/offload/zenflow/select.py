@@ -50,7 +50,7 @@ def layout_of(grp: ShardedGroup) -> Layout:
     for i, slot in enumerate(grp.plan.slots):
         lo, hi = slot.owned_range(rank)
         start, _ = grp.slot_range(i)
-        shape = grp._full_shape(i)
+        shape = grp.full_shape(i)
         if len(shape) == 2:
             rows, cols = int(shape[0]), int(shape[1])
             mats.append(Matrix(i, start, lo, hi - lo, rows, cols, torch.arange(lo, hi) % cols))

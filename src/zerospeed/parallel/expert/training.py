@@ -116,7 +116,7 @@ class MoETraining:
             grp = stage3.make_group(params, options, rank, bucket, group=eg.edp_group, **kwargs)
         else:
             grp = ShardedGroup(params, options, 1 if stage == 0 else eg.edp_size, rank, bucket, compute, **kwargs)
-        grp.replica_rank = rank  # type: ignore[attr-defined]  # checkpoints: edp rank 0 writes unpartitioned experts
+        grp.replica_rank = rank  # checkpoints: edp rank 0 writes unpartitioned experts
         return grp
 
     @torch.no_grad()

@@ -57,8 +57,7 @@ class OwnedParam:
     @property
     def shape(self) -> torch.Size:
         """The full shape (under stage 3 the module parameter itself is a placeholder)."""
-        shards = getattr(self.group, "shards", None)
-        return shards[self.index].shape if shards is not None else self.param.shape
+        return self.group.full_shape(self.index)
 
     @property
     def param(self) -> nn.Parameter:
@@ -87,14 +86,15 @@ def owned_params(groups: list[ShardedGroup], names: dict[int, str], dp_rank: int
     """Each parameter with the range this rank owns. With ``dp_rank`` (saving), a replicated group (one
     partition: stage 0) is owned by data-parallel rank 0 only, so exactly one rank writes each element."""
     for grp in groups:
-        replica = dp_rank if dp_rank is None else getattr(grp, "replica_rank", dp_rank)  # MoE experts: edp rank
+        replica = dp_rank if dp_rank is None or grp.replica_rank is None else grp.replica_rank
         if replica not in (None, 0) and grp.num_partitions == 1:
             continue
         for i, p in enumerate(grp.params):
             if id(p) not in names:
                 raise ValueError("an optimizer parameter is not a parameter of engine.module")
             lo, hi = grp.plan.slots[i].owned_range(grp.rank)
-            base = getattr(expert_slice(p), "offset", 0)
+            piece = expert_slice(p)
+            base = piece.offset if piece is not None else 0
             yield OwnedParam(names[id(p)], grp, i, lo + base, hi + base, base)
 
 
@@ -190,7 +190,7 @@ class CheckpointReader:
 def master_read_range(op: OwnedParam) -> tuple[int, int]:
     """The elements of ``master/<name>`` ``load_params`` reads: the owned range under stage 3 (parameters
     sharded), the whole parameter otherwise (the module keeps it whole)."""
-    if getattr(op.group, "params_sharded", False) and not op.group.alias:
+    if op.group.params_sharded and not op.group.alias:
         return op.lo, op.hi
     return op.base, op.base + op.numel
 
@@ -205,7 +205,7 @@ def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: Check
     """
     sharded: list[ShardedGroup] = []
     for op in owned_params(groups, names):
-        params_sharded = getattr(op.group, "params_sharded", False) and not op.group.alias
+        params_sharded = op.group.params_sharded and not op.group.alias
         lp_dtype = None if from_fp32 or op.param.dtype == torch.float32 else op.param.dtype
         if params_sharded:  # stage 3: read only the owned range; the group writes its local shards below
             part = reader.read_range(f"master/{op.name}", *master_read_range(op))

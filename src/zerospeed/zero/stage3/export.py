@@ -55,8 +55,7 @@ def _master_values(optimizer: Any, group: comm.Group | None, keep: bool) -> dict
                 if keep:
                     full = torch.empty(slot.numel, dtype=torch.float32, device=send.device)
                     gather_from(buf2d, slot.offset, slot.shard, full)
-                    out[id(grp.params[i])] = full.view(grp.shards[i].shape if hasattr(grp, "shards")
-                                                       else grp.params[i].shape).cpu()
+                    out[id(grp.params[i])] = full.view(grp.full_shape(i)).cpu()
     return out
 
 

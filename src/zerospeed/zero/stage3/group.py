@@ -66,7 +66,7 @@ class Stage3Group(ShardedGroup):
     def _full_numels(self, params: list[nn.Parameter]) -> list[int]:
         return [s.numel for s in _shards(params)]
 
-    def _full_shape(self, i: int) -> torch.Size:
+    def full_shape(self, i: int) -> torch.Size:
         return self.shards[i].shape
 
     def _may_alias(self, params: list[nn.Parameter]) -> bool:

@@ -102,7 +102,7 @@ class QuantizedGradients:
         if (g, b) not in self.plans:
             bucket = grp.plan.buckets[b]
             slots = [grp.plan.slots[i] for i in bucket.params]
-            quantized, plain = plan_bucket([grp._full_shape(i) for i in bucket.params], [s.offset for s in slots],
+            quantized, plain = plan_bucket([grp.full_shape(i) for i in bucket.params], [s.offset for s in slots],
                                            [s.shard for s in slots], grp.num_partitions, bucket.shard_numel)
             self.plans[(g, b)] = (quantized, torch.tensor(plain, dtype=torch.long) if plain else None)
         return self.plans[(g, b)]
