@@ -192,15 +192,20 @@ def test_parallel_imports_no_engine_and_no_checkpoint_code() -> None:
 
 
 # --- 4b. checkpoint code reads the engine's parts, it does not probe for them -------------------------------
-CHECKPOINT_CODE = ("runtime/checkpoint/",)
+CHECKPOINT_CODE = ("runtime/checkpoint/", "profiling/memory_timeline.py", "zero/stage3/export.py")
+PROBED = {"engine", "eng", "group", "grp"}  # the engine and its ZeRO groups declare what they have
 
 
 def _probes(tree: ast.Module) -> list[str]:
-    """``getattr(engine..., "x", default)`` / ``hasattr(engine..., "x")``: a part found by looking for it."""
+    """``getattr(engine..., "x", default)`` / ``hasattr(grp, "x")``: a part found by looking for it."""
     found = []
+
+    def probed(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Name) and n.id in PROBED) or (isinstance(n, ast.Attribute) and n.attr in PROBED)
+
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr") and node.args
-                and any(isinstance(n, ast.Name) and n.id == "engine" for n in ast.walk(node.args[0]))):
+                and any(probed(n) for n in ast.walk(node.args[0]))):
             found.append(f"{node.func.id}({ast.unparse(node.args[0])}, ...) line {node.lineno}")  # type: ignore[attr-defined]
     return found
 

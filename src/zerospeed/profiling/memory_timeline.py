@@ -167,7 +167,7 @@ class MemoryTimeline:
     def _library_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         eng = self.engine
         opt = eng.optimizer
-        zero3 = getattr(eng, "zero3", None)
+        zero3 = eng.zero3
         if opt is not None:
             for grp in opt.groups:
                 if grp.master is not None and not grp.alias:
@@ -190,9 +190,8 @@ class MemoryTimeline:
             yield "parameters", p.data  # stage 3: a gathered value was named above, a shard is empty
         if opt is not None:
             yield from opt.reducer.owned_tensors()
-            for t in getattr(opt, "_fp32_grads", []):
-                if t is not None:
-                    yield "grad_partitions", t
+            for t in opt.grad_partitions():
+                yield "grad_partitions", t
         for p in eng.module.parameters():
             if p.grad is not None:
                 yield "param_grads", p.grad
@@ -411,7 +410,7 @@ class MemoryTimeline:
             self._wrap(opt, "_collect_grads", context="grad_partitions")
             self._wrap(opt, "_write_back", phase="write_back", context="temporaries")
             self._wrap(opt.optimizer, "step", context="optimizer_state")
-        trimmer = getattr(eng, "heap_trimmer", None)
+        trimmer = eng.heap_trimmer
         if trimmer is not None and not self.on_cuda:  # trimmed free heap is not resident: count from after it
             original = trimmer.trim
 
@@ -421,7 +420,7 @@ class MemoryTimeline:
 
             trimmer.trim = trim
             self._restore.append(lambda: delattr(trimmer, "trim"))
-        zero3 = getattr(eng, "zero3", None)
+        zero3 = eng.zero3
         if zero3 is not None:
             for name in ("acquire", "release", "end_forward", "end_backward"):
                 self._wrap(zero3.fetcher, name, context="gathered_params")

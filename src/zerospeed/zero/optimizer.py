@@ -63,8 +63,8 @@ class ZeroOptimizer:
         self.global_grad_norm: float | None = None
         self.updating = False
         self.partitioned = any(g.num_partitions > 1 for g in groups)
-        settings = getattr(reducer, "s", None)
-        if settings is not None and settings.topk_ratio > 0 and settings.topk_freeze_variance:
+        settings = reducer.s
+        if settings.topk_ratio > 0 and settings.topk_freeze_variance:
             self.freeze_variance_at = settings.topk_warmup_steps
             self.momentum_correction = settings.topk_momentum_correction
             self.preconditioned_selection = settings.topk_preconditioned_selection
@@ -105,6 +105,10 @@ class ZeroOptimizer:
     def _sink(self) -> Any:
         """Where the reduced gradients went instead of memory (NVMe offload), or None."""
         return getattr(self.reducer, "sink", None)
+
+    def grad_partitions(self) -> list[torch.Tensor]:
+        """The fp32 gradient partitions held for the step now (empty outside one)."""
+        return [t for t in self._fp32_grads if t is not None]
 
     def _collect_grads(self) -> list[torch.Tensor]:
         sink = self._sink
