@@ -71,8 +71,8 @@ class AdamParams(Section):
     _betas = field_validator("betas")(_check_betas)
 
 
-class LambParams(Section):
-    """FusedLamb's parameters and defaults (max_grad_norm is rejected: use top-level gradient_clipping)."""
+class _AdamFamily(Section):
+    """The parameters FusedLamb and DeepSpeed's 1-bit optimizers share, with their defaults."""
 
     lr: float = Field(1e-3, ge=0)
     bias_correction: bool = True
@@ -80,76 +80,62 @@ class LambParams(Section):
     eps: float = Field(1e-8, ge=0)
     eps_inside_sqrt: bool = False
     weight_decay: float = Field(0.0, ge=0)
-    max_coeff: float = Field(10.0, ge=0)
-    min_coeff: float = Field(0.01, ge=0)
     amsgrad: bool = False
 
     _betas = field_validator("betas")(_check_betas)
 
 
-class OneBitAdamParams(Section):
+class _LambCoeffs(Section):
+    """Lamb's trust-ratio bounds."""
+
+    max_coeff: float = Field(10.0, ge=0)
+    min_coeff: float = Field(0.01, ge=0)
+
+
+class _OneBitComm(Section):
+    """What DeepSpeed's 1-bit optimizers accept about their transport (``cuda_aware`` and
+    ``comm_backend_name`` change nothing here: ``comm/`` chooses)."""
+
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+
+class _TorchBiasCorrection(Section):
+    """zerospeed only: the 1-bit Adams with torch Adam's bias correction (``optim/onebit/adam.py``)."""
+
+    zerospeed_bias_correction: bool = False
+
+
+class LambParams(_AdamFamily, _LambCoeffs):
+    """FusedLamb's parameters and defaults (max_grad_norm is rejected: use top-level gradient_clipping)."""
+
+
+class OneBitAdamParams(_AdamFamily, _OneBitComm, _TorchBiasCorrection):
     """DeepSpeed's OnebitAdam parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
     ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
 
-    lr: float = Field(1e-3, ge=0)
     freeze_step: int = Field(100000, ge=0)
-    bias_correction: bool = True
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, ge=0)
-    eps_inside_sqrt: bool = False
-    weight_decay: float = Field(0.0, ge=0)
-    amsgrad: bool = False
-    cuda_aware: bool = False
-    comm_backend_name: str = "nccl"
-    zerospeed_bias_correction: bool = False  # zerospeed only: torch Adam's bias correction (optim/onebit/adam.py)
-
-    _betas = field_validator("betas")(_check_betas)
 
 
-class ZeroOneAdamParams(Section):
+class ZeroOneAdamParams(_AdamFamily, _OneBitComm, _TorchBiasCorrection):
     """DeepSpeed's ZeroOneAdam parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
     ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
 
-    lr: float = Field(1e-3, ge=0)
-    bias_correction: bool = True
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, ge=0)
-    eps_inside_sqrt: bool = False
-    weight_decay: float = Field(0.0, ge=0)
     var_freeze_step: int = Field(100000, ge=0)
     var_update_scaler: int = Field(16, ge=1)
     local_step_scaler: int = Field(32678, ge=1)
     local_step_clipper: int = Field(16, ge=1)
-    amsgrad: bool = False
-    cuda_aware: bool = False
-    comm_backend_name: str = "nccl"
-    zerospeed_bias_correction: bool = False  # zerospeed only: torch Adam's bias correction (optim/onebit/zoadam.py)
-
-    _betas = field_validator("betas")(_check_betas)
 
 
-class OneBitLambParams(Section):
+class OneBitLambParams(_AdamFamily, _LambCoeffs, _OneBitComm):
     """DeepSpeed's OnebitLamb parameters and defaults (``bias_correction``, ``eps_inside_sqrt`` and
     ``cuda_aware`` are accepted and, as in DeepSpeed, change nothing)."""
 
-    lr: float = Field(1e-3, ge=0)
     freeze_step: int = Field(100000, ge=0)
-    bias_correction: bool = True
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, ge=0)
-    eps_inside_sqrt: bool = False
-    weight_decay: float = Field(0.0, ge=0)
-    max_coeff: float = Field(10.0, ge=0)
-    min_coeff: float = Field(0.01, ge=0)
-    amsgrad: bool = False
-    cuda_aware: bool = False
-    comm_backend_name: str = "nccl"
     coeff_beta: float = Field(0.9, ge=0, le=1)
     factor_max: float = Field(4.0, gt=0)
     factor_min: float = Field(0.5, gt=0)
     factor_threshold: float = Field(0.1, ge=0)
-
-    _betas = field_validator("betas")(_check_betas)
 
 
 def build_optimizer(

@@ -42,18 +42,11 @@ class OnebitAdam(CompressedOptimizer):
                  zerospeed_bias_correction: bool = False) -> None:
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad)
+        super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad, eps_inside_sqrt, cuda_aware)
         self.freeze_step = freeze_step
-        self.eps_mode = 0 if eps_inside_sqrt else 1
-        self.cuda_aware = cuda_aware
         self.zerospeed_bias_correction = zerospeed_bias_correction
 
     # --- phase ------------------------------------------------------------------------------------
-    @property
-    def initialize(self) -> bool:
-        """DeepSpeed's flag: true once the initialising first call has happened."""
-        return self.first_step_count() > 0
-
     @property
     def adam_freeze_key(self) -> bool:
         """DeepSpeed's flag: true in the compression phase."""

@@ -31,17 +31,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
     deepspeed_name = "?"  # the name in DeepSpeed's "not compatible with ZeRO" message
 
     def __init__(self, params: Any, defaults: dict[str, Any], deepspeed: Any, comm_backend_name: str,
-                 amsgrad: bool) -> None:
+                 amsgrad: bool, eps_inside_sqrt: bool = False, cuda_aware: bool = False) -> None:
         if amsgrad:
             raise ValueError(f"{self.deepspeed_name} does not support the AMSGrad variant (as in DeepSpeed)")
         if comm_backend_name not in COMM_BACKENDS:
             raise ValueError(f"comm_backend_name must be one of {list(COMM_BACKENDS)}, got {comm_backend_name!r}")
         super().__init__(params, defaults)
         self.comm_backend_name = comm_backend_name
+        self.eps_mode = 0 if eps_inside_sqrt else 1  # DeepSpeed's attribute
+        self.cuda_aware = cuda_aware  # accepted, as in DeepSpeed; comm/ chooses the transport
         self.deepspeed = deepspeed
         mpu = getattr(deepspeed, "mpu", None)
         self.group: comm.Group | None = mpu.get_data_parallel_group() if mpu is not None else None
         self._errors: dict[torch.Tensor, tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def initialize(self) -> bool:
+        """DeepSpeed's flag: true once the initialising first call has happened."""
+        return self.first_step_count() > 0
 
     def bind(self, group: comm.Group | None) -> None:
         """Exchange over ``group`` (the engine's data-parallel group; None: the default group)."""

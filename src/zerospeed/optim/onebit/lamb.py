@@ -43,21 +43,15 @@ class OnebitLamb(CompressedOptimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm, max_coeff=max_coeff,
                         min_coeff=min_coeff)
-        super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad)
+        super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad, eps_inside_sqrt, cuda_aware)
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max = factor_max
         self.factor_min = factor_min
         self.factor_threshold = factor_threshold
-        self.eps_mode = 0 if eps_inside_sqrt else 1
-        self.cuda_aware = cuda_aware
         self.lamb_coeffs: list[float] = []
 
     # --- phase ------------------------------------------------------------------------------------
-    @property
-    def initialize(self) -> bool:
-        return self.first_step_count() > 0
-
     @property
     def lamb_freeze_key(self) -> bool:
         """DeepSpeed's flag: true in the compression phase."""

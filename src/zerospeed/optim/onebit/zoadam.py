@@ -50,20 +50,14 @@ class ZeroOneAdam(CompressedOptimizer):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad)
+        super().__init__(params, defaults, deepspeed, comm_backend_name, amsgrad, eps_inside_sqrt, cuda_aware)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        self.eps_mode = 0 if eps_inside_sqrt else 1
-        self.cuda_aware = cuda_aware
         self.zerospeed_bias_correction = zerospeed_bias_correction
 
     # --- phase ------------------------------------------------------------------------------------
-    @property
-    def initialize(self) -> bool:
-        return self.first_step_count() > 0
-
     @property
     def freeze_key(self) -> bool:
         """DeepSpeed's flag: the variance is frozen (local-step phase)."""
