@@ -2,8 +2,6 @@
 
 import importlib.util
 import re
-import socket
-import threading
 import time
 
 import pytest
@@ -12,50 +10,24 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from zerospeed.inference import init_inference  # noqa: E402
 from zerospeed.inference.model_dir import load_model_dir, save_gpt_dir  # noqa: E402
 from zerospeed.inference.server import create_app  # noqa: E402
 from zerospeed.inference.serving import ServingEngine  # noqa: E402
 from zerospeed.launcher.serve import engine_config  # noqa: E402
-from zerospeed.models.gpt import GPT, GPTConfig  # noqa: E402
-
-
-def _model():
-    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32), seed=4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)  # sharper logits: varied bytes instead of one repeated byte
-    return model
+from tests.unit.serve_fixtures import greedy_text, running, tiny_gpt  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = save_gpt_dir(_model(), tmp_path_factory.mktemp("m") / "tinygpt")
+    d = save_gpt_dir(tiny_gpt(seed=4), tmp_path_factory.mktemp("m") / "tinygpt")
     loaded = load_model_dir(d)
     cfg = engine_config(None, 64)
     cfg["state_manager"].update(max_tracked_sequences=2, max_ragged_sequence_count=2, max_ragged_batch_size=16,
                                 kv_block_size=8)
     engine = ServingEngine(loaded.model, cfg, decode=loaded.tokenizer.decode)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(loaded, engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    yield client, loaded, engine, port
-    srv.should_exit = True
-    thread.join(timeout=30)
-
-
-def _greedy_text(loaded, prompt, n):
-    eng = init_inference(loaded.model, dtype="fp32")
-    ids = torch.tensor([list(prompt.encode())])
-    return loaded.tokenizer.decode(eng.generate(ids, max_new_tokens=n)[0, ids.shape[1]:].tolist())
+    with running(create_app(loaded, engine)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        yield client, loaded, engine, int(base.rsplit(":", 1)[1])
 
 
 def test_models_health_metrics(server):
@@ -69,7 +41,7 @@ def test_models_health_metrics(server):
 
 def test_completion_greedy_and_stream_agree(server):
     client, loaded, _, _ = server
-    want = _greedy_text(loaded, "Hello", 12)
+    want = greedy_text(loaded, "Hello", 12)
     r = client.completions.create(model=loaded.name, prompt="Hello", max_tokens=12, temperature=0)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
@@ -84,7 +56,7 @@ def test_chat_and_stop(server):
     msgs = [{"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model=loaded.name, messages=msgs, max_tokens=10, temperature=0,
                                        logprobs=False, user="u1", presence_penalty=0)  # neutral values accepted
-    want = _greedy_text(loaded, "user: Hi\nassistant:", 10)
+    want = greedy_text(loaded, "user: Hi\nassistant:", 10)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=loaded.name, messages=msgs, max_tokens=10, temperature=0, stream=True))

@@ -2,7 +2,6 @@
 fails alone (issue 31 items 8 and 13), n > 1, seeds, usage in streams. The official `openai` client on
 127.0.0.1 against one server (one thread)."""
 
-import socket
 import threading
 import time
 
@@ -13,22 +12,14 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from zerospeed.inference import init_inference  # noqa: E402
 from zerospeed.inference.model_dir import load_model_dir, save_gpt_dir  # noqa: E402
 from zerospeed.inference.server import ServeOptions, create_app  # noqa: E402
 from zerospeed.inference.serving import ServingEngine  # noqa: E402
 from zerospeed.launcher.serve import engine_config  # noqa: E402
-from zerospeed.models.gpt import GPT, GPTConfig  # noqa: E402
+from zerospeed.inference import init_inference  # noqa: E402
+from tests.unit.serve_fixtures import free_port, greedy_text, running, tiny_gpt  # noqa: E402
 
 KEY = "sk-test-123"
-
-
-def _model():
-    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32), seed=5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)
-    return model
 
 
 def _engine(loaded, blocks=64):
@@ -38,36 +29,13 @@ def _engine(loaded, blocks=64):
     return ServingEngine(loaded.model, cfg, decode=loaded.tokenizer.decode)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    loaded = load_model_dir(save_gpt_dir(_model(), tmp_path_factory.mktemp("m") / "tiny"))
+    loaded = load_model_dir(save_gpt_dir(tiny_gpt(), tmp_path_factory.mktemp("m") / "tiny"))
     engine = _engine(loaded)
-    port = _port()
     app = create_app(loaded, engine, ServeOptions(served_model_names=("tiny", "tiny-alias"), api_key=KEY))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=30)
-    yield client, loaded, engine, base
-    srv.should_exit = True
-    thread.join(timeout=30)
-
-
-def _greedy(loaded, prompt, n):
-    eng = init_inference(loaded.model, dtype="fp32")
-    ids = torch.tensor([list(prompt.encode())])
-    return loaded.tokenizer.decode(eng.generate(ids, max_new_tokens=n)[0, ids.shape[1]:].tolist())
+    with running(app) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=30), loaded, engine, base
 
 
 def test_api_key_and_served_names(served):
@@ -83,7 +51,7 @@ def test_api_key_and_served_names(served):
     assert httpx.get(f"{base}/metrics").status_code == 200
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
     r = client.completions.create(model="tiny-alias", prompt="Hi", max_tokens=4, temperature=0)
-    assert r.model == "tiny-alias" and r.choices[0].text == _greedy(loaded, "Hi", 4)
+    assert r.model == "tiny-alias" and r.choices[0].text == greedy_text(loaded, "Hi", 4)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=loaded.name + "x", prompt="Hi", max_tokens=2)
 
@@ -95,7 +63,7 @@ def test_wedging_requests_fail_alone(served):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny", prompt="ab", max_tokens=3, temperature=1.0, seed=seed)
         assert info.value.body["param"] == "seed", info.value.body
-    want = _greedy(loaded, "ab", 6)
+    want = greedy_text(loaded, "ab", 6)
     r = client.completions.create(model="tiny", prompt="ab", max_tokens=6, temperature=1e-45)
     assert r.choices[0].text == want
     r = client.completions.create(model="tiny", prompt="ab", max_tokens=6, temperature=0)
@@ -145,7 +113,7 @@ def test_n_seed_and_stream_usage(served):
 
 def test_stop_token_ids_and_ignore_eos(served):
     client, loaded, _, _ = served
-    want = _greedy(loaded, "Hi", 8)
+    want = greedy_text(loaded, "Hi", 8)
     ids = init_inference(loaded.model, dtype="fp32").generate(torch.tensor([[72, 105]]), max_new_tokens=8)[0, 2:]
     stop_id = int(ids[3])
     r = client.completions.create(model="tiny", prompt="Hi", max_tokens=8, temperature=0,
@@ -161,7 +129,7 @@ def test_engine_error_fails_only_that_request(tmp_path, monkeypatch):
     import zerospeed.inference.serving as serving
     from zerospeed.inference.sampling import SamplingParams
 
-    loaded = load_model_dir(save_gpt_dir(_model(), tmp_path / "tiny"))
+    loaded = load_model_dir(save_gpt_dir(tiny_gpt(), tmp_path / "tiny"))
     engine = _engine(loaded)
 
     def boom(logits, params, gen):
@@ -184,7 +152,7 @@ def test_dead_engine_loop_reports_and_stops(tmp_path):
 
     from zerospeed.launcher.serve import serve_app
 
-    loaded = load_model_dir(save_gpt_dir(_model(), tmp_path / "tiny"))
+    loaded = load_model_dir(save_gpt_dir(tiny_gpt(), tmp_path / "tiny"))
     engine = _engine(loaded)
 
     def broken_step():
@@ -204,7 +172,7 @@ def test_dead_engine_loop_reports_and_stops(tmp_path):
         body = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True}).text
         events = [e for e in body.split("\n\n") if e]
         assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "scheduler bug" in events[-2], events
-    port, result = _port(), {}
+    port, result = free_port(), {}
     thread = threading.Thread(target=lambda: result.setdefault(
         "rc", serve_app(lambda opts: create_app(loaded, engine, opts), "127.0.0.1", port, ServeOptions())))
     thread.start()
@@ -230,7 +198,7 @@ def test_vllm_command_line(tmp_path, monkeypatch, capsys):
     import zerospeed.launcher.serve as serve_cmd
     from zerospeed.launcher.cli import main
 
-    d = save_gpt_dir(_model(), tmp_path / "tiny")
+    d = save_gpt_dir(tiny_gpt(), tmp_path / "tiny")
     assert main(["serve", str(d), "--served-model-nam", "x"]) == 2
     assert "Did you mean '--served-model-name'?" in capsys.readouterr().err
     assert main(["serve", str(d), "--kv-cache-memory", "lots"]) == 2
