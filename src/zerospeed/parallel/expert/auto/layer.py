@@ -28,6 +28,7 @@ from ..dispatch import all_to_all
 from ..experts import mark_expert_params
 from ..groups import ExpertGroups, create_expert_groups, group_name
 from .detect import MoEBlockSpec
+from .folding import TensorFold
 from .grouped import expert_mlp
 
 
@@ -48,6 +49,7 @@ class AutoEPExperts(nn.Module):
     """Grouped expert weights of one MoE block; the interface ``MoETraining`` reads (like ``MoE``'s)."""
 
     enable_expert_tensor_parallelism = False
+    autoep = True
     expert_tp = None
 
     def __init__(self, experts: nn.Module, spec: MoEBlockSpec, ep_size: int, use_grouped_mm: bool = True) -> None:
@@ -65,6 +67,7 @@ class AutoEPExperts(nn.Module):
         mark_expert_params(self, self.expert_group_name)
         self.expert_groups: ExpertGroups | None = None
         self.ep_group: Any = None
+        self.fold: TensorFold | None = None
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [getattr(self, n) for n in self.weight_names]
@@ -98,22 +101,35 @@ class AutoEPExperts(nn.Module):
         w1, w2, w3 = self._weights()
         return expert_mlp(x, counts, w1, w2, w3, self.act_fn, self.use_grouped_mm)
 
+    def fold_tensor_parallel(self, fold: TensorFold | None) -> None:
+        """Parallel folding (``folding.py``): the tensor group's ranks each compute a share of the routes."""
+        self.fold = fold
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         s, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        rows = hidden_states.index_select(0, token)                                   # [S k, H], by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.num_local_experts == self.num_experts:  # every expert here: no exchange
-            out = self._local(rows, counts.tolist())
-        elif self.expert_groups is None:
-            raise RuntimeError("AutoEP experts spread over expert-parallel ranks have no expert-parallel group: "
-                               "pass the model to zerospeed.initialize()")
-        else:
-            out = self._exchange(rows, counts)
+        if self.fold is None:
+            rows = hidden_states.index_select(0, token)                               # [S k, H], by expert
+            out = self._compute(rows, torch.bincount(flat, minlength=self.num_experts))
+        else:  # this tensor rank's share of the routes, then every share's outputs
+            experts = flat.index_select(0, order)
+            shares = self.fold.shares(experts)
+            mine = shares[self.fold.rank]
+            rows = self.fold.copy_in(hidden_states).index_select(0, token.index_select(0, mine))
+            counts = torch.bincount(experts.index_select(0, mine), minlength=self.num_experts)
+            out = self.fold.gather_out(self._compute(rows, counts), shares)
         weighted = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
         return hidden_states.new_zeros(hidden_states.shape).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+    def _compute(self, rows: Tensor, counts: Tensor) -> Tensor:
+        if self.num_local_experts == self.num_experts:  # every expert here: no exchange
+            return self._local(rows, counts.tolist())
+        if self.expert_groups is None:
+            raise RuntimeError("AutoEP experts spread over expert-parallel ranks have no expert-parallel group: "
+                               "pass the model to zerospeed.initialize()")
+        return self._exchange(rows, counts)
 
     def _exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Rows sorted by global expert -> their expert outputs, computed on the ranks that hold the experts."""
