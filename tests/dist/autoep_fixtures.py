@@ -41,10 +41,16 @@ def loss_of(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.
 
 
 def reference(family: str, steps: int, world: int, mb: int, lr: float, adam: bool = False,
-              clip: float = 0.0) -> tuple[list, nn.Module]:
+              clip: float = 0.0, routing: dict[str, Any] | None = None) -> tuple[list, nn.Module]:
     """One process: each rank's micro-batch on its own (the aux loss is per rank, as there), losses averaged;
-    ``clip`` > 0: the gradient's global norm clipped to it."""
+    ``clip`` > 0: the gradient's global norm clipped to it; ``routing``: AutoEP routing keys (applied at ep 1,
+    where tests/unit/test_autoep.py checks them against HF and DeepSpeed's formulas)."""
     model = tiny_moe(family)
+    if routing:
+        from zerospeed.config.expert_parallel import ExpertParallelConfig
+        from zerospeed.parallel.expert.auto import autoep_model
+
+        autoep_model(ExpertParallelConfig(enabled=True, **routing), model)
     opt = torch.optim.Adam(model.parameters(), lr=lr) if adam else torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):

@@ -95,8 +95,6 @@ ACCEPTED_HINTS: dict[str, str] = {
     "expert_parallel.num_experts_attr": (
         "AutoEP reads the expert count from the experts' stacked weights ([E, ...]), which is what "
         "model.config's attribute states; the model is the same either way"),
-    "expert_parallel.top_k_attr": (
-        "AutoEP keeps the HF router, which applies the model's own top-k; the routing is the same either way"),
     "expert_parallel.has_shared_experts": (
         "AutoEP keeps the HF MoE block's own forward, which runs its shared experts (dense parameters, "
         "trained data-parallel); the computation is the same either way"),

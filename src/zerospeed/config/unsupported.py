@@ -36,17 +36,26 @@ for _k in DEEPCOMPILE_KEYS:
     NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
                                          "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
 
-# AutoEP keeps the HF model's own router (parallel/expert/auto/): its routing keys only at their defaults.
+# AutoEP keeps the HF model's own router (parallel/expert/auto/): route_norm, route_scale, routed_scaling_factor,
+# top_k and score_apply are applied to its output (auto/routing.py); these need a router of another kind, or are
+# refused by DeepSpeed too, and are accepted at their defaults only.
 AUTOEP_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
-    "route_norm": (None,), "route_scale": (None, 1.0), "score_apply": (None, "auto"),
-    "combine_impl": (None, "auto"), "num_expert_groups": (None,), "num_limited_groups": (None,),
-    "score_func": (None, "auto"), "top_k": (None, "auto"), "routed_scaling_factor": (None, "auto"),
-    "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1), "validate_folding_routing": (None, False),
+    "combine_impl": (None, "auto", "weighted_sum"), "num_expert_groups": (None,), "num_limited_groups": (None,),
+    "score_func": (None, "auto"), "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1),
+}
+_AUTOEP_REASONS = {
+    "combine_impl": "combine_impl 'legacy_bmm' (DeepSpeed's debug reduction order; zerospeed's is 'weighted_sum')",
+    "num_expert_groups": "group-limited routing (num_expert_groups): AutoEP keeps the HF router, which has no "
+                         "group limit",
+    "num_limited_groups": "group-limited routing (num_limited_groups): AutoEP keeps the HF router, which has no "
+                          "group limit",
+    "score_func": "a score function other than the HF router's own (score_func): AutoEP keeps the HF router",
+    "load_balance_coeff": "AutoEP's auxiliary-loss-free load balancing (load_balance_coeff; DeepSpeed refuses it too)",
+    "expert_tensor_parallel_size": "AutoEP expert tensor parallelism (expert_tensor_parallel_size > 1; DeepSpeed "
+                                   "refuses it too)",
 }
 for _k in AUTOEP_ROUTING_KEYS:
-    NOT_SUPPORTED_YET[f"expert_parallel.{_k}"] = (f"AutoEP routing other than the model's own ({_k})"
-                                                  if _k != "expert_tensor_parallel_size" else
-                                                  "AutoEP expert tensor parallelism")
+    NOT_SUPPORTED_YET[f"expert_parallel.{_k}"] = _AUTOEP_REASONS[_k]
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {

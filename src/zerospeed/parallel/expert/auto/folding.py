@@ -84,6 +84,21 @@ class TensorFold:
     def __init__(self, group: Any, size: int, rank: int) -> None:
         self.group, self.size, self.rank = group, size, rank
 
+    def check_same_routes(self, top_k_index: Tensor, layer: str) -> None:
+        """``validate_folding_routing``: every tensor rank must have routed the same tokens to the same experts
+        (a digest compared over the group; every rank raises together, so none waits)."""
+        idx = top_k_index.reshape(-1).to(torch.int64)
+        weights = torch.arange(1, idx.numel() + 1, dtype=torch.int64, device=idx.device)
+        mine = torch.stack([torch.tensor(idx.numel(), device=idx.device), (idx * weights).sum() % 2147483647])
+        mine = mine.to(comm.device_for_backend(self.group))
+        every = torch.empty(self.size * 2, dtype=torch.int64, device=mine.device)
+        comm.all_gather(every, mine, group=self.group)
+        digests = every.view(self.size, 2).tolist()
+        if any(d != digests[0] for d in digests):
+            raise RuntimeError(f"AutoEP folding ({layer}): the tensor-parallel ranks routed differently (route "
+                               f"digests {digests}, by tensor rank); they must see the same tokens (one data-parallel "
+                               "replica per tensor group) and the same router weights")
+
     def shares(self, sorted_experts: Tensor) -> list[Tensor]:
         return [share_of_routes(sorted_experts, self.size, r) for r in range(self.size)]
 

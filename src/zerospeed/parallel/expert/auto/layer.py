@@ -30,6 +30,7 @@ from ..groups import ExpertGroups, create_expert_groups, group_name
 from .detect import MoEBlockSpec
 from .folding import TensorFold
 from .grouped import expert_mlp
+from .routing import RouteAdjust
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ class AutoEPExperts(nn.Module):
     autoep = True
     expert_tp = None
 
-    def __init__(self, experts: nn.Module, spec: MoEBlockSpec, ep_size: int, use_grouped_mm: bool = True) -> None:
+    def __init__(self, experts: nn.Module, spec: MoEBlockSpec, ep_size: int, use_grouped_mm: bool = True,
+                 routing: RouteAdjust | None = None, validate_fold: bool = False) -> None:
         super().__init__()
+        self.routing = routing or RouteAdjust()
+        self.validate_fold = validate_fold  # validate_folding_routing: compare the tensor ranks' routes
         self.spec = spec
         self.ep_size = ep_size
         self.num_experts = spec.num_experts
@@ -110,18 +114,27 @@ class AutoEPExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
+        weights = self.routing.weights(top_k_weights).reshape(-1).index_select(0, order)      # by expert
         if self.fold is None:
             rows = hidden_states.index_select(0, token)                               # [S k, H], by expert
-            out = self._compute(rows, torch.bincount(flat, minlength=self.num_experts))
+            out = self._compute(self._pre(rows, weights), torch.bincount(flat, minlength=self.num_experts))
         else:  # this tensor rank's share of the routes, then every share's outputs
+            if self.validate_fold:
+                self.fold.check_same_routes(top_k_index, self.spec.name)
             experts = flat.index_select(0, order)
             shares = self.fold.shares(experts)
             mine = shares[self.fold.rank]
             rows = self.fold.copy_in(hidden_states).index_select(0, token.index_select(0, mine))
+            if self.routing.pre:
+                rows = self._pre(rows, self.fold.copy_in(weights).index_select(0, mine))
             counts = torch.bincount(experts.index_select(0, mine), minlength=self.num_experts)
             out = self.fold.gather_out(self._compute(rows, counts), shares)
-        weighted = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
+        weighted = out if self.routing.pre else out * weights.unsqueeze(-1).to(out.dtype)
         return hidden_states.new_zeros(hidden_states.shape).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+    def _pre(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """``score_apply: "pre"``: each routed token times its weight before the experts (DeepSpeed's formula)."""
+        return (rows.float() * weights.unsqueeze(-1)).to(rows.dtype) if self.routing.pre else rows
 
     def _compute(self, rows: Tensor, counts: Tensor) -> Tensor:
         if self.num_local_experts == self.num_experts:  # every expert here: no exchange
