@@ -103,9 +103,9 @@ ACCEPTED_HINTS: dict[str, str] = {
     "expert_parallel.shared_experts_gate_pattern": ("as expert_parallel.has_shared_experts: the HF block applies "
                                                     "its shared-expert gate itself"),
     "hybrid_engine.tp_gather_partition_size": (
-        "DeepSpeed reads it only for tensor-parallel generation (inference_tp_size > 1, not supported yet here): "
-        "how many layers to gather at a time before re-sharding them over the inference group; generation is "
-        "the same either way"),
+        "DeepSpeed reads it only for tensor-parallel generation (inference_tp_size > 1): how many layers to gather "
+        "at a time before re-sharding them over the inference group; zerospeed gathers the weights once per phase "
+        "to build the split copy (runtime/hybrid_tp.py); generation is the same either way"),
 }
 
 _log = logging.getLogger("zerospeed.config")
