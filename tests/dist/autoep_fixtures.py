@@ -40,6 +40,21 @@ def loss_of(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.
     return model(input_ids=ids, labels=labels).loss
 
 
+def train_steps(engine: Any, steps: int, replica: int, mb: int, load: str = "") -> list[float]:
+    """Resume from ``load`` (if given), then ``steps`` engine steps on ``replica``'s batches; the losses."""
+    first = 0
+    if load:
+        engine.load_checkpoint(load)
+        first = engine.global_steps
+    losses = []
+    for step in range(first, first + steps):
+        loss = loss_of(engine, *batch(step, replica, mb))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
 def reference(family: str, steps: int, world: int, mb: int, lr: float, adam: bool = False,
               clip: float = 0.0, routing: dict[str, Any] | None = None) -> tuple[list, nn.Module]:
     """One process: each rank's micro-batch on its own (the aux loss is per rank, as there), losses averaged;

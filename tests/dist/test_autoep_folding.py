@@ -13,7 +13,7 @@ from zerospeed import comm
 from zerospeed.parallel.tensor.export import full_state_dict
 from zerospeed.testing import run_distributed
 
-from .autoep_fixtures import batch, check_state, engine_config, loss_of, reference, tiny_moe
+from .autoep_fixtures import batch, check_state, engine_config, loss_of, reference, tiny_moe, train_steps
 
 STEPS, MB, LR, TP = 3, 2, 0.2, 2
 
@@ -32,16 +32,7 @@ def _train(stage: int, clip: float, routing: dict, tp: int = TP, ep: int = 2, ad
     experts = model.model.layers[0].mlp.experts
     assert (experts.fold is not None) == (tp > 1) and experts.gate_up_proj.shape[0] == 4 // ep
     assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == 16 // tp  # attention is split too
-    first = 0
-    if load:
-        engine.load_checkpoint(load)
-        first = engine.global_steps
-    losses = []
-    for step in range(first, first + steps):
-        loss = loss_of(engine, *batch(step, replica, MB))  # the tensor peers read the same batch
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = train_steps(engine, steps, replica, MB, load)  # the tensor peers read the same batch
     if save:
         engine.save_checkpoint(save, tag="t")
     return losses, full_state_dict(model), experts.global_expert_ids()[0], replica

@@ -10,7 +10,7 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.testing import run_distributed
 
-from .test_hybrid_engine import _config, _gpt2, _ids, _train_step
+from .test_hybrid_engine import _config, _gpt2, _ids, _oracle, _train_step
 
 
 def _tp_rollouts(stage: int) -> tuple:
@@ -19,10 +19,7 @@ def _tp_rollouts(stage: int) -> tuple:
     actor = zerospeed.initialize(model=_gpt2(), config=cfg)[0]
     plain = zerospeed.initialize(model=_gpt2(), config=_config(stage, hybrid=False))[0]
     losses = [_train_step(e, 0) for e in (actor, plain)]
-    oracle = _gpt2().eval()
-    with zerospeed.zero.GatheredParameters(list(actor.module.parameters())), torch.no_grad():
-        for mine, theirs in zip(oracle.parameters(), actor.module.parameters()):
-            mine.copy_(theirs)
+    oracle = _oracle(actor)
     actor.eval()
     equal = []
     for call in range(2):

@@ -5,15 +5,11 @@ in-process ServingEngine takes the same call."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import pytest
 import torch
 
 httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 import zerospeed  # noqa: E402
 from zerospeed.inference import init_inference  # noqa: E402
@@ -24,6 +20,8 @@ from zerospeed.launcher.serve import engine_config  # noqa: E402
 from zerospeed.models.gpt import GPT, GPTConfig  # noqa: E402
 from zerospeed.runtime.weight_sync import push_weights  # noqa: E402
 from zerospeed.testing import run_distributed  # noqa: E402
+
+from ..unit.serve_thread import serving  # noqa: E402
 
 CFG = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
 
@@ -71,20 +69,9 @@ def _train_and_push(url: str, path: str) -> dict:
 def served(tmp_path):
     loaded = load_model_dir(save_gpt_dir(_gpt(4), tmp_path / "served"))
     engine = _engine(loaded)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(loaded, engine, ServeOptions(served_model_names=["m"], allow_weight_updates=True))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield port, engine, loaded
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as port:
+        yield port, engine, loaded
 
 
 def test_push_weights_changes_the_served_greedy_output(served, tmp_path) -> None:

@@ -25,12 +25,7 @@ def test_ep1_keeps_the_hf_loss_and_gradients(family: str) -> None:
     assert isinstance(auto.model.layers[1].mlp.experts, AutoEPExperts)
     names = [n for n, _ in plain.named_parameters()]
     assert [n for n, _ in auto.named_parameters()] == names  # HF's names: checkpoints stay HF-shaped
-    a, b = loss_of(plain, *batch(0, 0, 2)), loss_of(auto, *batch(0, 0, 2))
-    a.backward()
-    b.backward()
-    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
-    for (n, p), (_, q) in zip(plain.named_parameters(), auto.named_parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    _same_loss_and_grads(plain, auto)
 
 
 class _Experts(nn.Module):

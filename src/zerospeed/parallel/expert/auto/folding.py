@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .... import comm
+from ...tensor.mappings import copy_to_tensor_model_parallel_region
 
 
 def share_of_routes(sorted_experts: Tensor, tp_size: int, tp_rank: int) -> Tensor:
@@ -40,21 +41,6 @@ def share_of_routes(sorted_experts: Tensor, tp_size: int, tp_rank: int) -> Tenso
     new[1:] = sorted_experts[1:] != sorted_experts[:-1]
     start = torch.cummax(torch.where(new, pos, torch.zeros_like(pos)), dim=0).values
     return torch.nonzero((pos - start) % tp_size == tp_rank).flatten()
-
-
-class _CopyToTensorGroup(torch.autograd.Function):
-    """Identity forward; the gradient summed over the tensor group (each rank used a share of the rows)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _GatherShares(torch.autograd.Function):
@@ -103,7 +89,7 @@ class TensorFold:
         return [share_of_routes(sorted_experts, self.size, r) for r in range(self.size)]
 
     def copy_in(self, hidden: Tensor) -> Tensor:
-        return _CopyToTensorGroup.apply(hidden, self.group)
+        return copy_to_tensor_model_parallel_region(hidden, self.group)
 
     def gather_out(self, mine: Tensor, shares: list[Tensor]) -> Tensor:
         return _GatherShares.apply(mine, self.group, shares, self.rank)
