@@ -1,8 +1,9 @@
-"""AutoEP + AutoTP ("parallel folding") on a tiny HF Mixtral: tensor-parallel pairs of ranks serve tp 2 for the
-attention and ep 2 for the experts. World 2 (one data replica, ZeRO 0; ZeRO-1 with score_apply "pre" and route_scale) and world 4 (two
-replicas, ZeRO-2, clipping):
-three SGD steps equal one process within rtol 1e-5 (fp32), load-balancing loss included: losses, every gathered
-weight (tensor-split attention, router, norms) and each rank's experts."""
+"""AutoEP + AutoTP ("parallel folding"): tensor-parallel pairs of ranks serve tp 2 for the attention and ep 2 for
+the experts. World 2 (one data replica): tiny Qwen2-MoE at ZeRO 0 (its shared expert split by AutoTP), tiny Mixtral
+at ZeRO-1 with score_apply "pre", route_scale and the route check; world 4 (two replicas): Mixtral at ZeRO-2 with
+clipping. Three SGD steps equal one process within rtol 1e-5 (fp32), load-balancing loss included: losses, every
+gathered weight (tensor-split attention, router, norms) and each rank's experts. Also: a folded Adam checkpoint
+resumes in one plain process, and tensor ranks that route differently are named."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ STEPS, MB, LR, TP = 3, 2, 0.2, 2
 
 
 def _train(stage: int, clip: float, routing: dict, tp: int = TP, ep: int = 2, adam: bool = False,
-           steps: int = STEPS, save: str = "", load: str = "") -> tuple:
+           steps: int = STEPS, save: str = "", load: str = "", family: str = "mixtral") -> tuple:
     replicas, replica = comm.get_world_size() // tp, comm.get_rank() // tp  # tensor peers are adjacent ranks
-    model = tiny_moe("mixtral")
+    model = tiny_moe(family)
     cfg = engine_config(stage, ep, MB, replicas, 0.01 if adam else LR, adam)
     cfg["gradient_clipping"] = clip
     cfg["expert_parallel"].update(routing)
@@ -38,12 +39,12 @@ def _train(stage: int, clip: float, routing: dict, tp: int = TP, ep: int = 2, ad
     return losses, full_state_dict(model), experts.global_expert_ids()[0], replica
 
 
-@pytest.mark.parametrize("world,stage,clip,routing", [(2, 0, 0.0, {}), (4, 2, 0.5, {}),
-                                                      (2, 1, 0.0, {"score_apply": "pre", "route_scale": 1.5,
-                                                                   "validate_folding_routing": True})])
-def test_folding_tp2_ep2_matches_one_process(world: int, stage: int, clip: float, routing: dict) -> None:
-    results = run_distributed(_train, world, stage, clip, routing, timeout=240)
-    ref_losses, ref = reference("mixtral", STEPS, world // TP, MB, LR, clip=clip, routing=routing)
+@pytest.mark.parametrize("family,world,stage,clip,routing", [
+    ("qwen2_moe", 2, 0, 0.0, {}), ("mixtral", 4, 2, 0.5, {}),
+    ("mixtral", 2, 1, 0.0, {"score_apply": "pre", "route_scale": 1.5, "validate_folding_routing": True})])
+def test_folding_tp2_ep2_matches_one_process(family: str, world: int, stage: int, clip: float, routing: dict) -> None:
+    results = run_distributed(_train, world, stage, clip, routing, family=family, timeout=240)
+    ref_losses, ref = reference(family, STEPS, world // TP, MB, LR, clip=clip, routing=routing)
     for losses, state, first, replica in results:
         assert losses == pytest.approx([r[replica] for r in ref_losses], rel=1e-5)
         check_state(state, ref, first, atol=2e-6)  # world 4: tensor and data all-reduces reorder the sums
