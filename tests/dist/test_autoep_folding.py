@@ -36,6 +36,7 @@ def _train(stage: int, clip: float, routing: dict, tp: int = TP, ep: int = 2, ad
     losses = train_steps(engine, steps, replica, MB, load)  # the tensor peers read the same batch
     if save:
         engine.save_checkpoint(save, tag="t")
+        engine.save_16bit_model(save, "model.safetensors")
     return losses, full_state_dict(model), experts.global_expert_ids()[0], replica
 
 
@@ -52,8 +53,15 @@ def test_folding_tp2_ep2_matches_one_process(family: str, world: int, stage: int
 
 def test_folded_checkpoint_loads_in_one_process_with_adam_state(tmp_path) -> None:
     """Saved folded (tp 2, ep 2, ZeRO-1) after 2 Adam steps, loaded by one plain process (no tp, ep 1): steps 3-4
-    equal the uninterrupted run (split attention reassembled; each rank wrote its own experts and their moments)."""
+    equal the uninterrupted run (split attention reassembled; each rank wrote its own experts and their moments);
+    save_16bit_model writes the whole HF model (one file, by rank 0)."""
     run_distributed(_train, 2, 1, 0.0, {}, TP, 2, True, 2, str(tmp_path), timeout=180)
+    from safetensors.torch import load_file
+
+    whole = load_file(str(tmp_path / "model.safetensors"))  # save_16bit_model: attention joined, every expert
+    _, after_two = reference("mixtral", 2, 1, MB, 0.01, adam=True)
+    assert set(whole) == {n for n, _ in after_two.named_parameters()}
+    check_state(whole, after_two, 0, atol=2e-6)
     (losses, *_), = run_distributed(_train, 1, 1, 0.0, {}, 1, 1, True, 2, "", str(tmp_path), timeout=180)
     ref_losses, _ = reference("mixtral", 4, 1, MB, 0.01, adam=True)
     assert losses == pytest.approx([r[0] for r in ref_losses[2:]], rel=1e-5)
