@@ -40,15 +40,40 @@ def loss_of(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.
     return model(input_ids=ids, labels=labels).loss
 
 
-def reference(family: str, steps: int, world: int, mb: int, lr: float, adam: bool = False) -> tuple[list, nn.Module]:
-    """One process: each rank's micro-batch on its own (the aux loss is per rank, as there), losses averaged."""
+def train_steps(engine: Any, steps: int, replica: int, mb: int, load: str = "") -> list[float]:
+    """Resume from ``load`` (if given), then ``steps`` engine steps on ``replica``'s batches; the losses."""
+    first = 0
+    if load:
+        engine.load_checkpoint(load)
+        first = engine.global_steps
+    losses = []
+    for step in range(first, first + steps):
+        loss = loss_of(engine, *batch(step, replica, mb))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def reference(family: str, steps: int, world: int, mb: int, lr: float, adam: bool = False,
+              clip: float = 0.0, routing: dict[str, Any] | None = None) -> tuple[list, nn.Module]:
+    """One process: each rank's micro-batch on its own (the aux loss is per rank, as there), losses averaged;
+    ``clip`` > 0: the gradient's global norm clipped to it; ``routing``: AutoEP routing keys (applied at ep 1,
+    where tests/unit/test_autoep.py checks them against HF and DeepSpeed's formulas)."""
     model = tiny_moe(family)
+    if routing:
+        from zerospeed.config.expert_parallel import ExpertParallelConfig
+        from zerospeed.parallel.expert.auto import autoep_model
+
+        autoep_model(ExpertParallelConfig(enabled=True, **routing), model)
     opt = torch.optim.Adam(model.parameters(), lr=lr) if adam else torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         opt.zero_grad()
         per_rank = [loss_of(model, *batch(step, r, mb)) for r in range(world)]
         (sum(per_rank) / world).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append([float(x.detach()) for x in per_rank])
     return losses, model
@@ -68,10 +93,11 @@ def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def check_state(state: dict[str, torch.Tensor], ref: nn.Module, first_expert: int, rtol: float = 1e-5) -> None:
+def check_state(state: dict[str, torch.Tensor], ref: nn.Module, first_expert: int, rtol: float = 1e-5,
+                atol: float = 1e-6) -> None:
     for name, p in ref.named_parameters():
         want = p.detach()
         got = state[name]
         if got.shape != want.shape:  # this rank's experts only
             want = want[first_expert:first_expert + got.shape[0]]
-        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")

@@ -11,7 +11,7 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.testing import run_distributed
 
-from .autoep_fixtures import batch, check_state, engine_config, local_state, loss_of, reference, tiny_moe
+from .autoep_fixtures import check_state, engine_config, local_state, reference, tiny_moe, train_steps
 
 STEPS, MB, LR = 3, 2, 0.2
 
@@ -25,16 +25,7 @@ def _train(family: str, ep: int, stage: int, steps: int = STEPS, adam: bool = Fa
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     experts = model.model.layers[0].mlp.experts
     assert type(experts).__name__ == "AutoEPExperts" and experts.gate_up_proj.shape[0] == 4 // ep
-    first = 0
-    if load:
-        engine.load_checkpoint(load)
-        first = engine.global_steps
-    losses = []
-    for step in range(first, first + steps):
-        loss = loss_of(engine, *batch(step, rank, MB))
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = train_steps(engine, steps, rank, MB, load)
     if save:
         engine.save_checkpoint(save, tag="t")
         engine.save_16bit_model(save, "model.safetensors")

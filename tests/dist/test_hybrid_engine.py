@@ -47,16 +47,22 @@ def _gathers(engine) -> int:
     return sum(s.count for op, s in engine.comms.snapshot().items() if "gather" in op)
 
 
+def _oracle(engine) -> GPT2LMHeadModel:
+    """HF's model on the engine's gathered weights (eval mode)."""
+    oracle = _gpt2().eval()
+    with zerospeed.zero.GatheredParameters(list(engine.module.parameters())), torch.no_grad():
+        for mine, theirs in zip(oracle.parameters(), engine.module.parameters()):
+            mine.copy_(theirs)
+    return oracle
+
+
 def _rollouts(stage: int) -> tuple:
     """One step, a rollout phase of two generate() calls, one more step; at stage 3 also the same engine without
     rollouts beside it (training after a rollout must equal training without)."""
     with_roll, _, _, _ = zerospeed.initialize(model=_gpt2(), config=_config(stage))
     plain = zerospeed.initialize(model=_gpt2(), config=_config(stage, hybrid=False))[0] if stage == 3 else None
     losses = [_train_step(e, 0) for e in (with_roll, plain) if e is not None]
-    oracle = _gpt2().eval()  # HF's model on the gathered weights
-    with zerospeed.zero.GatheredParameters(list(with_roll.module.parameters())), torch.no_grad():
-        for mine, theirs in zip(oracle.parameters(), with_roll.module.parameters()):
-            mine.copy_(theirs)
+    oracle = _oracle(with_roll)
     with_roll.eval()
     gathers = []
     for call in range(2):

@@ -25,12 +25,7 @@ def test_ep1_keeps_the_hf_loss_and_gradients(family: str) -> None:
     assert isinstance(auto.model.layers[1].mlp.experts, AutoEPExperts)
     names = [n for n, _ in plain.named_parameters()]
     assert [n for n, _ in auto.named_parameters()] == names  # HF's names: checkpoints stay HF-shaped
-    a, b = loss_of(plain, *batch(0, 0, 2)), loss_of(auto, *batch(0, 0, 2))
-    a.backward()
-    b.backward()
-    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
-    for (n, p), (_, q) in zip(plain.named_parameters(), auto.named_parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    _same_loss_and_grads(plain, auto)
 
 
 class _Experts(nn.Module):
@@ -85,3 +80,64 @@ def test_config_keys() -> None:
         load_config({"train_batch_size": 1, "expert_parallel": {"preset_model": "llama"}})
     with pytest.raises(NotSupportedYetError, match="score_func"):  # AutoEP keeps the HF router's own routing
         load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "score_func": "sigmoid"}})
+
+
+def _hf_and_auto(family: str, **section) -> tuple[nn.Module, nn.Module]:
+    plain, auto = tiny_moe(family), tiny_moe(family)
+    autoep_model(ExpertParallelConfig(enabled=True, **section), auto)
+    return plain, auto
+
+
+def _same_loss_and_grads(a: nn.Module, b: nn.Module) -> None:
+    la, lb = loss_of(a, *batch(0, 0, 2)), loss_of(b, *batch(0, 0, 2))
+    la.backward()
+    lb.backward()
+    torch.testing.assert_close(lb, la, rtol=1e-6, atol=0)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_top_k_and_route_norm_equal_the_hf_model_built_with_them() -> None:
+    """top_k: HF's Mixtral with num_experts_per_tok=1 (its aux loss included); route_norm: Qwen2-MoE's norm_topk_prob."""
+    from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM
+
+    plain, auto = _hf_and_auto("mixtral", top_k=1)
+    assert auto.model.layers[0].mlp.gate.top_k == 1 and auto.num_experts_per_tok == 1
+    cfg = plain.config
+    cfg.num_experts_per_tok = 1
+    one = MixtralForCausalLM(cfg).float()
+    one.load_state_dict(plain.state_dict())
+    _same_loss_and_grads(one, auto)
+    plain, auto = _hf_and_auto("qwen2_moe", route_norm=True)
+    cfg = plain.config
+    cfg.norm_topk_prob = True
+    normed = Qwen2MoeForCausalLM(cfg).float()
+    normed.load_state_dict(plain.state_dict())
+    _same_loss_and_grads(normed, auto)
+
+
+def test_route_scale_and_score_apply_follow_deepspeeds_formulas() -> None:
+    plain, auto = _hf_and_auto("mixtral", route_scale=2.0, routed_scaling_factor=3.0)  # the latter wins
+    hf, ours = plain.model.layers[0].mlp.experts, auto.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(10, 16, generator=g), torch.rand(10, 2, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    torch.testing.assert_close(ours(h, idx, w), hf(h, idx, 3.0 * w), rtol=1e-6, atol=1e-7)   # top_scores * scale
+    plain, auto = _hf_and_auto("mixtral", score_apply="pre")
+    hf, ours = plain.model.layers[0].mlp.experts, auto.model.layers[0].mlp.experts
+    want = sum(hf(h * w[:, j:j + 1], idx[:, j:j + 1], torch.ones(10, 1)) for j in range(2))  # experts(w x), summed
+    torch.testing.assert_close(ours(h, idx, w), want, rtol=1e-5, atol=1e-6)
+
+
+def test_routing_keys_the_model_cannot_honour_are_refused() -> None:
+    with pytest.raises(NotSupportedYetError, match="normalises its top-k weights"):
+        _hf_and_auto("mixtral", route_norm=False)
+    _hf_and_auto("qwen2_moe", route_norm=False)  # its router does not normalise (norm_topk_prob false): honoured
+    with pytest.raises(ConfigError, match="between 1 and the 4 experts"):
+        _hf_and_auto("mixtral", top_k=5)
+    with pytest.raises(ConfigError, match="top_k must be >= 1"):
+        load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "top_k": 0}})
+    for key, value in (("num_expert_groups", 2), ("combine_impl", "legacy_bmm"), ("load_balance_coeff", 0.001)):
+        with pytest.raises(NotSupportedYetError, match=key):
+            load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, key: value}})
+    load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "combine_impl": "weighted_sum"}})

@@ -111,7 +111,7 @@ def test_deepspeed_keys_we_lack_say_not_supported_yet_never_unknown() -> None:
              ({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}},
               "zero_optimization.pipeline_loading_checkpoint"),
              ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
-             ({"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}, "hybrid_engine.inference_tp_size")]
+             ({"hybrid_engine": {"enabled": True, "enable_cuda_graph": True}}, "hybrid_engine.enable_cuda_graph")]
     for extra, key in cases:
         with pytest.raises(NotSupportedYetError, match=rf"'{key}'.*not supported yet"):
             load_config({"train_batch_size": 8, **extra}, 2)

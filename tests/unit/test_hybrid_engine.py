@@ -23,8 +23,9 @@ def test_config_keys() -> None:
     cfg = load_config({"train_batch_size": 1, "hybrid_engine": {"enabled": True, "max_out_tokens": 64,
                                                                "tp_gather_partition_size": 4}})
     assert (cfg.hybrid_engine.max_out_tokens, cfg.hybrid_engine.pin_parameters) == (64, True)
-    with pytest.raises(NotSupportedYetError, match="inference_tp_size"):
-        load_config({"train_batch_size": 1, "hybrid_engine": {"enabled": True, "inference_tp_size": 2}})
+    assert load_config({"train_batch_size": 1, "hybrid_engine": {"inference_tp_size": 2}}).hybrid_engine.inference_tp_size == 2
+    with pytest.raises(NotSupportedYetError, match="CUDA graphs .* never on CPU"):
+        load_config({"train_batch_size": 1, "hybrid_engine": {"enabled": True, "enable_cuda_graph": True}})
 
 
 def test_phase_cache_and_length_bound() -> None:

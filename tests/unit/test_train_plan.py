@@ -57,6 +57,12 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
     (dict(stage=1, sequence_parallel_size=2), ModelFacts(pipelined=True), "sequence_parallel_size",
      NotSupportedYetError),
     (dict(stage=1), ModelFacts(moe=True, tensor_parallel=True), "tensor_parallel", NotSupportedYetError),
+    (dict(stage=1, use_data_before_expert_parallelism=True), ModelFacts(moe=True, tensor_parallel=True,
+                                                                        autoep_only=True),
+     "use_data_before_expert_parallelism", NotSupportedYetError),
+    (dict(stage=2, zero={"offload_optimizer": {"device": "cpu"}}), ModelFacts(moe=True, tensor_parallel=True,
+                                                                              autoep_only=True),
+     "tensor_parallel", NotSupportedYetError),
     (dict(stage=1), ModelFacts(mpu=True, mpu_model_parallel=2), "mpu", NotSupportedYetError),
     (dict(stage=1, sequence_parallel_size=4), ModelFacts(mpu_sequence_parallel=2), "sequence_parallel_size",
      ConfigError),
@@ -112,6 +118,7 @@ def test_client_optimizer_rules() -> None:
 
 
 def test_supported_combinations_pass() -> None:
+    assert plan_training(_cfg(2), ModelFacts(moe=True, tensor_parallel=True, autoep_only=True)).folding
     for facts in (ModelFacts(pipelined=True), ModelFacts(tensor_parallel=True), ModelFacts(moe=True),
                   ModelFacts(mpu=True, mpu_model_parallel=2, expert_tp=True), ModelFacts(mpu_sequence_parallel=2)):
         plan_training(_cfg(1), facts)

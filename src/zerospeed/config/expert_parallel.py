@@ -1,16 +1,20 @@
 """The ``expert_parallel`` section: AutoEP, expert parallelism for Hugging Face MoE models from the config alone.
 
 DeepSpeed's keys (master, 2026). zerospeed keeps the model's own router module and MoE block forward, and
-replaces only the experts' computation (``parallel/expert/auto/``), so the routing keys are honoured at
-their defaults (the model's semantics) and any other value is refused as "not supported yet"
-(``unsupported.AUTOEP_ROUTING_KEYS``); the keys below are read:
+replaces only the experts' computation (``parallel/expert/auto/``). ``top_k``, ``route_norm``, ``route_scale``,
+``routed_scaling_factor`` and ``score_apply`` are applied to the HF router (``auto/routing.py``); the routing
+keys that need a router of another kind are honoured at their defaults and any other value is refused as "not
+supported yet" (``unsupported.AUTOEP_ROUTING_KEYS``); the keys below are read:
 
 * ``enabled``, ``autoep_size`` (the expert-parallel degree; 1 keeps every expert local, no all-to-all);
 * detection: ``preset_model`` (``mixtral``, ``qwen2_moe``, ``qwen3_moe``), ``moe_layer_pattern`` (a regex
   over module names), ``router_pattern`` / ``expert_pattern`` (child names), ``expert_w1`` / ``expert_w2`` /
   ``expert_w3`` (the experts' 3-D weights; ``expert_w3: null`` = gate and up fused in ``expert_w1``),
-  ``num_experts_attr`` / ``top_k_attr`` (``model.config`` attributes); user values take precedence over
-  the structural detection;
+  ``num_experts_attr`` (a hint: the count comes from the weights); user values take precedence over the
+  structural detection;
+* routing (``auto/routing.py``): ``top_k`` (with ``top_k_attr``, the model attribute HF's load-balancing loss
+  reads, default ``num_experts_per_tok``), ``route_norm``, ``route_scale``, ``routed_scaling_factor``,
+  ``score_apply``; ``validate_folding_routing`` (AutoEP + AutoTP: compare the tensor ranks' routes);
 * compute: ``use_grouped_mm`` (``torch._grouped_mm`` where it runs, a per-expert loop otherwise);
   ``disable_triton_grouped_mm`` is a hint (zerospeed has no Triton kernel).
 """
@@ -59,6 +63,13 @@ class ExpertParallelConfig(Section):
     has_shared_experts: bool | None = None
     shared_experts_pattern: str | None = None
     shared_experts_gate_pattern: str | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"top_k must be >= 1 or 'auto', got {v}")
+        return v
 
     @field_validator("preset_model")
     @classmethod

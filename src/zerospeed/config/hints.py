@@ -95,8 +95,6 @@ ACCEPTED_HINTS: dict[str, str] = {
     "expert_parallel.num_experts_attr": (
         "AutoEP reads the expert count from the experts' stacked weights ([E, ...]), which is what "
         "model.config's attribute states; the model is the same either way"),
-    "expert_parallel.top_k_attr": (
-        "AutoEP keeps the HF router, which applies the model's own top-k; the routing is the same either way"),
     "expert_parallel.has_shared_experts": (
         "AutoEP keeps the HF MoE block's own forward, which runs its shared experts (dense parameters, "
         "trained data-parallel); the computation is the same either way"),
@@ -105,9 +103,9 @@ ACCEPTED_HINTS: dict[str, str] = {
     "expert_parallel.shared_experts_gate_pattern": ("as expert_parallel.has_shared_experts: the HF block applies "
                                                     "its shared-expert gate itself"),
     "hybrid_engine.tp_gather_partition_size": (
-        "DeepSpeed reads it only for tensor-parallel generation (inference_tp_size > 1, not supported yet here): "
-        "how many layers to gather at a time before re-sharding them over the inference group; generation is "
-        "the same either way"),
+        "DeepSpeed reads it only for tensor-parallel generation (inference_tp_size > 1): how many layers to gather "
+        "at a time before re-sharding them over the inference group; zerospeed gathers the weights once per phase "
+        "to build the split copy (runtime/hybrid_tp.py); generation is the same either way"),
 }
 
 _log = logging.getLogger("zerospeed.config")

@@ -18,8 +18,8 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
     "amp": "apex AMP",
-    "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
-    "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
+    "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine (enable_cuda_graph: they need a CUDA device, "
+                                       "so never on CPU; on CUDA zerospeed has no captured decode yet)",
     "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
                                                     "(weight_quantization.quantized_initialization)",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
@@ -36,17 +36,26 @@ for _k in DEEPCOMPILE_KEYS:
     NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
                                          "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
 
-# AutoEP keeps the HF model's own router (parallel/expert/auto/): its routing keys only at their defaults.
+# AutoEP keeps the HF model's own router (parallel/expert/auto/): route_norm, route_scale, routed_scaling_factor,
+# top_k and score_apply are applied to its output (auto/routing.py); these need a router of another kind, or are
+# refused by DeepSpeed too, and are accepted at their defaults only.
 AUTOEP_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
-    "route_norm": (None,), "route_scale": (None, 1.0), "score_apply": (None, "auto"),
-    "combine_impl": (None, "auto"), "num_expert_groups": (None,), "num_limited_groups": (None,),
-    "score_func": (None, "auto"), "top_k": (None, "auto"), "routed_scaling_factor": (None, "auto"),
-    "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1), "validate_folding_routing": (None, False),
+    "combine_impl": (None, "auto", "weighted_sum"), "num_expert_groups": (None,), "num_limited_groups": (None,),
+    "score_func": (None, "auto"), "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1),
+}
+_AUTOEP_REASONS = {
+    "combine_impl": "combine_impl 'legacy_bmm' (DeepSpeed's debug reduction order; zerospeed's is 'weighted_sum')",
+    "num_expert_groups": "group-limited routing (num_expert_groups): AutoEP keeps the HF router, which has no "
+                         "group limit",
+    "num_limited_groups": "group-limited routing (num_limited_groups): AutoEP keeps the HF router, which has no "
+                          "group limit",
+    "score_func": "a score function other than the HF router's own (score_func): AutoEP keeps the HF router",
+    "load_balance_coeff": "AutoEP's auxiliary-loss-free load balancing (load_balance_coeff; DeepSpeed refuses it too)",
+    "expert_tensor_parallel_size": "AutoEP expert tensor parallelism (expert_tensor_parallel_size > 1; DeepSpeed "
+                                   "refuses it too)",
 }
 for _k in AUTOEP_ROUTING_KEYS:
-    NOT_SUPPORTED_YET[f"expert_parallel.{_k}"] = (f"AutoEP routing other than the model's own ({_k})"
-                                                  if _k != "expert_tensor_parallel_size" else
-                                                  "AutoEP expert tensor parallelism")
+    NOT_SUPPORTED_YET[f"expert_parallel.{_k}"] = _AUTOEP_REASONS[_k]
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
@@ -55,7 +64,6 @@ ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "compile.double_buffer": (None, True),
     "compile.keep_int_input_tensors": (None, True),
     **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
-    "hybrid_engine.inference_tp_size": (None, 1),
 }
 
 

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over ``ServingEngine`` (FastAPI + uvicorn; the ``serve`` extra).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as Server-Sent
-Events ending in ``data: [DONE]``), ``POST /v1/embeddings`` (see ``server_embeddings``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Events ending in ``data: [DONE]``), ``POST /v1/embeddings`` (see ``server_embeddings``), ``POST /v1/weights`` (RL weight sync, when enabled: see
+``server_weights``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 One asyncio task drives the engine: while requests are in flight it runs ``engine.step()`` and routes each
 new token to its request's queue; handlers only enqueue, await, and cancel (a dropped stream cancels its
 request and frees its KV blocks). All engine calls happen on the event loop thread, so no locks are needed
@@ -36,6 +37,7 @@ from .prompt_forward import prompt_logprobs
 from .sampling import SamplingParams
 from .server_request import ApiError, ChatBody, CompletionBody, parse_body, sampling_params, structure_of
 from .server_embeddings import add_embeddings_route
+from .server_weights import add_weights_route
 from .server_response import respond as _respond
 from .serving import QueueFullError, ServingEngine, TokenEvent
 
@@ -59,6 +61,7 @@ class ServeOptions:
     served_model_names: Sequence[str] = ()
     api_key: str | None = None
     on_fatal: Callable[[BaseException], None] | None = None
+    allow_weight_updates: bool = False  # POST /v1/weights (server_weights): off unless --enable-weight-updates
 
 
 class _Server:
@@ -279,6 +282,7 @@ def create_app(loaded: LoadedModel, engine: ServingEngine, options: ServeOptions
         return await _respond(srv, ids, params, body, name, chat=True)
 
     add_embeddings_route(app, srv, model_name, encode, limit)
+    add_weights_route(app, srv, srv.options.allow_weight_updates)
     return app
 
 

@@ -134,6 +134,7 @@ class ServingEngine:
         self._uids = itertools.count()
         self.forwards = 0
         self.tokens_forwarded = 0
+        self.weights_version = 0  # update_weights calls so far
 
     def _rank0(self, what: str) -> None:
         if self.tp_rank != 0:
@@ -175,6 +176,35 @@ class ServingEngine:
     @property
     def has_work(self) -> bool:
         return not self.scheduler.idle
+
+    @torch.no_grad()
+    def update_weights(self, state: dict[str, torch.Tensor]) -> int:
+        """Copy new weights (the served model's ``state_dict`` names) into the model in place, between requests;
+        how many tensors were copied. RL weight sync (``zerospeed.runtime.weight_sync.push_weights``, the server's
+        ``POST /v1/weights``). In place, so fused and compiled regions see them; the prefix cache (KV of the old
+        weights) is emptied. Refused while requests are in flight (their KV came from the old weights)."""
+        self._rank0("update_weights")
+        if self.tp_size > 1:
+            raise NotImplementedError("update_weights with tensor parallelism is not supported yet by zerospeed")
+        if self.has_work:
+            raise RuntimeError(f"update_weights: {len(self.requests)} requests in flight (their KV cache holds the "
+                               "old weights' keys and values); push weights between rollouts")
+        own = self.model.state_dict(keep_vars=True)
+        unknown = sorted(set(state) - set(own))
+        covered = {id(own[k]) for k in state if k in own}
+        missing = sorted(k for k, t in own.items() if id(t) not in covered)  # a tied alias counts as covered
+        shapes = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state
+                  if k in own and state[k].shape != own[k].shape]
+        if unknown or missing or shapes:
+            raise ValueError(f"update_weights: the weights do not fit the served model (unknown: {unknown[:5]}, "
+                             f"missing: {missing[:5]}, shapes: {shapes[:5]}); nothing was changed")
+        for k, v in state.items():
+            own[k].data.copy_(v)
+        alloc = self.scheduler.allocator
+        if isinstance(alloc, PrefixCachingAllocator):
+            self.scheduler = Scheduler(self.limits, PrefixCachingAllocator(alloc.num_blocks), self.scheduler.block_size)
+        self.weights_version += 1
+        return len(state)
 
     def fail(self, uid: int, message: str) -> TokenEvent:
         """End ``uid`` because of an error (logged, kept in ``errors``); its last event."""

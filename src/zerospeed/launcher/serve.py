@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", "--quantization", "-q", dest="quant", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the linear layers (int8: symmetric, int4: asymmetric)")
     parser.add_argument("--q-groups", type=int, default=1, help="quantization groups per output row (default 1)")
+    parser.add_argument("--enable-weight-updates", action="store_true",
+                        help="open POST /v1/weights: a trainer may load new weights into the served model (RL)")
     add_vllm_arguments(parser)
     _refuse_unknown_flags(parser)
 
@@ -191,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         engine.run_worker()
         return 0
     names = tuple(args.served_model_name or ())
-    options = ServeOptions(served_model_names=names, api_key=args.api_key or os.environ.get("ZEROSPEED_API_KEY"))
+    options = ServeOptions(served_model_names=names, api_key=args.api_key or os.environ.get("ZEROSPEED_API_KEY"),
+                           allow_weight_updates=args.enable_weight_updates)
     return serve_app(lambda opts: create_app(loaded, engine, opts), args.host, args.port, options)
 
 

@@ -47,14 +47,15 @@ def tensor_parallel(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, gri
 
 
 def moe_training(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, dp_group: comm.Group | None,
-                 grid: Any = None) -> Any:
-    """Expert groups and gradient routing when the model holds MoE layers (None otherwise)."""
+                 grid: Any = None, tp: Any = None) -> Any:
+    """Expert groups and gradient routing when the model holds MoE layers (None otherwise); with AutoTP
+    (``plan.folding``) the AutoEP layers fold over its tensor group."""
     if not plan.moe:
         return None
     from ..parallel.expert.training import MoETraining
 
     return MoETraining(model, dp_group, cfg.zero_stage, cfg.zero_optimization.offload_optimizer.device,
-                       cfg.use_data_before_expert_parallelism, grid)
+                       cfg.use_data_before_expert_parallelism, grid, tp.tp_group if plan.folding else None)
 
 
 class Grids:
@@ -84,4 +85,4 @@ class Grids:
         self.data_group = self.dp_group if s is None else s.get_data_parallel_group()
         if g is not None and early.comms_timeout_s is not None:
             comm.set_timeout(early.comms_timeout_s, self.dp_group)
-        self.moe = moe_training(plan, early, model, self.dp_group, self.grid)
+        self.moe = moe_training(plan, early, model, self.dp_group, self.grid, self.tp)

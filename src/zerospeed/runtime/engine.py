@@ -503,30 +503,12 @@ class Engine(nn.Module):
         """Collective: the whole model in its compute dtype, as safetensors on rank 0 (True there).
 
         Under stage 3 this gathers the partitioned parameters, so it needs
-        ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` as in DeepSpeed.
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` as in DeepSpeed; experts and
+        tensor-parallel shards are joined (``runtime/export_model.py``).
         """
-        from ..config import ConfigError
-        from ..zero.stage3 import save_16bit_model
+        from .export_model import save_16bit
 
-        if self.zero3 is not None and not self.zero3.gather_16bit_on_save:
-            raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                              "under ZeRO stage 3 saving a 16-bit model gathers the partitioned parameters; set it "
-                              "to true (or export with zerospeed.zero.full_state_dict)")
-        if self.parts.experts_sharded:  # each rank holds only its own experts
-            import os
-
-            from ..parallel.expert.checkpoint import with_all_experts
-            from ..zero.stage3 import full_state_dict, save_safetensors
-
-            if exclude_frozen_parameters:
-                raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) with expert parallelism "
-                                          "(ep_size > 1) is not supported yet by zerospeed")
-            state = with_all_experts(full_state_dict(self.module, group=self.dp_group), self.module, self.dp_group)
-            if comm.get_rank(self.dp_group) == 0:
-                save_safetensors(state, os.path.join(save_dir, save_filename))
-            return comm.get_rank(self.dp_group) == 0
-        return save_16bit_model(self.module, save_dir, save_filename, group=self.dp_group,
-                                exclude_frozen_parameters=exclude_frozen_parameters)
+        return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """Collective: the whole model in its compute dtype on rank 0 (``{}`` elsewhere), under any stage."""

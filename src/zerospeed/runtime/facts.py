@@ -82,7 +82,8 @@ def model_facts(cfg: ZeroSpeedConfig, model: nn.Module, mpu: Any, optimizer: Any
     grid = model.mpu() if pipelined else mpu
     layers = moe_layers(model)
     return ModelFacts(
-        pipelined=pipelined, moe=bool(layers), expert_tp=any(m.enable_expert_tensor_parallelism for m in layers),
+        pipelined=pipelined, moe=bool(layers), autoep_only=bool(layers) and all(m.autoep for m in layers),
+        expert_tp=any(m.enable_expert_tensor_parallelism for m in layers),
         tensor_parallel=tp_requested(model, cfg.tensor_parallel), mpu=mpu is not None,
         mpu_model_parallel=getattr(mpu, "get_model_parallel_world_size", lambda: 1)() if mpu is not None else 1,
         mpu_sequence_parallel=seq,

@@ -10,7 +10,9 @@ The KV cache is a static cache of ``max_out_tokens`` positions per batch size, a
 phase and reset between calls. ``release_inference_cache`` gives both back after every ``generate()``; the
 end of the phase always does. Generation runs under ``no_grad`` and in eval mode and leaves every training
 state alone (parameters, optimizer, counters, RNG of the training step), so a step after a rollout equals one
-without it. Under stages 0-2 the weights are whole already and only the cache is managed.
+without it. Under stages 0-2 the weights are whole already and only the cache is managed. With
+``inference_tp_size`` > 1 the phase generates tensor-parallel over groups of that many ranks from a split copy
+of the weights (``hybrid_tp.py``) instead.
 """
 
 from __future__ import annotations
@@ -39,10 +41,15 @@ class HybridEngine:
         self.gathered: GatheredParameters | None = None
         self.caches: dict[int, Any] = {}
         self.gathers = 0  # how many times the weights were gathered for generation (a count for tests and logs)
+        self.tp = None
+        if section.inference_tp_size > 1:
+            from .hybrid_tp import TensorParallelRollout
+
+            self.tp = TensorParallelRollout(module, section.inference_tp_size)
 
     @property
     def in_phase(self) -> bool:
-        return self.gathered is not None or bool(self.caches)
+        return self.gathered is not None or bool(self.caches) or (self.tp is not None and self.tp.engine is not None)
 
     def _gather(self) -> None:
         if self.section.pin_parameters and self.gathered is None:
@@ -76,6 +83,8 @@ class HybridEngine:
             gathered, self.gathered = self.gathered, None
             gathered.__exit__(None, None, None)
         self.caches.clear()
+        if self.tp is not None:
+            self.tp.release()
         gc.collect()
         get_accelerator().empty_cache()
 
@@ -96,6 +105,9 @@ class HybridEngine:
         was_training = self.module.training
         self.module.eval()
         try:
+            if self.tp is not None:
+                with torch.no_grad():
+                    return self.tp.generate(*inputs, **kwargs)
             self._gather()
             if "cache" not in kwargs and "past_key_values" not in kwargs and _takes_cache(self.module):
                 cache = self._cache(batch)

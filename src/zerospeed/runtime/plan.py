@@ -36,6 +36,7 @@ class ModelFacts:
 
     pipelined: bool = False  # a PipelineModule (its own grid)
     moe: bool = False  # holds Mixture-of-Experts layers
+    autoep_only: bool = False  # every MoE layer is an AutoEP one (an HF block's experts, parallel/expert/auto/)
     expert_tp: bool = False  # an MoE layer splits its experts over the model-parallel axis
     tensor_parallel: bool = False  # AutoTP requested (tensor_parallel section or tp_model_init)
     mpu: bool = False  # an mpu was passed
@@ -59,6 +60,7 @@ class TrainPlan:
     sequence_parallel: int  # 1: off
     sequence_from_mpu: bool
     moe: bool
+    folding: bool  # AutoEP + AutoTP: the tensor group's ranks also serve as expert-parallel ranks
     compressing: bool  # a 1-bit optimizer
     topk: bool  # gradient_compression top-k
     zenflow: bool
@@ -133,9 +135,14 @@ RULES: tuple[Rule, ...] = (
                          f"(got stage {p.stage}); use stage 0 or 1", ConfigError),
     Rule(lambda p, c, f: p.moe and p.sequence, "sequence_parallel_size",
          _const("sequence parallelism with Mixture-of-Experts layers" + _NOT_YET)),
-    Rule(lambda p, c, f: p.moe and p.tensor_parallel, "tensor_parallel",
-         _const("AutoTP with Mixture-of-Experts layers is not supported yet by zerospeed (expert tensor "
-                "parallelism through an mpu is)")),
+    Rule(lambda p, c, f: p.moe and p.tensor_parallel and not p.folding, "tensor_parallel",
+         _const("AutoTP with DeepSpeed MoE layers is not supported yet by zerospeed (expert tensor parallelism "
+                "through an mpu is, and AutoTP with AutoEP's expert_parallel section)")),
+    Rule(lambda p, c, f: p.folding and c.use_data_before_expert_parallelism, "use_data_before_expert_parallelism",
+         _const("AutoEP + AutoTP folding lays expert groups over consecutive ranks; use_data_before_expert_"
+                "parallelism with it" + _NOT_YET)),
+    Rule(lambda p, c, f: p.folding and (p.pipelined or p.offload_optimizer != "none" or p.offload_param),
+         "tensor_parallel", _const("AutoEP + AutoTP folding with a pipeline or ZeRO offload" + _NOT_YET)),
     Rule(lambda p, c, f: c.fp8.allgather_fp8 and p.stage != 3, "fp8.allgather_fp8",
          lambda p, c, f: "the fp8 weight all-gather needs ZeRO stage 3 (weights partitioned and gathered), got "
                          f"stage {p.stage}", ConfigError),
@@ -224,7 +231,8 @@ def decide(config: ZeroSpeedConfig, facts: ModelFacts) -> TrainPlan:
         else "none", offload_param=zc.offload_param.enabled and config.zero_stage == 3, pipelined=facts.pipelined and sp == 1 and not from_mpu,
         tensor_parallel=facts.tensor_parallel, tp_split=facts.tensor_parallel or facts.slice_parallel > 1,
         sequence_parallel=sp or 1,
-        sequence_from_mpu=from_mpu, moe=facts.moe, compressing=opt is not None and opt.compresses,
+        sequence_from_mpu=from_mpu, moe=facts.moe,
+        folding=facts.moe and facts.tensor_parallel and facts.autoep_only, compressing=opt is not None and opt.compresses,
         topk=config.gradient_compression.type == "topk",
         zenflow=zc.offload_optimizer.enabled and zc.zenflow is not None,
         data_efficiency=config.curriculum_learning.enabled or config.progressive_layer_drop.enabled or de,

@@ -68,6 +68,8 @@ class MOELayer(nn.Module):
 class MoE(nn.Module):
     """DeepSpeed's MoE layer; same arguments, same defaults, same ``(output, l_aux, exp_counts)`` result."""
 
+    autoep = False  # not an AutoEP layer (those fold over AutoTP's tensor group)
+
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,

@@ -31,6 +31,7 @@ from ... import comm
 from ...config.errors import NotSupportedYetError
 from ...zero import ShardedGroup
 from ...zero.reducer_parts import ShardAxis
+from .auto.folding import TensorFold
 from .groups import ExpertGroups
 from .layer import MoE
 from .tensor_parallel import is_tensor_parallel_param
@@ -49,14 +50,22 @@ class MoETraining:
     """The expert groups of one engine (a registry it owns) and the helpers ``runtime/build.py`` calls."""
 
     def __init__(self, model: nn.Module, dp_group: Any, stage: int, offload_device: str = "none",
-                 data_before_expert: bool = False, grid: Any = None) -> None:
-        """``grid``: the pipeline's (or a user's mpu) grid; expert groups are cut inside its data-parallel groups."""
-        if grid is None and comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
+                 data_before_expert: bool = False, grid: Any = None, fold_group: Any = None) -> None:
+        """``grid``: the pipeline's (or a user's mpu) grid; expert groups are cut inside its data-parallel groups.
+        ``fold_group``: AutoTP's tensor group, which AutoEP layers fold over (``auto/folding.py``); their expert
+        groups are then cut over the whole world (DeepSpeed's folding layout: ``ep`` consecutive ranks)."""
+        if fold_group is not None:
+            grid = None
+        elif grid is None and comm.is_initialized() and comm.get_world_size(dp_group) != comm.get_world_size():
             raise ValueError("MoE layers with a data-parallel group smaller than the world need the grid that "
                              "defines it (initialize(mpu=...) or a PipelineModule)")
         self.registry: dict[str, ExpertGroups] = {}
         for layer in moe_layers(model):
             layer.set_deepspeed_parallelism(data_before_expert, self.registry, grid)
+        fold = 1 if fold_group is None else comm.get_world_size(fold_group)
+        if fold_group is not None:
+            for layer in moe_layers(model):
+                layer.fold_tensor_parallel(TensorFold(fold_group, fold, comm.get_rank(fold_group)))
         self.dp_group = dp_group
         self.stage = stage
         self.tp = next((m.expert_tp for m in moe_layers(model)), None)  # expert tensor parallelism
@@ -65,11 +74,11 @@ class MoETraining:
                                        "with NVMe optimizer offload is not supported yet by zerospeed; use cpu")
         self.hooks = []
         for layer in moe_layers(model):
-            ep = layer.ep_size
-            if ep > 1:  # the all-to-all backward summed ep ranks' contributions: average them
+            divisor = layer.ep_size / fold  # the all-to-all backward summed ep ranks' routes (folded: tp shares)
+            if divisor != 1:
                 for p in layer.expert_parameters():
                     if p.requires_grad:  # frozen experts take no gradient
-                        self.hooks.append(p.register_hook(lambda g, ep=ep: g / ep))
+                        self.hooks.append(p.register_hook(lambda g, d=divisor: g / d))
 
     # --- parameter groups ---------------------------------------------------------------------------------
     def split_groups(self, raw_groups: list[dict[str, Any]], from_client: bool) -> list[dict[str, Any]]:

@@ -185,6 +185,8 @@ def _check_other(name: str, mod: nn.Module, config: AutoTPConfig | None, mtype: 
     if isinstance(mod, nn.Embedding) or name.rsplit(".", 1)[-1] in _SKIP_LEAVES:
         return
     for pname, p in mod.named_parameters(recurse=False):
+        if getattr(p, "allreduce", True) is False:  # an expert weight: expert parallelism places it (AutoEP folding)
+            continue
         spec = config.find_matching_spec(f"{name}.{pname}", mtype) if config is not None else None
         if spec is not None and spec.partition_type == PartitionType.SKIP:
             continue

@@ -168,15 +168,16 @@ class DataEfficiencyPart(Part):
 
 class TensorParallelPart(Part):
     """AutoTP: split parameters saved per shard (``name@tp<r>of<T>``), replicated ones by the first
-    tensor-parallel rank; every rank's optimizer layout merged; the split layout described in the entries."""
+    tensor-parallel rank, expert parameters (AutoEP folding) by every rank that owns them; every rank's optimizer layout merged; the split layout described in the entries."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
     def save(self, snap: RankSnapshot, ctx: SaveContext) -> None:
-        if not tp_ckpt.writes_replicated(self.module):
-            snap.shard = {k: v for k, v in snap.shard.items()
-                          if k.rpartition("/")[2] != tp_ckpt.base_name(k.rpartition("/")[2])}
+        if not tp_ckpt.writes_replicated(self.module):  # its shards, and its experts (AutoEP folding: not replicas)
+            experts = {n for n, p in self.module.named_parameters() if getattr(p, "allreduce", True) is False}
+            snap.shard = {k: v for k, v in snap.shard.items() if (n := k.rpartition("/")[2]) != tp_ckpt.base_name(n)
+                          or n in experts}
             snap.index = {k: v for k, v in snap.index.items() if k in snap.shard}
         for other in comm.all_gather_object(snap.opt_layout, group=ctx.group):
             snap.opt_layout.update(other)

@@ -2,7 +2,7 @@
 
 ``autoep_model(section, model)`` finds the MoE blocks (``detect.py``) and swaps each block's experts module
 for ``AutoEPExperts`` (``layer.py``: grouped weights, one grouped matmul per rank, tokens moved with the
-MoE all-to-all). The engine then treats those like DeepSpeed MoE layers (``parallel/expert/training.py``):
+MoE all-to-all; the routing keys adjust the HF router's weights: ``routing.py``). The engine then treats those like DeepSpeed MoE layers (``parallel/expert/training.py``):
 expert groups, expert-data-parallel gradient reduction, ZeRO partitions over the expert-data group.
 """
 
@@ -14,6 +14,7 @@ from ....config.errors import ConfigError
 from ....config.expert_parallel import ExpertParallelConfig
 from .detect import MoEBlockSpec, find_moe_blocks
 from .layer import AutoEPExperts, ExpertSlice, expert_slice
+from .routing import RouteAdjust, route_adjust
 
 
 def autoep_model(section: ExpertParallelConfig, model: nn.Module) -> list[MoEBlockSpec]:
@@ -30,12 +31,14 @@ def autoep_model(section: ExpertParallelConfig, model: nn.Module) -> list[MoEBlo
             raise ValueError(f"expert_parallel.autoep_size {section.autoep_size} does not divide the "
                              f"{spec.num_experts} experts of {spec.name!r}; valid sizes: "
                              f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}")
+    adjust = route_adjust(section, model, specs)
     for spec in specs:
         block = model.get_submodule(spec.name)
         experts = getattr(block, spec.experts)
         if not isinstance(experts, AutoEPExperts):
-            setattr(block, spec.experts, AutoEPExperts(experts, spec, section.autoep_size, section.use_grouped_mm))
+            setattr(block, spec.experts, AutoEPExperts(experts, spec, section.autoep_size, section.use_grouped_mm,
+                                                       adjust, section.validate_folding_routing))
     return specs
 
 
-__all__ = ["AutoEPExperts", "ExpertSlice", "MoEBlockSpec", "autoep_model", "expert_slice", "find_moe_blocks"]
+__all__ = ["AutoEPExperts", "ExpertSlice", "MoEBlockSpec", "RouteAdjust", "autoep_model", "expert_slice", "find_moe_blocks"]

@@ -28,7 +28,9 @@ from ..dispatch import all_to_all
 from ..experts import mark_expert_params
 from ..groups import ExpertGroups, create_expert_groups, group_name
 from .detect import MoEBlockSpec
+from .folding import TensorFold
 from .grouped import expert_mlp
+from .routing import RouteAdjust
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,14 @@ class AutoEPExperts(nn.Module):
     """Grouped expert weights of one MoE block; the interface ``MoETraining`` reads (like ``MoE``'s)."""
 
     enable_expert_tensor_parallelism = False
+    autoep = True
     expert_tp = None
 
-    def __init__(self, experts: nn.Module, spec: MoEBlockSpec, ep_size: int, use_grouped_mm: bool = True) -> None:
+    def __init__(self, experts: nn.Module, spec: MoEBlockSpec, ep_size: int, use_grouped_mm: bool = True,
+                 routing: RouteAdjust | None = None, validate_fold: bool = False) -> None:
         super().__init__()
+        self.routing = routing or RouteAdjust()
+        self.validate_fold = validate_fold  # validate_folding_routing: compare the tensor ranks' routes
         self.spec = spec
         self.ep_size = ep_size
         self.num_experts = spec.num_experts
@@ -65,6 +71,7 @@ class AutoEPExperts(nn.Module):
         mark_expert_params(self, self.expert_group_name)
         self.expert_groups: ExpertGroups | None = None
         self.ep_group: Any = None
+        self.fold: TensorFold | None = None
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [getattr(self, n) for n in self.weight_names]
@@ -98,22 +105,44 @@ class AutoEPExperts(nn.Module):
         w1, w2, w3 = self._weights()
         return expert_mlp(x, counts, w1, w2, w3, self.act_fn, self.use_grouped_mm)
 
+    def fold_tensor_parallel(self, fold: TensorFold | None) -> None:
+        """Parallel folding (``folding.py``): the tensor group's ranks each compute a share of the routes."""
+        self.fold = fold
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         s, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        rows = hidden_states.index_select(0, token)                                   # [S k, H], by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        weights = self.routing.weights(top_k_weights).reshape(-1).index_select(0, order)      # by expert
+        if self.fold is None:
+            rows = hidden_states.index_select(0, token)                               # [S k, H], by expert
+            out = self._compute(self._pre(rows, weights), torch.bincount(flat, minlength=self.num_experts))
+        else:  # this tensor rank's share of the routes, then every share's outputs
+            if self.validate_fold:
+                self.fold.check_same_routes(top_k_index, self.spec.name)
+            experts = flat.index_select(0, order)
+            shares = self.fold.shares(experts)
+            mine = shares[self.fold.rank]
+            rows = self.fold.copy_in(hidden_states).index_select(0, token.index_select(0, mine))
+            if self.routing.pre:
+                rows = self._pre(rows, self.fold.copy_in(weights).index_select(0, mine))
+            counts = torch.bincount(experts.index_select(0, mine), minlength=self.num_experts)
+            out = self.fold.gather_out(self._compute(rows, counts), shares)
+        weighted = out if self.routing.pre else out * weights.unsqueeze(-1).to(out.dtype)
+        return hidden_states.new_zeros(hidden_states.shape).index_add_(0, token, weighted.to(hidden_states.dtype))
+
+    def _pre(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """``score_apply: "pre"``: each routed token times its weight before the experts (DeepSpeed's formula)."""
+        return (rows.float() * weights.unsqueeze(-1)).to(rows.dtype) if self.routing.pre else rows
+
+    def _compute(self, rows: Tensor, counts: Tensor) -> Tensor:
         if self.num_local_experts == self.num_experts:  # every expert here: no exchange
-            out = self._local(rows, counts.tolist())
-        elif self.expert_groups is None:
+            return self._local(rows, counts.tolist())
+        if self.expert_groups is None:
             raise RuntimeError("AutoEP experts spread over expert-parallel ranks have no expert-parallel group: "
                                "pass the model to zerospeed.initialize()")
-        else:
-            out = self._exchange(rows, counts)
-        weighted = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
-        return hidden_states.new_zeros(hidden_states.shape).index_add_(0, token, weighted.to(hidden_states.dtype))
+        return self._exchange(rows, counts)
 
     def _exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Rows sorted by global expert -> their expert outputs, computed on the ranks that hold the experts."""
