@@ -17,22 +17,10 @@ from zerospeed.inference.model_dir import load_model_dir, save_gpt_dir  # noqa: 
 from zerospeed.inference.server import ServeOptions, create_app  # noqa: E402
 from zerospeed.inference.serving import ServingEngine  # noqa: E402
 from zerospeed.launcher.serve import engine_config  # noqa: E402
-from zerospeed.models.gpt import GPT, GPTConfig  # noqa: E402
 from zerospeed.runtime.weight_sync import push_weights  # noqa: E402
 from zerospeed.testing import run_distributed  # noqa: E402
 
-from ..unit.serve_thread import serving  # noqa: E402
-
-CFG = GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)
-
-
-def _gpt(seed: int) -> GPT:
-    model = GPT(CFG, seed=seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)  # sharper logits: varied bytes
-    return model
-
+from ..unit.serve_fixtures import running, tiny_gpt  # noqa: E402
 
 def _engine(loaded) -> ServingEngine:
     cfg = engine_config(None, 32)
@@ -41,8 +29,8 @@ def _engine(loaded) -> ServingEngine:
     return ServingEngine(loaded.model, cfg, decode=loaded.tokenizer.decode, prefix_caching=True)
 
 
-def _complete(port: int, prompt: str) -> str:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": prompt,
+def _complete(base: str, prompt: str) -> str:
+    r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": prompt,
                                                                     "max_tokens": 10, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -57,7 +45,7 @@ def _greedy(model, prompt: str) -> str:
 def _train_and_push(url: str, path: str) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
-    engine = zerospeed.initialize(model=_gpt(7), config=cfg)[0]
+    engine = zerospeed.initialize(model=tiny_gpt(seed=7), config=cfg)[0]
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(zerospeed.comm.get_rank()))
     _, loss = engine(x, x)
     engine.backward(loss)
@@ -67,47 +55,47 @@ def _train_and_push(url: str, path: str) -> dict:
 
 @pytest.fixture
 def served(tmp_path):
-    loaded = load_model_dir(save_gpt_dir(_gpt(4), tmp_path / "served"))
+    loaded = load_model_dir(save_gpt_dir(tiny_gpt(seed=4), tmp_path / "served"))
     engine = _engine(loaded)
     app = create_app(loaded, engine, ServeOptions(served_model_names=["m"], allow_weight_updates=True))
-    with serving(app) as port:
-        yield port, engine, loaded
+    with running(app) as base:
+        yield base, engine, loaded
 
 
 def test_push_weights_changes_the_served_greedy_output(served, tmp_path) -> None:
-    port, engine, _ = served
-    before = _complete(port, "Hello")
+    base, engine, _ = served
+    before = _complete(base, "Hello")
     path = str(tmp_path / "pushed.safetensors")
-    replies = run_distributed(_train_and_push, 2, f"http://127.0.0.1:{port}", path, timeout=180)
+    replies = run_distributed(_train_and_push, 2, base, path, timeout=180)
     assert replies[0] == replies[1] and replies[0]["version"] == 1 and replies[0]["updated"] > 0
     from safetensors.torch import load_file
 
-    trained = GPT(CFG)
+    trained = tiny_gpt(0)
     trained.load_state_dict(load_file(path), strict=False)  # the tied head is stored once
     want = _greedy(trained.eval(), "Hello")
-    after = _complete(port, "Hello")
+    after = _complete(base, "Hello")
     assert after == want and after != before
     bad = tmp_path / "bad.safetensors"
     from safetensors.torch import save_file
 
     save_file({"wte.weight": torch.zeros(3, 3)}, str(bad))
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/weights", json={"path": str(bad)}, timeout=60)
+    r = httpx.post(f"{base}/v1/weights", json={"path": str(bad)}, timeout=60)
     assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"] and engine.weights_version == 1
-    assert _complete(port, "Hello") == want  # nothing changed
+    assert _complete(base, "Hello") == want  # nothing changed
 
 
 def test_weight_route_is_off_by_default_and_in_process_push(tmp_path) -> None:
     from fastapi.testclient import TestClient
 
-    loaded = load_model_dir(save_gpt_dir(_gpt(4), tmp_path / "served"))
+    loaded = load_model_dir(save_gpt_dir(tiny_gpt(seed=4), tmp_path / "served"))
     engine = _engine(loaded)
     client = TestClient(create_app(loaded, engine))
     r = client.post("/v1/weights", json={"path": str(tmp_path / "x.safetensors")})
     assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]
-    new = _gpt(9)
+    new = tiny_gpt(seed=9)
     assert engine.update_weights(new.state_dict()) > 0 and engine.weights_version == 1
     (req,) = engine.generate([list(b"Hello")], _greedy_params())
-    assert bytes(req.output).decode(errors="replace") == _greedy(_gpt(9).eval(), "Hello")
+    assert bytes(req.output).decode(errors="replace") == _greedy(tiny_gpt(seed=9).eval(), "Hello")
 
 
 def _greedy_params():
