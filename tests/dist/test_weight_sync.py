@@ -96,6 +96,14 @@ def test_weight_route_is_off_by_default_and_in_process_push(tmp_path) -> None:
     assert engine.update_weights(new.state_dict()) > 0 and engine.weights_version == 1
     (req,) = engine.generate([list(b"Hello")], _greedy_params())
     assert bytes(req.output).decode(errors="replace") == _greedy(tiny_gpt(seed=9).eval(), "Hello")
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in new.state_dict().items() if k != "lm_head.weight"}, str(path))
+    on = TestClient(create_app(loaded, engine, ServeOptions(allow_weight_updates=True)))
+    engine.tp_size = 2  # a tensor-parallel server: not built yet, said as such (501), not as a conflict (409)
+    r = on.post("/v1/weights", json={"path": str(path)})
+    assert r.status_code == 501 and "tensor parallelism" in r.json()["error"]["message"], r.text
 
 
 def _greedy_params():

@@ -50,6 +50,8 @@ def add_weights_route(app: FastAPI, srv: Any, enabled: bool) -> None:
         state = _load(body.get("path") if isinstance(body, dict) else None)
         try:
             n = srv.engine.update_weights(state)
+        except NotImplementedError as exc:  # before RuntimeError, its base class: not a conflict
+            raise ApiError(501, str(exc), None, "not_implemented", "not_supported") from None
         except RuntimeError as exc:
             raise ApiError(409, str(exc), None, "conflict", "requests_in_flight") from None
         except ValueError as exc:
