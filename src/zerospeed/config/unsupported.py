@@ -22,7 +22,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
     "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
                                                     "(weight_quantization.quantized_initialization)",
-    "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
 }
 
 # The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain

@@ -22,6 +22,7 @@ from .part import LoadContext
 from .save import CLIENT_FILE, save_group, writer_of
 from .state import check_rng_state, from_json, set_rng_state
 from .tensor_file import TensorReader
+from .turns import read_in_turns
 from .universal import CheckpointReader, load_params, names_by_id, owned_params
 
 
@@ -118,8 +119,15 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     try:
         ctx = _stage(engine, ckpt, manifest, meta, index, group, load_module_strict, load_optimizer_states,
                      load_lr_scheduler_states, load_module_only)
-    except (CheckpointError, ValueError, KeyError, TypeError, IndexError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
+    except _STAGE_ERRORS as exc:
+        error = _message(exc)
+
+    checked = error
+
+    def read() -> str:
+        return checked or (_read_staged(engine, ctx) if ctx is not None else "")
+
+    error = read_in_turns(read, group) if engine.config.zero_optimization.pipeline_loading_checkpoint else read()
     try:
         staged.agree(error, group, what, "; nothing was loaded, the engine is unchanged on every rank")
     except CheckpointError:
@@ -155,7 +163,8 @@ def _groups(engine: Any) -> list[Any]:
 def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any], index: dict[str, Any],
            group: Any, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
            module_only: bool) -> LoadContext:
-    """Everything that can be checked or read before the engine changes (``staged``, step 1)."""
+    """Everything that can be checked before the engine changes (``staged``, step 1); the tensor reads follow
+    (``_read_staged``: at once, or a node's ranks one after another under ``pipeline_loading_checkpoint``)."""
     rank = comm.get_rank(group)
     where = os.path.join(ckpt, layout.META)
     if not isinstance(meta.get("tensors"), dict):
@@ -174,10 +183,24 @@ def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any
     if ctx.load_optimizer_states and not ctx.partial_model:
         check_partitioning(engine, meta, ckpt)
     module_state.check_names(engine.module, meta["tensors"], strict, ctx.partial_model)
-    ctx.reader = reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module),
-                                              ckpt)
-    staged.stage_tensors(reader, list(owned_params(groups, names)), ctx.layout)
+    ctx.reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module), ckpt)
     return ctx
+
+
+_STAGE_ERRORS = (CheckpointError, ValueError, KeyError, TypeError, IndexError, OSError)
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _read_staged(engine: Any, ctx: LoadContext) -> str:
+    """Stage 1's reads (no communication): every tensor range this rank will own; an error message or ""."""
+    try:
+        staged.stage_tensors(ctx.reader, list(owned_params(_groups(engine), ctx.names)), ctx.layout)
+    except _STAGE_ERRORS as exc:
+        return _message(exc)
+    return ""
 
 
 def _client_state(ckpt: str, meta: dict[str, Any]) -> dict[str, Any]:
