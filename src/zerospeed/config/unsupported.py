@@ -17,7 +17,9 @@ from .errors import NotSupportedYetError
 NOT_SUPPORTED_YET: dict[str, str] = {
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
-    "amp": "apex AMP",
+    "amp": ("apex AMP (DeepSpeed's amp section hands the model to NVIDIA apex's amp.initialize, a CUDA-only extension "
+            "zerospeed does not build on; torch_autocast or the fp16/bf16 sections give the same mixed precision "
+            "through PyTorch)"),
     "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
     "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
