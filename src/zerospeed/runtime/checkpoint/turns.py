@@ -6,11 +6,14 @@ finish (a token passed rank to rank) before it reads, so one rank of a node read
 "pipeline" is this relay, not pipeline parallelism; DeepSpeed allows it under ZeRO stage 3 only.
 
 Here the relay is a sequence of turns over the load's group: in turn ``t`` the ranks whose local rank is
-``t`` (one per node; ranks numbered node-major, as torchrun does) read, then every rank of the group meets at a barrier.
-What a rank reads in its turn is the load's staged read (``staged.stage_tensors``: every element range of
-the masters and optimizer state it will own), which does no communication, so the barriers cannot
-deadlock. A rank whose read fails keeps its error for the load's agreement and still takes part in every
-barrier, so the other ranks neither hang nor skip their turns.
+``t`` (one per node; ranks numbered node-major, as torchrun does) work, then every rank of the group meets at
+a barrier. The load stays staged and atomic where it can be: before any turn, every range a rank will read is
+checked against the checkpoint's index (``staged.stage_tensors(keep=False)``), and the ranks agree. In its
+turn a rank reads its ranges into memory, writes its fp32 masters and optimizer state from them and drops the
+read copy (:func:`relay_turn`, no communication inside, so the barriers cannot deadlock); so, as in DeepSpeed,
+one rank of a node holds a read copy at a time, not all of them. The parameter shards are written from the
+masters after the last turn (``finish_params``: stage 3's persistent parameters take one all-gather). A rank
+whose turn fails keeps its error and still takes part in every barrier; the ranks agree on it after the turns.
 
 DeepSpeed's relay is right on one node only: a rank stops passing the token when its local rank
 equals the *world* size minus one, so with several nodes the last local rank of a node sends to the next
@@ -46,3 +49,22 @@ def read_in_turns(read: Callable[[], str], group: Any, ranks_per_node: int | Non
             error = read()
         comm.barrier(group)
     return error
+
+
+def relay_turn(ctx: Any, groups: list[Any], optimizer: Any, from_fp32: bool) -> str:
+    """One rank's turn: read its staged ranges, write its masters (``ctx.sharded``: the stage-3 groups whose
+    shards follow) and optimizer state (``ctx.optimizer_state_loaded``), drop the read copy; "" or the error."""
+    from . import staged
+    from .universal import load_optimizer_state, owned_params, write_masters
+
+    try:
+        staged.stage_tensors(ctx.reader, list(owned_params(groups, ctx.names)), ctx.layout)
+        ctx.sharded = write_masters(groups, ctx.names, ctx.reader, from_fp32)
+        if ctx.layout is not None and optimizer is not None and ctx.load_optimizer_states:
+            load_optimizer_state(groups, ctx.names, ctx.reader, ctx.layout, optimizer.optimizer)
+            ctx.optimizer_state_loaded = True
+    except Exception as exc:  # noqa: BLE001 - agreed on by every rank after the turns
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        ctx.reader.release()
+    return ""
