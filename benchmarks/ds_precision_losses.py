@@ -6,6 +6,13 @@ losses and the final L2 norm of every parameter (in fp32; more sensitive than bf
 
     cd <repo> && PYTHONPATH=$PWD DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/ds_precision_losses.py
 
+``--world 2`` runs them on two ranks instead (forked processes, Gloo; the same global batch: micro-batch 2 x 1
+accumulation step x 2 ranks), where the gradients are really reduced (``torch_autocast``: the lower-precision-safe
+modules' gradients in bf16):
+
+    cd <repo> && PYTHONPATH=$PWD DS_ACCELERATOR=cpu /work/venv-ds/bin/python benchmarks/ds_precision_losses.py \
+        --world 2 autocast_bf16_stage1 autocast_bf16_stage2 autocast_bf16_stage0
+
 The ZeRO-Offload cases (named on the command line) need DeepSpeedCPUAdam's kernel: its JIT build, or a linked
 ``cpu_adam.so`` named by ``DS_CPU_ADAM_SO`` (2026-12-02: its objects from DeepSpeed's build directory,
 ``~/.cache/torch_extensions/py311_cpu/cpu_adam``, linked by hand with the link line of its ``build.ninja``).
@@ -52,13 +59,14 @@ OFFLOADED = {name for name, case in CASES.items() if "offload_optimizer" in case
 STEPS, MB, GAS, CLIP, LR = 6, 2, 2, 0.5, 1e-2
 
 
-def run(case: dict[str, Any], offloaded: bool) -> tuple[list[float], dict[str, float]]:
+def run(case: dict[str, Any], offloaded: bool, rank: int = 0, world: int = 1) -> tuple[list[float], dict[str, float]]:
     import deepspeed
 
     from tests.dist.parity import make_model, micro_batch, param_groups
 
     model = make_model()
-    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+    gas = GAS // world
+    config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
                                                          **({} if offloaded else {"torch_adam": True})}},
               "steps_per_print": 1000, **case}
@@ -67,13 +75,16 @@ def run(case: dict[str, Any], offloaded: bool) -> tuple[list[float], dict[str, f
     losses = []
     for step in range(STEPS):
         total = 0.0
-        for m in range(GAS):
-            x, y = micro_batch(step, m, 0, 1, MB, GAS)
+        for m in range(gas):
+            x, y = micro_batch(step, m, rank, world, MB, gas)
             loss = engine(x.to(dtype), y.to(dtype))
             engine.backward(loss)
             engine.step()
-            total += float(loss) / GAS
-        losses.append(total)
+            total += float(loss) / gas
+        mean = torch.tensor([total], dtype=torch.float64)
+        if world > 1:
+            deepspeed.comm.all_reduce(mean)
+        losses.append(float(mean) / world)
     norms = {n: float(p.detach().float().norm()) for n, p in model.named_parameters()}
     engine.destroy()
     return losses, norms
@@ -100,13 +111,30 @@ def main() -> None:
         _prebuilt_cpu_adam(os.environ["DS_CPU_ADAM_SO"])
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 3-minute JIT build
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+    args = sys.argv[1:]
+    world = 1
+    if args[:1] == ["--world"]:
+        world, args = int(args[1]), args[2:]
+    names = args or [n for n in CASES if n not in OFFLOADED]
+    if world == 1:
+        _rank(0, 1, names)
+        return
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(world, names), nprocs=world, start_method="fork")
+
+
+def _rank(rank: int, world: int, names: list[str]) -> None:
+    import deepspeed
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
-    names = sys.argv[1:] or [n for n in CASES if n not in OFFLOADED]
     for name in names:
-        losses, norms = run(CASES[name], name in OFFLOADED)
-        print(json.dumps({"case": name, "deepspeed": deepspeed.__version__, "losses": losses, "norms": norms}),
-              flush=True)
+        losses, norms = run(CASES[name], name in OFFLOADED, rank, world)
+        if rank == 0:
+            print(json.dumps({"case": name, "deepspeed": deepspeed.__version__, "world": world, "losses": losses,
+                              "norms": norms}), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,30 @@ from zerospeed.testing import run_distributed
 from .parity import engine_losses, make_model, micro_batch, reference_losses
 
 STEPS, MB, CLIP, LR = 6, 2, 0.5, 1e-2
-# DeepSpeed 0.19.8, torch_autocast bf16, ZeRO stage 2 (stage 0 gives the same numbers; zerospeed's stage 3 too)
+# DeepSpeed 0.19.8, torch_autocast bf16: ZeRO stage 2 on one process, and stage 0 on one process or two (the same
+# numbers: nothing is reduced in bf16)
 DS_AUTOCAST_BF16 = [1.6147246211767197, 0.5622312426567078, 1.4381201267242432, 0.6487534493207932,
                     0.6124220192432404, 0.8355250954627991]
+# ... ZeRO stages 1 and 2 on two ranks (``ds_precision_losses.py --world 2``): the Linear layers' gradients are
+# reduced in bf16 (lower_precision_safe_modules), the rest in fp32; final norms of two parameters
+DS_AUTOCAST_BF16_ZERO_W2 = [1.6147246211767197, 0.5622312426567078, 1.4381201267242432, 0.6492034941911697,
+                            0.6120612025260925, 0.8349636495113373]
+DS_AUTOCAST_BF16_ZERO_W2_NORMS = {"fc1.weight": 2.328442096710205, "head.bias": 0.3176775574684143}
 
 
-def test_torch_autocast_bf16_at_world_2_matches_deepspeed_on_one_process() -> None:
+def test_torch_autocast_bf16_at_world_2_matches_deepspeed() -> None:
     extra = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
     for ranks in run_distributed(_each, 2, [(stage, extra) for stage in (0, 2, 3)], 1, timeout=120):
-        for losses, _, _ in ranks:  # (zerospeed on one process gives the same numbers)
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(DS_AUTOCAST_BF16), rtol=1e-5, atol=1e-6)
+        (stage0, _, _), *zero = ranks  # (zerospeed on one process gives DS_AUTOCAST_BF16 at every stage)
+        torch.testing.assert_close(torch.tensor(stage0), torch.tensor(DS_AUTOCAST_BF16), rtol=1e-5, atol=1e-6)
+        for losses, state, _ in zero:  # stage 3: the same rule as DeepSpeed's stages 1-2
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(DS_AUTOCAST_BF16_ZERO_W2), rtol=1e-6,
+                                       atol=1e-6)
+            for k, v in DS_AUTOCAST_BF16_ZERO_W2_NORMS.items():
+                assert abs(float(state[k].norm()) - v) <= 1e-6 * v, k
     fp32, _ = reference_losses(STEPS, MB, 2, 1, CLIP)
     assert max(abs(a - b) for a, b in zip(DS_AUTOCAST_BF16, fp32)) > 1e-4  # the bf16 matmuls did run
+    assert abs(DS_AUTOCAST_BF16_ZERO_W2[-1] - DS_AUTOCAST_BF16[-1]) > 1e-4  # and the bf16 reductions
 
 
 def _autocast_probes(cases: list[tuple[dict[str, Any] | None, bool]]) -> list[dict[str, Any]]:

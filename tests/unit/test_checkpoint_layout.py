@@ -70,3 +70,21 @@ def test_client_state_json_refuses_objects() -> None:
     assert from_json(packed, tensors)["b"] == [1, [2, 3]]
     with pytest.raises(ValueError, match=r"client_state\.f: a function cannot be stored"):
         to_json({"f": lambda: 0}, "client_state", tensors)
+
+
+def test_relay_checks_ranges_from_the_index_without_reading() -> None:
+    """pipeline_loading_checkpoint stages by index only: a missing key or uncovered range fails as a read would."""
+    from zerospeed.runtime.checkpoint.errors import CheckpointError
+    from zerospeed.runtime.checkpoint.staged import StagedReader
+    from zerospeed.runtime.checkpoint.universal import CheckpointReader
+
+    reader = StagedReader(CheckpointReader("/nonexistent", {"master/w": [["a.safetensors", 0, 4],
+                                                                         ["b.safetensors", 6, 10]]}), "/nonexistent")
+    reader.check("master/w", 0, 4)  # no file is opened
+    reader.check("master/w", 6, 8)
+    with pytest.raises(CheckpointError, match=r"elements 2\.\.8 of 'master/w' are not all present"):
+        reader.check("master/w", 2, 8)
+    with pytest.raises(CheckpointError, match="has no tensor 'master/v'"):
+        reader.check("master/v", 0, 1)
+    with pytest.raises(CheckpointError, match="has no tensor 'scalar/step/w'"):
+        reader.check_scalar("scalar/step/w")

@@ -41,3 +41,21 @@ def test_bad_inputs() -> None:
         plan_partitions([4], 0, 16)
     with pytest.raises(ValueError, match="empty"):
         plan_partitions([0], 2, 16)
+
+
+def test_a_bucket_holds_one_gradient_dtype() -> None:
+    import torch
+
+    from zerospeed.zero import ShardedGroup
+    from zerospeed.zero.bucket_store import BucketStore
+
+    # kinds alternate in backward order: 4 3 | 2 | 1 0 (a cap that would otherwise fit all five)
+    plan = plan_partitions([2, 2, 2, 2, 2], 2, 1000, kinds=[0, 0, 1, 0, 0])
+    assert [b.params for b in plan.buckets] == [(4, 3), (2,), (1, 0)]
+    with pytest.raises(ValueError, match="2 kinds for 5 parameters"):
+        plan_partitions([2, 2, 2, 2, 2], 2, 1000, kinds=[0, 1])
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    grp = ShardedGroup(params, {}, 2, 0, 1000, torch.float32, comm_dtypes=[None, torch.bfloat16, None])
+    assert grp.bucket_comm_dtypes == (None, torch.bfloat16, None)
+    store = BucketStore([grp], torch.float32, [True], reduces_every_micro_step=False, comm_dtype=torch.float16)
+    assert [store.comm_dtype(0, b) for b in range(3)] == [torch.float16, torch.bfloat16, torch.float16]

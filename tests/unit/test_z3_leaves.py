@@ -109,6 +109,27 @@ def test_legacy_stage1_is_read_as_stage1_only() -> None:
     assert info.value.key == "zero_optimization.legacy_stage1"
 
 
+def test_pipeline_loading_checkpoint_is_read_under_stage3_only() -> None:
+    from zerospeed.config import ConfigError
+    from zerospeed.runtime.checkpoint.turns import turn_of
+    from zerospeed.runtime.facts import ModelFacts
+    from zerospeed.runtime.plan import plan_training
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1,
+                       "zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}})
+    assert cfg.zero_optimization.pipeline_loading_checkpoint
+    plan_training(cfg, ModelFacts())
+    two = load_config({"train_micro_batch_size_per_gpu": 1,
+                       "zero_optimization": {"stage": 2, "pipeline_loading_checkpoint": True}})
+    with pytest.raises(ConfigError, match="only for ZeRO stage 3, as in DeepSpeed") as info:
+        plan_training(two, ModelFacts())
+    assert info.value.key == "zero_optimization.pipeline_loading_checkpoint"
+    # two nodes of three ranks: local rank 0 of each node reads first, in the same turn
+    assert [turn_of(r, 6, 3) for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    with pytest.raises(ValueError, match="must divide"):
+        turn_of(0, 6, 4)
+
+
 def test_disable_allgather_true_says_it_has_no_effect(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="zerospeed.config"):
         assert load_config({"train_micro_batch_size_per_gpu": 1, "disable_allgather": True}).disable_allgather

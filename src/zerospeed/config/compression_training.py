@@ -60,7 +60,8 @@ class Fp16MixedQuantize(Section):
 class WeightQuantShared(Section):
     enabled: bool = False
     quantizer_kernel: bool = False
-    """DeepSpeed's CUDA quantizer kernel: the same formula, computed here by PyTorch on every device."""
+    """DeepSpeed's CUDA quantizer kernel: the same formula, computed here by PyTorch on every device (an accepted
+    hint: config/hints.py)."""
     schedule_offset: int = Field(0, ge=0)
     quantize_groups: int = Field(1, ge=1)
     """Scales per weight: the flattened weight is cut into this many equal groups."""
@@ -276,7 +277,8 @@ class QuantizeTrainingConfig(Section):
     enabled: bool = False
     quantize_verbose: bool = False
     quantizer_kernel: bool = False
-    """DeepSpeed's CUDA quantizer kernel: the same formula, computed here by PyTorch on every device."""
+    """DeepSpeed's CUDA quantizer kernel: the same formula, computed here by PyTorch on every device (an accepted
+    hint: config/hints.py)."""
     quantize_type: Literal["symmetric", "asymmetric"] | None = None
     quantize_algo: QuantizeAlgo = Field(default_factory=QuantizeAlgo, alias="quantize-algo")
     quantize_bits: QuantizeBits = Field(default_factory=QuantizeBits)
@@ -290,8 +292,7 @@ class QuantizeTrainingConfig(Section):
         shared = WeightQuantShared(enabled=self.enabled, schedule_offset=self.quantize_schedule.schedule_offset,
                                    quantize_groups=self.quantize_groups, quantize_verbose=self.quantize_verbose,
                                    quantization_type=self.quantize_type or self.quantize_algo.q_type,
-                                   rounding=self.quantize_algo.rounding, fp16_mixed_quantize=self.fp16_mixed_quantize,
-                                   quantizer_kernel=self.quantizer_kernel)
+                                   rounding=self.quantize_algo.rounding, fp16_mixed_quantize=self.fp16_mixed_quantize)
         params = WeightQuantParams(start_bits=self.quantize_bits.start_bits, target_bits=self.quantize_bits.target_bits,
                                    quantization_period=self.quantize_schedule.quantize_period)
         return WeightQuantization(shared_parameters=shared,

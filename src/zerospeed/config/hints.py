@@ -102,6 +102,13 @@ ACCEPTED_HINTS: dict[str, str] = {
                                                "shared experts itself"),
     "expert_parallel.shared_experts_gate_pattern": ("as expert_parallel.has_shared_experts: the HF block applies "
                                                     "its shared-expert gate itself"),
+    "compression_training.weight_quantization.shared_parameters.quantizer_kernel": (
+        "DeepSpeed's choice of its CUDA quantizer kernel over its PyTorch code for weight quantization; both "
+        "compute the same quantize-dequantize formula, which zerospeed computes with PyTorch on every device "
+        "(compression/quantizers.py), so the quantized weights are the same either way"),
+    "quantize_training.quantizer_kernel": (
+        "as compression_training.weight_quantization.shared_parameters.quantizer_kernel: MoQ's quantizer runs "
+        "as PyTorch code on every device, the same formula as DeepSpeed's kernel"),
     "hybrid_engine.tp_gather_partition_size": (
         "DeepSpeed reads it only for tensor-parallel generation (inference_tp_size > 1): how many layers to gather "
         "at a time before re-sharding them over the inference group; zerospeed gathers the weights once per phase "

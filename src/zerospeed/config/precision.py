@@ -57,7 +57,8 @@ class TorchAutocastConfig(Section):
     The parameters stay in the precision mode's dtype (fp32 unless fp16/bf16 is enabled); the ops that autocast
     lists run in ``dtype``. ``dtype`` None: the device's autocast default (bf16 on CPU, fp16 on CUDA), as
     ``torch.autocast`` without a dtype. ``lower_precision_safe_modules``: the classes (``package.Class``)
-    whose parameters' gradients DeepSpeed communicates in the autocast dtype; None: Linear, Conv1d/2d/3d.
+    whose parameters' gradients are reduced in the autocast dtype under ZeRO 1-3 (as DeepSpeed); None: Linear,
+    Conv1d/2d/3d.
     """
 
     enabled: bool = False

@@ -17,12 +17,13 @@ from .errors import NotSupportedYetError
 NOT_SUPPORTED_YET: dict[str, str] = {
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "random-LTD's layer-token learning-rate "
                                                                       "schedule (DeepSpeed raises too)",
-    "amp": "apex AMP",
+    "amp": ("apex AMP (DeepSpeed's amp section hands the model to NVIDIA apex's amp.initialize, a CUDA-only extension "
+            "zerospeed does not build on; torch_autocast or the fp16/bf16 sections give the same mixed precision "
+            "through PyTorch)"),
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine (enable_cuda_graph: they need a CUDA device, "
                                        "so never on CPU; on CUDA zerospeed has no captured decode yet)",
     "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
                                                     "(weight_quantization.quantized_initialization)",
-    "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
 }
 
 # The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain

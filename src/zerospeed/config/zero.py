@@ -90,6 +90,9 @@ class ZeroConfig(Section):
     error on every rank (zero/stage3/sanity.py)."""
     legacy_stage1: bool = False
     """DeepSpeed's pre-0.5.9 ZeRO-1 (removed there): read as stage 1, whose partitioning and math are the same."""
+    pipeline_loading_checkpoint: bool = False
+    """Stage 3: the ranks of a node read a checkpoint being loaded one after another, local rank 0 first
+    (DeepSpeed's relay; runtime/checkpoint/turns.py)."""
     # ZeRO-Offload of the optimizer step and state (config/offload.py).
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     # ZeRO-Infinity: stage-3 parameter shards on the host or on disk (config/offload.py).

@@ -7,10 +7,10 @@ autocast the caller opened around ``engine(x)`` is replaced by the engine's (its
 own precision sections), with one warning each. fp16 autocast scales the loss by ``torch.amp.GradScaler``'s
 rule at its defaults, as DeepSpeed does (``precision/loss_scaler.py``: ``GradScalerRule``).
 
-``lower_precision_safe_modules`` names the classes (exact classes, not subclasses) whose parameters DeepSpeed
-marks with the autocast dtype as their gradient communication dtype; :meth:`AutocastRegion.safe_parameters`
-finds them. zerospeed reduces every gradient in ``communication_data_type`` (the accumulation dtype, fp32,
-unless set): see docs/config.md.
+``lower_precision_safe_modules`` names the classes (exact classes, not subclasses) whose parameters' gradients
+are reduced in the autocast dtype under ZeRO 1-3, as DeepSpeed marks them; :meth:`AutocastRegion.safe_parameters`
+finds them and ``runtime/build_optimizer.py`` (``lower_precision_grads``) gives their buckets that dtype. The
+other gradients are reduced in ``communication_data_type``; all accumulate in ``grad_accum_dtype``.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
     raw_groups = optimizer_groups(cfg, model, model_parameters, optimizer, grids.moe)
     trimmer = HeapTrimmer.for_device(device, cfg.zero_stage)  # host: freed heap back in backward
-    zero_opt, base = optimizer_stack(plan, cfg, grids, stage3, policy, model, raw_groups, optimizer, trimmer)
+    zero_opt, base = optimizer_stack(plan, cfg, grids, stage3, policy, model, raw_groups, optimizer, trimmer, autocast)
     scheduler = build_scheduler(cfg, lr_scheduler, base)
     loader = training_loader(cfg, training_data, cfg.batch(grids.data_size), grids, collate_fn, zero_opt)
     engine = _engine(plan, cfg, model, grids, zero_opt, scheduler, loader, stage3, fp8_modules, device, policy.compute,

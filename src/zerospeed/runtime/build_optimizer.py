@@ -80,10 +80,11 @@ def _reduce_bucket(cfg: ZeroSpeedConfig, params: list[nn.Parameter], world: int)
 
 def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3: Any, compute: torch.dtype,
                  dp_size: int, dp_rank: int, moe: Any = None,
-                 master_dtype: torch.dtype = torch.float32, sparse: frozenset[int] = frozenset()
-                 ) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
+                 master_dtype: torch.dtype = torch.float32, sparse: frozenset[int] = frozenset(),
+                 lower: dict[int, torch.dtype] | None = None) -> tuple[list[ShardedGroup | None], list[dict[str, Any]]]:
     """One sharded group per optimizer param group (None where nothing in it trains), and its options;
-    ``sparse`` (parameter ids: ``sparse_gradients``) each get a bucket of their own."""
+    ``sparse`` (parameter ids: ``sparse_gradients``) each get a bucket of their own; ``lower`` (parameter
+    ids: ``lower_precision_grads``) have their gradients reduced in the dtype it names."""
     bucket = cfg.zero_optimization.reduce_bucket_size
     partitions = 1 if cfg.zero_stage == 0 else dp_size
     groups: list[ShardedGroup | None] = []
@@ -97,19 +98,21 @@ def build_groups(cfg: ZeroSpeedConfig, raw_groups: list[dict[str, Any]], stage3:
     for g in raw_groups:
         trainable = [p for p in g["params"] if p.requires_grad]
         options.append({k: v for k, v in g.items() if k != "params"})
+        dtypes = [lower.get(id(p)) for p in trainable] if lower else None
         if not trainable:
             groups.append(None)
         elif moe is not None and moe.expert_groups_of(trainable) is not None:  # partitioned over its edp group
             groups.append(moe.sharded_group(trainable, options[-1], cfg.zero_stage, bucket, compute, stage3,
-                                            defer_master=on_disk, separate_master=separate))
+                                            defer_master=on_disk, separate_master=separate, comm_dtypes=dtypes))
         elif stage3 is not None:
             groups.append(stage3.make_group(trainable, options[-1], dp_rank, _reduce_bucket(cfg, trainable, dp_size),
-                                            defer_master=on_disk, separate_master=separate))
+                                            defer_master=on_disk, separate_master=separate, comm_dtypes=dtypes))
         else:
             groups.append(ShardedGroup(trainable, options[-1], partitions, dp_rank,
                                        _reduce_bucket(cfg, trainable, dp_size), compute,
                                        defer_master=on_disk, separate_master=separate, master_dtype=master_dtype,
-                                       alone=frozenset(i for i, p in enumerate(trainable) if id(p) in sparse)))
+                                       alone=frozenset(i for i, p in enumerate(trainable) if id(p) in sparse),
+                                       comm_dtypes=dtypes))
     offload = cfg.zero_optimization.offload_optimizer
     if offload.enabled:  # ZeRO-Offload: fp32 masters on host before the optimizer is built over them
         from ..offload import move_master_to_host
@@ -250,12 +253,13 @@ def build_scheduler(cfg: ZeroSpeedConfig, client: Any, opt: torch.optim.Optimize
 
 
 def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: Any, policy: Any, model: nn.Module,
-                    raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any) -> tuple[ZeroOptimizer | None, Any]:
+                    raw_groups: list[dict[str, Any]], client: Any, heap_trimmer: Any,
+                    autocast: Any = None) -> tuple[ZeroOptimizer | None, Any]:
     """The ZeRO optimizer over the base optimizer (None without one), with the parallelisms' norm axes."""
     moe, dp_group = grids.moe, grids.dp_group
     sparse = sparse_parameters(cfg, model)
     groups, options = build_groups(cfg, raw_groups, stage3, policy.compute, grids.dp_size, grids.dp_rank, moe,
-                                   policy.master, sparse)
+                                   policy.master, sparse, lower_precision_grads(cfg, autocast, model))
     live = [g for g in groups if g is not None]
     base = build_base_optimizer(cfg, client, groups, options)
     if base is None:
@@ -266,6 +270,17 @@ def optimizer_stack(plan: TrainPlan, cfg: ZeroSpeedConfig, grids: Any, stage3: A
     if plan.compressing:  # a 1-bit optimizer averages its compressed momentum over the data-parallel group
         base.bind(dp_group)  # type: ignore[union-attr]
     return zero_opt, base
+
+
+def lower_precision_grads(cfg: ZeroSpeedConfig, autocast: Any, model: nn.Module) -> dict[int, torch.dtype]:
+    """``torch_autocast`` under ZeRO 1-3 (DeepSpeed's ``init_autocast_params`` and per-dtype IPG buckets): the
+    parameters of the lower-precision-safe modules (exact classes: ``lower_precision_safe_modules``, default
+    Linear and Conv1d/2d/3d) have their gradients reduced in the autocast dtype, the others in the
+    communication dtype; accumulation stays in ``grad_accum_dtype``. Stage 0 reduces every gradient in the
+    communication dtype (DeepSpeed's engine all-reduce reads no per-parameter dtype)."""
+    if autocast is None or not autocast.enabled or cfg.zero_stage == 0 or autocast.dtype is None:
+        return {}
+    return {id(p): autocast.dtype for p in autocast.safe_parameters(model) if p.requires_grad}
 
 
 def sparse_parameters(cfg: ZeroSpeedConfig, model: nn.Module) -> frozenset[int]:

@@ -155,6 +155,10 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda p, c, f: c.zero_optimization.mics_shard_size > 0 and f.optimizer is not None
          and (f.optimizer.orthogonalizes or "lamb" in f.optimizer.class_name.lower()), "zero_optimization.mics_shard_size",
          _const("MiCS with Lamb or Muon (per-parameter norms and whole matrices over the shard group)" + _NOT_YET)),
+    Rule(lambda p, c, f: c.zero_optimization.pipeline_loading_checkpoint and p.stage != 3,
+         "zero_optimization.pipeline_loading_checkpoint",
+         lambda p, c, f: "the serial (relay) checkpoint load is only for ZeRO stage 3, as in DeepSpeed (which asserts "
+                         f"when it loads); got stage {p.stage}", ConfigError),
     Rule(lambda p, c, f: c.zero_optimization.legacy_stage1 and p.stage != 1, "zero_optimization.legacy_stage1",
          lambda p, c, f: f"legacy_stage1 is DeepSpeed's old ZeRO stage 1: it needs stage 1, got stage {p.stage}",
          ConfigError),

@@ -6,6 +6,10 @@ gradients accumulate there over micro-steps and the bucket is reduced once per a
 (reduced every micro-step, about two buckets alive at a time). Which groups get which, and whether
 transient groups turn full on the first micro-step that does not communicate (``local_accumulation``),
 is decided by ``zero/reducer_parts.py``; the store itself does not know the stage.
+
+The buffers hold the accumulation dtype; each bucket is *sent* in its communication dtype
+(:meth:`BucketStore.comm_dtype`): the reducer's, or the bucket's own where its group says so
+(``ShardedGroup.bucket_comm_dtypes``: the gradients of ``torch_autocast``'s lower-precision-safe modules).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from .sharded_group import ShardedGroup
 
 class BucketStore:
     def __init__(self, groups: Sequence[ShardedGroup], dtype: torch.dtype, full: Sequence[bool],
-                 reduces_every_micro_step: bool, promotes: bool = False) -> None:
+                 reduces_every_micro_step: bool, promotes: bool = False, comm_dtype: torch.dtype | None = None) -> None:
         """``full[g]``: group g has a full-size buffer; ``reduces_every_micro_step``: transient buckets must be
         reduced on every micro-step; ``promotes``: the first micro-step that does not end a window makes the
-        missing full-size buffers, and from then on the store accumulates locally."""
+        missing full-size buffers, and from then on the store accumulates locally; ``comm_dtype``: the dtype
+        buckets are sent in unless their group names one (None: ``dtype``)."""
         self.groups, self.dtype = groups, dtype
+        self.default_comm = dtype if comm_dtype is None else comm_dtype
         self.full: list[torch.Tensor | None] = [
             zeros_buffer(g.plan.padded_numel, dtype, g.device) if f else None for g, f in zip(groups, full)]
         self.every = reduces_every_micro_step
@@ -72,6 +78,11 @@ class BucketStore:
         for g in self.held:
             self.full[g] = None
         self.held, self.holding = [], False
+
+    def comm_dtype(self, g: int, b: int) -> torch.dtype:
+        """The dtype bucket (g, b) is reduced in."""
+        own = getattr(self.groups[g], "bucket_comm_dtypes", ())
+        return (own[b] if b < len(own) else None) or self.default_comm
 
     def is_transient(self, g: int) -> bool:
         return self.full[g] is None

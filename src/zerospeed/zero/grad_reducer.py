@@ -175,7 +175,8 @@ class GradReducer:
                 assert size == 1 or grp.num_partitions == 1, "local gradients need one partition (stage 0)"
                 self.pending.append(_Pending(g, b, None, buf, None, local=True))
                 return
-            send = buf if buf.dtype == self.s.comm_dtype else buf.to(self.s.comm_dtype)
+            dtype = self.store.comm_dtype(g, b)
+            send = buf if buf.dtype == dtype else buf.to(dtype)
             pre, _ = scales(self.s, size)
             if pre != 1.0:
                 send.mul_(pre)

@@ -69,8 +69,8 @@ class LateGrads:
         g, b = self.tracker.order[k]
         grp = self.groups[g]
         n, width = grp.num_partitions, grp.plan.buckets[b].shard_numel
-        send = torch.zeros(n * width, dtype=self.s.comm_dtype, device=grp.device) if late is None \
-            else late.to(self.s.comm_dtype)
+        dtype = self.store.comm_dtype(g, b)
+        send = torch.zeros(n * width, dtype=dtype, device=grp.device) if late is None else late.to(dtype)
         pre, post = scales(self.s, size)
         send.mul_(pre)
         if n > 1 and self.s.reduce_scatter:

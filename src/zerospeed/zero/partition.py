@@ -91,9 +91,13 @@ def reduce_bucket_numel(reduce_bucket_size: int, numels: Sequence[int], stage: i
 
 
 def plan_partitions(numels: Sequence[int], world: int, bucket_numel: int,
-                    alone: frozenset[int] = frozenset()) -> PartitionPlan:
+                    alone: frozenset[int] = frozenset(), kinds: Sequence[int] | None = None) -> PartitionPlan:
     """Plan shards and buckets for parameters of the given sizes over ``world`` ranks (the parameters in ``alone``
-    each get a bucket of their own: ``sparse_gradients`` reduces those buckets as rows)."""
+    each get a bucket of their own: ``sparse_gradients`` reduces those buckets as rows). ``kinds`` (one per
+    parameter): a bucket holds parameters of one kind only (its gradients travel in one dtype:
+    ``torch_autocast.lower_precision_safe_modules``)."""
+    if kinds is not None and len(kinds) != len(numels):
+        raise ValueError(f"{len(kinds)} kinds for {len(numels)} parameters")
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if bucket_numel < 1:
@@ -116,7 +120,9 @@ def plan_partitions(numels: Sequence[int], world: int, bucket_numel: int,
 
     for index in reversed(range(len(numels))):
         s = shard_size(numels[index], world)
-        if current and ((current_shard + s) * world > bucket_numel or index in alone or current[-1] in alone):
+        other_kind = kinds is not None and bool(current) and kinds[current[-1]] != kinds[index]
+        if current and ((current_shard + s) * world > bucket_numel or index in alone or current[-1] in alone
+                        or other_kind):
             close()
         slots[index] = ParamSlot(index, numels[index], s, len(buckets), current_shard)
         current.append(index)

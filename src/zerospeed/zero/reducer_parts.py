@@ -106,7 +106,7 @@ def reducer_parts(groups: Sequence[ShardedGroup], settings: ReduceSettings, sink
     transient = settings.stage >= 2
     full = [not transient or (g.num_partitions == 1 and not settings.partition_sink) for g in groups]
     store = BucketStore(groups, settings.accum_dtype, full, reduces_every_micro_step=transient,
-                        promotes=settings.stage == 2 and settings.local_accumulation)
+                        promotes=settings.stage == 2 and settings.local_accumulation, comm_dtype=settings.comm_dtype)
     dest = SinkDest(groups, sink) if sink is not None else PartitionDest(
         groups, settings.accum_dtype, count_released=transient and not settings.partition_sink)
     return ReducerParts(store, dest, compressor_for(settings) if compressor is None else compressor,

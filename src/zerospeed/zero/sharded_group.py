@@ -15,6 +15,7 @@ home range by range instead of a resident tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +24,8 @@ from torch import nn
 from .. import comm
 from .layout import gather_from
 from .partition import PartitionPlan, plan_partitions
+
+_KINDS = (None, torch.float32, torch.bfloat16, torch.float16)  # a parameter's gradient dtype -> its bucket kind
 
 
 class MasterHome(Protocol):
@@ -45,7 +48,8 @@ class ShardedGroup:
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
                  bucket_numel: int, compute_dtype: torch.dtype, device: torch.device | None = None,
                  defer_master: bool = False, separate_master: bool = False,
-                 master_dtype: torch.dtype = torch.float32, alone: frozenset[int] = frozenset()) -> None:
+                 master_dtype: torch.dtype = torch.float32, alone: frozenset[int] = frozenset(),
+                 comm_dtypes: Sequence[torch.dtype | None] | None = None) -> None:
         for p in params:
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; ZeRO needs contiguous parameters")
@@ -53,7 +57,13 @@ class ShardedGroup:
         self.options = options
         self.num_partitions = num_partitions
         self.rank = rank if num_partitions > 1 else 0  # position among the partitions
-        self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel, alone)
+        # ``comm_dtypes`` (per parameter; None: the reducer's communication dtype): the dtype its gradient is
+        # reduced in. Buckets hold one dtype each (``bucket_comm_dtypes``), as DeepSpeed's per-dtype IPG buckets.
+        kinds = None if comm_dtypes is None else [_KINDS.index(d) for d in comm_dtypes]
+        self.plan: PartitionPlan = plan_partitions(self._full_numels(params), num_partitions, bucket_numel, alone,
+                                                   kinds)
+        self.bucket_comm_dtypes: tuple[torch.dtype | None, ...] = tuple(
+            None if comm_dtypes is None else comm_dtypes[b.params[0]] for b in self.plan.buckets)
         # ``separate_master``: keep a master copy even where the model could be it (offload with the model on an
         # accelerator: the master lives on the host, where the optimizer runs).
         self.alias = (not separate_master and num_partitions == 1 and compute_dtype == torch.float32

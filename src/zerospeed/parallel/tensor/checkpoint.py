@@ -142,6 +142,11 @@ class TPReader:
         pieces = self._pieces(key)
         return self.inner.read_scalar(pieces[0] if pieces else key)
 
+    def covers(self, key: str, lo: int, hi: int) -> None:
+        """Raise unless ``key``'s elements ``[lo, hi)`` can be read (a reassembled key: all its pieces stored)."""
+        if self.inner.has(key) or self._pieces(key) is None:
+            self.inner.covers(key, lo, hi)
+
     def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
         if self.inner.has(key):
             return self.inner.read_range(key, lo, hi)

@@ -22,7 +22,8 @@ from .part import LoadContext
 from .save import CLIENT_FILE, save_group, writer_of
 from .state import check_rng_state, from_json, set_rng_state
 from .tensor_file import TensorReader
-from .universal import CheckpointReader, load_params, names_by_id, owned_params
+from .turns import read_in_turns, relay_turn
+from .universal import CheckpointReader, finish_params, load_params, names_by_id, owned_params
 
 
 def verify_shared(ckpt: str, manifest: dict[str, Any], group: Any) -> None:
@@ -118,19 +119,24 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     try:
         ctx = _stage(engine, ckpt, manifest, meta, index, group, load_module_strict, load_optimizer_states,
                      load_lr_scheduler_states, load_module_only)
-    except (CheckpointError, ValueError, KeyError, TypeError, IndexError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
-    try:
-        staged.agree(error, group, what, "; nothing was loaded, the engine is unchanged on every rank")
-    except CheckpointError:
-        if ctx is not None and ctx.reader is not None:
-            ctx.reader.close()
-        raise
+    except _STAGE_ERRORS as exc:
+        error = _message(exc)
+
+    relay = engine.config.zero_optimization.pipeline_loading_checkpoint  # a node's ranks read one at a time
+    if ctx is not None and not error:
+        error = _read_staged(engine, ctx, keep=not relay)  # relay: only checked against the index here
+    _agree_or_close(error, group, what, "; nothing was loaded, the engine is unchanged on every rank", ctx)
     assert ctx is not None
+    from_fp32 = engine.config.zero_optimization.load_from_fp32_weights
+    if relay:
+        error = read_in_turns(lambda: relay_turn(ctx, _groups(engine), engine.optimizer, from_fp32), group)
+        _agree_or_close(error, group, what, PARTLY, ctx)
     client: dict[str, Any] | None = None
     try:
-        load_params(_groups(engine), ctx.names, ctx.reader,
-                    from_fp32=engine.config.zero_optimization.load_from_fp32_weights)
+        if relay:
+            finish_params(ctx.sharded)
+        else:
+            load_params(_groups(engine), ctx.names, ctx.reader, from_fp32=from_fp32)
         module_state.load_rest(engine.module, ctx.grouped, meta["tensors"], os.path.join(ckpt, layout.MODULE_FILE),
                                ctx.reader)
         if not load_module_only:
@@ -144,8 +150,20 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         error = f"{type(exc).__name__}: {exc}"
     finally:
         ctx.reader.close()
-    staged.agree(error, group, what, "; the state may be partly loaded: build a new engine and load again")
+    staged.agree(error, group, what, PARTLY)
     return ckpt, client
+
+
+PARTLY = "; the state may be partly loaded: build a new engine and load again"
+
+
+def _agree_or_close(error: str, group: Any, what: str, after: str, ctx: LoadContext | None) -> None:
+    try:
+        staged.agree(error, group, what, after)
+    except CheckpointError:
+        if ctx is not None and ctx.reader is not None:
+            ctx.reader.close()
+        raise
 
 
 def _groups(engine: Any) -> list[Any]:
@@ -155,7 +173,8 @@ def _groups(engine: Any) -> list[Any]:
 def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any], index: dict[str, Any],
            group: Any, strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
            module_only: bool) -> LoadContext:
-    """Everything that can be checked or read before the engine changes (``staged``, step 1)."""
+    """Everything that can be checked before the engine changes (``staged``, step 1); the tensor reads follow
+    (``_read_staged``: at once, or a node's ranks one after another under ``pipeline_loading_checkpoint``)."""
     rank = comm.get_rank(group)
     where = os.path.join(ckpt, layout.META)
     if not isinstance(meta.get("tensors"), dict):
@@ -174,10 +193,25 @@ def _stage(engine: Any, ckpt: str, manifest: dict[str, Any], meta: dict[str, Any
     if ctx.load_optimizer_states and not ctx.partial_model:
         check_partitioning(engine, meta, ckpt)
     module_state.check_names(engine.module, meta["tensors"], strict, ctx.partial_model)
-    ctx.reader = reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module),
-                                              ckpt)
-    staged.stage_tensors(reader, list(owned_params(groups, names)), ctx.layout)
+    ctx.reader = staged.StagedReader(TPReader(CheckpointReader(ckpt, index), meta["tensors"], engine.module), ckpt)
     return ctx
+
+
+_STAGE_ERRORS = (CheckpointError, ValueError, KeyError, TypeError, IndexError, OSError)
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _read_staged(engine: Any, ctx: LoadContext, keep: bool = True) -> str:
+    """Stage 1's reads (no communication): every tensor range this rank will own (``keep`` False: checked
+    against the index only); an error message or ""."""
+    try:
+        staged.stage_tensors(ctx.reader, list(owned_params(_groups(engine), ctx.names)), ctx.layout, keep)
+    except _STAGE_ERRORS as exc:
+        return _message(exc)
+    return ""
 
 
 def _client_state(ckpt: str, meta: dict[str, Any]) -> dict[str, Any]:

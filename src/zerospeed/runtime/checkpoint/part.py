@@ -73,6 +73,10 @@ class LoadContext:
     rng: Any = None
     layout: Any = None  # the saved optimizer-state layout under this engine's names (staged up front)
     reader: Any = None
+    # pipeline_loading_checkpoint (turns.py): the masters and optimizer state were written in this rank's turn;
+    # the stage-3 groups whose parameter shards are still to be written from them
+    optimizer_state_loaded: bool = False
+    sharded: list[Any] = field(default_factory=list)
 
 
 class CheckpointPart(Protocol):

@@ -82,8 +82,9 @@ class ZeroGroupsPart(Part):
                 warnings.warn(f"checkpoint optimizer is {saved['type']}, the engine's is {type(opt).__name__}; "
                               "loading its state by name anyway", stacklevel=5)
             restore_param_group_options(opt.param_groups, saved["param_groups"])
-            load_optimizer_state(self.groups(), ctx.names, ctx.reader, tp_ckpt.remap_layout(saved["layout"], ctx.names),
-                                 opt)
+            if not ctx.optimizer_state_loaded:  # (pipeline_loading_checkpoint: in the rank's turn)
+                load_optimizer_state(self.groups(), ctx.names, ctx.reader,
+                                     tp_ckpt.remap_layout(saved["layout"], ctx.names), opt)
             if not isinstance(self.optimizer.loss_scaler, NoScaler):  # bf16/fp32 keep scale 1 whatever was saved
                 self.optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
         counters = ctx.meta["engine"]  # the top-k warm-up counts optimizer steps taken

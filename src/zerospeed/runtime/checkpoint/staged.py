@@ -42,6 +42,19 @@ class StagedReader:
         if key not in self._scalars:
             self._scalars[key] = self.inner.read_scalar(key)
 
+    def check(self, key: str, lo: int, hi: int) -> None:
+        """What :meth:`stage` checks, from the index alone (nothing read or kept)."""
+        self.inner.covers(key, lo, hi)
+
+    def check_scalar(self, key: str) -> None:
+        if not self.inner.has(key):
+            raise CheckpointError(f"checkpoint {self.ckpt} has no tensor {key!r}")
+
+    def release(self) -> None:
+        """Drop what was staged (the reader stays open)."""
+        self._ranges.clear()
+        self._scalars.clear()
+
     def has(self, key: str) -> bool:
         return self.inner.has(key)
 
@@ -62,21 +75,24 @@ class StagedReader:
         self.inner.close()
 
 
-def stage_tensors(reader: StagedReader, owned: list[Any], layout: dict[str, Any] | None) -> None:
+def stage_tensors(reader: StagedReader, owned: list[Any], layout: dict[str, Any] | None, keep: bool = True) -> None:
     """Read every range ``load_params`` / ``load_optimizer_state`` will ask for (shapes were checked by
-    ``module_state.check_names``); a key or element range the checkpoint does not hold fails here."""
+    ``module_state.check_names``); a key or element range the checkpoint does not hold fails here. ``keep``
+    False: only check that the index holds them (``pipeline_loading_checkpoint`` reads them later, in turns)."""
     from .universal import master_read_range
 
+    stage = reader.stage if keep else reader.check
+    stage_scalar = reader.stage_scalar if keep else reader.check_scalar
     for op in owned:
-        reader.stage(f"master/{op.name}", *master_read_range(op))
+        stage(f"master/{op.name}", *master_read_range(op))
         lay = None if layout is None else layout.get(op.name)
         if lay is None:
             continue
         for k in lay.get("elementwise", []):
             if op.hi > op.lo:
-                reader.stage(f"optim/{k}/{op.name}", op.lo, op.hi)
+                stage(f"optim/{k}/{op.name}", op.lo, op.hi)
         for k in lay.get("scalar", []):
-            reader.stage_scalar(f"scalar/{k}/{op.name}")
+            stage_scalar(f"scalar/{k}/{op.name}")
 
 
 def check_counters(counters: Any, where: str) -> None:

@@ -177,6 +177,15 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.ckpt}: elements {lo}..{hi} of {key!r} are not all present")
         return out
 
+    def covers(self, key: str, lo: int, hi: int) -> None:
+        """Raise what :meth:`read_range` would when elements ``[lo, hi)`` of ``key`` are not all stored (from
+        the index: nothing is read)."""
+        if key not in self.index:
+            raise CheckpointError(f"checkpoint {self.ckpt} has no tensor {key!r}")
+        covered = sum(max(0, min(hi, phi) - max(lo, plo)) for _, plo, phi in self.index[key])
+        if covered != hi - lo:
+            raise CheckpointError(f"checkpoint {self.ckpt}: elements {lo}..{hi} of {key!r} are not all present")
+
     def read_scalar(self, key: str) -> torch.Tensor:
         fname = self.index[key][0][0]
         return self._file(fname).read(key)
@@ -203,6 +212,20 @@ def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: Check
     ``from_fp32=False`` (``zero_optimization.load_from_fp32_weights: false``) re-creates the master from the
     16-bit model weights instead, as DeepSpeed does: the saved master rounded to the parameter's dtype.
     """
+    finish_params(write_masters(groups, names, reader, from_fp32))
+
+
+def finish_params(sharded: list[ShardedGroup]) -> None:
+    """Stage 3: the loaded masters into the local parameter shards (persistent parameters: one all-gather)."""
+    for grp in sharded:
+        grp.copy_master_to_params()
+
+
+@torch.no_grad()
+def write_masters(groups: list[ShardedGroup], names: dict[int, str], reader: CheckpointReader,
+                  from_fp32: bool = True) -> list[ShardedGroup]:
+    """:func:`load_params` without communication: the masters (and unsharded parameters) written; returns the
+    stage-3 groups whose shards :func:`finish_params` must still write."""
     sharded: list[ShardedGroup] = []
     for op in owned_params(groups, names):
         params_sharded = op.group.params_sharded and not op.group.alias
@@ -226,8 +249,7 @@ def load_params(groups: list[ShardedGroup], names: dict[int, str], reader: Check
         view = torch.zeros(op.master_param.numel(), dtype=torch.float32)
         view[: op.hi - op.lo].copy_(part)
         op.group.write_master_range(start, view)
-    for grp in sharded:
-        grp.copy_master_to_params()
+    return sharded
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ parameter's gradient is taken, its module may release the parameter (``Fetcher.o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,12 +41,13 @@ class Stage3Group(ShardedGroup):
 
     def __init__(self, params: list[nn.Parameter], options: dict[str, Any], num_partitions: int, rank: int,
                  bucket_numel: int, compute_dtype: torch.dtype, dp_group: comm.Group | None,
-                 defer_master: bool = False, separate_master: bool = False) -> None:
+                 defer_master: bool = False, separate_master: bool = False,
+                 comm_dtypes: Sequence[torch.dtype | None] | None = None) -> None:
         self.shards = _shards(params)
         self.dp_group = dp_group
         super().__init__(params, options, num_partitions, rank, bucket_numel, compute_dtype,
                          device=self.shards[0].device if self.shards else None, defer_master=defer_master,
-                         separate_master=separate_master)
+                         separate_master=separate_master, comm_dtypes=comm_dtypes)
         for i, s in enumerate(self.shards):
             s.on_modified.append(lambda i=i: self._refresh_master(i))
         self._alias_fp32_shards()

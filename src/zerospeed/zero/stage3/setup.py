@@ -237,14 +237,14 @@ class Stage3Runtime:
     # --- parts for initialize() ----------------------------------------------------------------------
     def make_group(self, params: list[nn.Parameter], options: dict[str, Any], rank: int,
                    bucket_numel: int, defer_master: bool = False, separate_master: bool = False,
-                   group: comm.Group | None = None) -> Stage3Group:
+                   group: comm.Group | None = None, comm_dtypes: Any = None) -> Stage3Group:
         """``group``: the one the params are partitioned over when not the data-parallel group (MoE experts).
         MiCS: the shard group, and this rank's place in it."""
         if group is None and self.mics is not None:
             group, rank = self.mics.shard, comm.get_rank(self.mics.shard)
         group = self.dp_group if group is None else group
         made = Stage3Group(params, options, comm.get_world_size(group), rank, bucket_numel,
-                           self.compute_dtype, group, defer_master, separate_master)
+                           self.compute_dtype, group, defer_master, separate_master, comm_dtypes)
         made.replica_group = self.mics.replicas if self.mics is not None and group is self.mics.shard else None
         return made
 
