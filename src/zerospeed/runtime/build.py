@@ -19,7 +19,7 @@ from ..compression.runtime import compression_runtime
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.hints import log_accepted_hints
 from ..precision import AutocastRegion, make_policy
-from .build_checkpoint import checkpoint_parts
+from .build_checkpoint import checkpoint_parts, model_export
 from .build_data import data_efficiency, training_loader
 from .build_model import fp8_linears, optimizer_groups, place_model
 from .build_optimizer import build_scheduler, optimizer_stack
@@ -116,7 +116,7 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
                         checkpoint_parts=checkpoint_parts(plan, model, zero_opt, scheduler, loader, de, tp,
                                                          cfg.checkpoint.parallel_write.pipeline_stage),
                         activation_checkpointing=activation_checkpointing(cfg),
-                        experts_sharded=experts_sharded,
+                        model_export=model_export(grids.tp, experts_sharded, grids.dp_group, stage3),
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,
                         data_efficiency=de, tensor_parallel=grids.tp,
                         sequence_grid=grids.seq, fp8_modules=fp8_modules, heap_trimmer=trimmer, comms=comms, plan=plan,

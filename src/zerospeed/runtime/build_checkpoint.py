@@ -10,6 +10,7 @@ from torch import nn
 from .checkpoint.part import CheckpointPart
 from .checkpoint.parts import (CountersPart, DataEfficiencyPart, ExpertsPart, LoaderPart, OffloadPart,
                                PipelineStagePart, SchedulerPart, TensorParallelPart, ZeroGroupsPart)
+from .export_model import ExpertExport, ModelExport, ReplicatedExport, TensorParallelExport
 from .plan import TrainPlan
 
 PIPELINE_WITH_TP = ("checkpoints of a pipeline with tensor parallelism are not supported yet by zerospeed")
@@ -32,3 +33,12 @@ def checkpoint_parts(plan: TrainPlan, model: nn.Module, optimizer: Any, schedule
               LoaderPart(loader, hasattr(loader, "state_dict"), hasattr(loader, "load_state_dict")),
               DataEfficiencyPart(data_efficiency)]
     return tuple(parts)
+
+
+def model_export(tensor_parallel: Any, experts_sharded: bool, dp_group: Any, zero3: Any) -> ModelExport:
+    """How ``save_16bit_model`` collects the whole model for this layout (``runtime/export_model.py``)."""
+    if tensor_parallel is not None:
+        return TensorParallelExport(experts=experts_sharded)
+    if experts_sharded:
+        return ExpertExport(dp_group, zero3)
+    return ReplicatedExport(dp_group, zero3)

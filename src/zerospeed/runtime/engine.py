@@ -506,9 +506,7 @@ class Engine(nn.Module):
         ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` as in DeepSpeed; experts and
         tensor-parallel shards are joined (``runtime/export_model.py``).
         """
-        from .export_model import save_16bit
-
-        return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
+        return self.parts.model_export(self.module, save_dir, save_filename, exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """Collective: the whole model in its compute dtype on rank 0 (``{}`` elsewhere), under any stage."""

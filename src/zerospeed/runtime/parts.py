@@ -34,7 +34,7 @@ class EngineParts:
     plan: Any = None  # the TrainPlan (runtime/plan.py)
     checkpoint_group: Any = None  # who writes checkpoint files (None: the data-parallel group)
     mp_world_size: int = 1  # tensor-parallel ways (DeepSpeed's engine.mp_world_size)
-    experts_sharded: bool = False  # expert parallelism: each rank holds only its own experts (ep_size > 1)
+    model_export: Any = None  # how save_16bit_model collects the whole model (runtime/export_model.py)
     autocast: Any = None  # torch_autocast: the forward's autocast region (precision/autocast.py)
     hybrid: Any = None  # hybrid_engine: rollout phases for engine.generate() (runtime/hybrid_engine.py)
     checkpoint_writer: Any = field(default_factory=_background_writer)  # async saves (runtime/checkpoint/)
