@@ -25,6 +25,7 @@ the 4-rank run. After each test node1 is brought back fresh. The link-down, dela
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cluster.common import launch, launch_argv, losses, rank_info
+from tests.cluster.common import launch, launch_argv, losses, mn_train, rank_info, reference_losses
 from tests.cluster.conftest import STEPS, full_only
-from zerospeed.testing.cluster import Cluster, faults
+from zerospeed.testing.cluster import Cluster, faults, free_port
 
 
 def _check(cluster: Cluster, out: Path, reference: list[float], hosts: list[str]) -> list[dict]:
@@ -246,3 +247,65 @@ def test_slow_or_lossy_link_still_trains(cluster: Cluster, cluster_env: dict[str
     assert done.returncode == 0, done.stderr[-3000:]
     got = torch.tensor([g["loss"] for g in losses(out)])
     torch.testing.assert_close(got, torch.tensor(reference), rtol=1e-5, atol=0)
+
+
+# --- elastic training across hosts: a host lost and brought back ---
+
+def _elastic_argv(hostfile: str, out: Path, ckpt: Path, port: int, *flags: str) -> list[str]:
+    return launch_argv(hostfile, "ssh", out, 200, "--elastic_training", "--min_elastic_nodes", "1",
+                       "--max_elastic_nodes", "2", "--rdzv_conf", "last_call_timeout=1", "--shutdown-timeout", "3",
+                       *flags, port=port, script_args=("--ckpt", str(ckpt), "--elastic", "--timeout",
+                                                       str(TIMEOUT_S), "--sleep", "0.3"))
+
+
+def test_elastic_host_lost_and_readded(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
+                                       node1_reset: None) -> None:
+    """``--elastic_training --launcher ssh`` on node0 and node1 (2 ranks each): node1's namespace is killed
+    mid-training; the launcher names it and goes on, torchrun restarts node0's ranks at world 2 from the
+    latest universal checkpoint; node1 is brought back fresh and joins (``--include node1 --force_multi``
+    with node0 as master): world 4 again. Both restarted phases' losses equal one fixed-size 2-rank run
+    from the shrunk phase's checkpoint (the global batch stays 8: rtol 1e-5)."""
+    hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=2, hosts=[0, 1])
+    out, ckpt, port = tmp_path / "out", tmp_path / "ckpt", free_port()
+    log = str(out / "losses.jsonl")
+    with open(tmp_path / "launcher.log", "w") as f:
+        job = cluster.popen(0, _elastic_argv(hostfile, out, ckpt, port), cwd=str(tmp_path), env=cluster_env,
+                            stdout=f, stderr=subprocess.STDOUT, text=True)
+    procs = [job]
+    try:
+        mn_train.wait_phase(log, 4, 1)
+        cluster.kill_host(1)
+        mn_train.wait_phase(log, 2, 2)
+        cluster.reset_host(1)
+        with open(tmp_path / "joiner.log", "w") as f:
+            procs.append(cluster.popen(0, _elastic_argv(hostfile, out, ckpt, port, "--include", "node1",
+                                                        "--force_multi", "--master_addr", "node0"),
+                                       cwd=str(tmp_path), env=cluster_env, stdout=f, stderr=subprocess.STDOUT,
+                                       text=True))
+        mn_train.wait_phase(log, 4, 1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    said = (tmp_path / "launcher.log").read_text()
+    assert "host node1 (node 1) left the elastic job" in said, said[-3000:]
+    phases = mn_train.phases(log)
+    assert [p[0]["world"] for p in phases] == [4, 2, 4], phases
+    _, shrunk, grown = phases
+    ranks = rank_info(out)  # the grown phase's ranks 2 and 3 run on node1 again
+    assert [r["host"] for r in ranks] == ["node0", "node0", "node1", "node1"], ranks
+    assert all(r["step"] is not None and r["step"] >= grown[0]["step"] for r in ranks), ranks
+    start, end = shrunk[0]["start"], grown[-1]["step"] + 1
+    ref = reference_losses(tmp_path / "ref", end, world=2, ckpt=str(ckpt), load_tag=f"step{start}", save=False,
+                           config=mn_train.ELASTIC_CONFIG)
+    got = {e["step"]: e["loss"] for e in [*shrunk, *grown]}
+    ref_at = dict(zip(range(start, end), ref))
+    torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor([ref_at[s] for s in got]),
+                               rtol=1e-5, atol=0)
+    _assert_nothing_left(cluster)
