@@ -1,4 +1,4 @@
-"""One real 3-host test cluster, two parts in this order (one module, so one test worker runs them all):
+"""One real 3-host test cluster, three parts in this order (one module, so one test worker runs them all):
 
 **The launchers.** ``zerospeed launch --hostfile H --launcher ssh|pdsh|openmpi`` for real, 2 hosts x 2 ranks.
 
@@ -20,12 +20,15 @@ node1 fails while the job trains; the launcher on node0 must exit non-zero namin
 A slow link (netem delay 200 ms) and 10 % packet loss are not failures: the job finishes with the losses of
 the 4-rank run. After each test node1 is brought back fresh. The link-down, delay and loss tests run with
 ``ZEROSPEED_CLUSTER_FULL=1`` (the suite's time budget; the DROP test covers a silent cut).
+
+**Elastic training across hosts** (``--elastic_training --launcher ssh``): node1 killed, the job goes on
+at 2 ranks from the universal checkpoint, node1 reset and joined back: 4 ranks, the losses of a fixed-size
+run from that checkpoint (~40 s; it replaces tests/dist/test_multinode.py's single-host elastic test here).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -284,15 +287,7 @@ def test_elastic_host_lost_and_readded(cluster: Cluster, cluster_env: dict[str, 
                                        text=True))
         mn_train.wait_phase(log, 4, 1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        mn_train.stop(procs)
     said = (tmp_path / "launcher.log").read_text()
     assert "host node1 (node 1) left the elastic job" in said, said[-3000:]
     phases = mn_train.phases(log)

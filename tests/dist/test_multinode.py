@@ -214,14 +214,7 @@ def test_elastic_launch_shrinks_and_grows(tmp_path: Path) -> None:
         procs.append(third)
         mn_train.wait_phase(log, 4, 1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        mn_train.stop(procs)
     phases = mn_train.phases(log)
     worlds = [p[0]["world"] for p in phases]
     assert worlds[:1] == [4] and 2 in worlds and worlds[-1] == 4, worlds

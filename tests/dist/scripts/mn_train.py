@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -140,6 +141,19 @@ def wait_phase(path: str, world: int, count: int, timeout: float = 120) -> list[
         time.sleep(0.3)
     seen = open(path).read() if os.path.exists(path) else "(no losses yet)"
     raise AssertionError(f"no phase at world {world} with {count} steps within {timeout} s: {seen}")
+
+
+def stop(procs: list, timeout: float = 30) -> None:
+    """End the launchers of a test: SIGTERM to each still running, SIGKILL after ``timeout`` (pipes drained)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
 
 
 if __name__ == "__main__":
