@@ -261,10 +261,11 @@ def _elastic_argv(hostfile: str, out: Path, ckpt: Path, port: int, *flags: str) 
                                                        str(TIMEOUT_S), "--sleep", "0.3"))
 
 
+@pytest.mark.parametrize("fault", ["kill_host", pytest.param("iptables_drop", marks=full_only)])
 def test_elastic_host_lost_and_readded(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
-                                       node1_reset: None) -> None:
+                                       node1_reset: None, fault: str) -> None:
     """``--elastic_training --launcher ssh`` on node0 and node1 (2 ranks each): node1's namespace is killed
-    mid-training; the launcher names it and goes on, torchrun restarts node0's ranks at world 2 from the
+    (or silently cut off: an iptables DROP) mid-training; the launcher names it and goes on, torchrun restarts node0's ranks at world 2 from the
     latest universal checkpoint; node1 is brought back fresh and joins (``--include node1 --force_multi``
     with node0 as master): world 4 again. Both restarted phases' losses equal one fixed-size 2-rank run
     from the shrunk phase's checkpoint (the global batch stays 8: rtol 1e-5)."""
@@ -276,16 +277,16 @@ def test_elastic_host_lost_and_readded(cluster: Cluster, cluster_env: dict[str, 
                             stdout=f, stderr=subprocess.STDOUT, text=True)
     procs = [job]
     try:
-        mn_train.wait_phase(log, 4, 1)
-        cluster.kill_host(1)
-        mn_train.wait_phase(log, 2, 2)
+        mn_train.wait_phase(log, 4, 1, job)
+        cluster.kill_host(1) if fault == "kill_host" else faults.drop(cluster.hosts[1])
+        mn_train.wait_phase(log, 2, 2, job)
         cluster.reset_host(1)
         with open(tmp_path / "joiner.log", "w") as f:
             procs.append(cluster.popen(0, _elastic_argv(hostfile, out, ckpt, port, "--include", "node1",
                                                         "--force_multi", "--master_addr", "node0"),
                                        cwd=str(tmp_path), env=cluster_env, stdout=f, stderr=subprocess.STDOUT,
                                        text=True))
-        mn_train.wait_phase(log, 4, 1)
+        mn_train.wait_phase(log, 4, 1, job)
     finally:
         mn_train.stop(procs)
     said = (tmp_path / "launcher.log").read_text()

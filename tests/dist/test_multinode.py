@@ -206,13 +206,13 @@ def test_elastic_launch_shrinks_and_grows(tmp_path: Path) -> None:
     second = _elastic_node(port, out, ckpt)
     procs = [first, second]
     try:
-        mn_train.wait_phase(log, 4, 2)
+        mn_train.wait_phase(log, 4, 2, first)
         second.send_signal(signal.SIGKILL)
         second.wait()
-        mn_train.wait_phase(log, 2, 2)
+        mn_train.wait_phase(log, 2, 2, first)
         third = _elastic_node(port, out, ckpt)
         procs.append(third)
-        mn_train.wait_phase(log, 4, 1)
+        mn_train.wait_phase(log, 4, 1, first)
     finally:
         mn_train.stop(procs)
     phases = mn_train.phases(log)

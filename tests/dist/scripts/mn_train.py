@@ -131,16 +131,21 @@ def phases(path: str) -> list[list[dict]]:
     return out
 
 
-def wait_phase(path: str, world: int, count: int, timeout: float = 120) -> list[dict]:
-    """Wait until the last phase of ``path`` runs at ``world`` ranks with ``count`` steps done; return it."""
+def wait_phase(path: str, world: int, count: int, job: subprocess.Popen | None = None,
+               timeout: float = 120) -> list[dict]:
+    """Wait until the last phase of ``path`` runs at ``world`` ranks with ``count`` steps done; return it.
+    Fails at once if ``job`` (the launcher that must keep running) has ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = phases(path) if os.path.exists(path) else []
         if found and found[-1][0]["world"] == world and len(found[-1]) >= count:
             return found[-1]
+        if job is not None and job.poll() is not None:
+            break
         time.sleep(0.3)
     seen = open(path).read() if os.path.exists(path) else "(no losses yet)"
-    raise AssertionError(f"no phase at world {world} with {count} steps within {timeout} s: {seen}")
+    ended = f" (the launcher ended with exit code {job.returncode})" if job is not None and job.poll() is not None else ""
+    raise AssertionError(f"no phase at world {world} with {count} steps within {timeout} s{ended}: {seen}")
 
 
 def stop(procs: list, timeout: float = 30) -> None:
