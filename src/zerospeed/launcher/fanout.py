@@ -2,7 +2,8 @@
 
 With ``ssh`` there is one client process per host: the first to end with a non-zero code is named (host and
 node rank) and the others are stopped (SIGTERM, then SIGKILL after the grace period; ``ssh -tt`` hangs up
-the remote launcher, which stops its ranks). ``pdsh``, ``srun`` and ``mpirun`` are one process each; their
+the remote launcher, which stops its ranks); under ``--elastic_training`` it has left the job, which goes on
+on the other hosts (their torchrun regroups without it). ``pdsh``, ``srun`` and ``mpirun`` are one process each; their
 node launchers name the failing node themselves (``nodewatch.py``). A signal to this launcher is passed
 on to every child.
 """
