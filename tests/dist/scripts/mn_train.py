@@ -6,9 +6,9 @@ usage: mn_train.py OUT_DIR STEPS [--ckpt DIR] [--sleep S] [--fail_rank R] [--ela
                    [--hang_rank R] [--hang_step K]
 
 The global batch of step s is the same whatever the world size (``train_batch_size`` 8, micro-batch 2:
-accumulation = 8 / (2 * world)); rank 0 appends ``{"step", "loss", "world", "start"}`` (the global mean
-loss) to OUT_DIR/losses.jsonl. Every rank writes OUT_DIR/rank<R>.json at start and after each step (pid,
-host name, the launcher's variables, the peer addresses of its TCP connections). With ``--ckpt`` it
+accumulation = 8 / (2 * world)); rank 0 appends ``{"step", "loss", "world", "start", "time"}`` (the
+global mean loss; ``time.time()``) to OUT_DIR/losses.jsonl. Every rank writes OUT_DIR/rank<R>.json at start
+and after each step (pid, host name, the launcher's variables, the peer addresses of its TCP connections). With ``--ckpt`` it
 resumes from the latest checkpoint there (universal load: any world size) and saves one after every step.
 ``--fail_rank R`` makes rank R exit 1 after the first step; ``--hang_rank R`` stops rank R (SIGSTOP on
 itself) before step ``--hang_step``: a rank that never joins the next collective. ``--elastic`` takes the
@@ -111,7 +111,8 @@ def train(out_dir: str, steps: int, ckpt: str | None = None, sleep: float = 0.0,
         _record(out_dir, rank, world, step)
         if rank == 0:
             with open(os.path.join(out_dir, "losses.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "loss": losses[-1], "world": world, "start": start}) + "\n")
+                f.write(json.dumps({"step": step, "loss": losses[-1], "world": world, "start": start,
+                                    "time": time.time()}) + "\n")
         if rank == fail_rank:
             print(f"rank {rank}: failing on purpose", file=sys.stderr, flush=True)
             sys.exit(1)
