@@ -94,7 +94,7 @@ def test_a_failed_host_stops_the_job_unless_elastic(elastic: bool, capsys: pytes
     """Fixed size: the first host that fails is named and the others are stopped. Elastic: the failed host
     has left, the others go on (torchrun regroups them) and the job ends with their result."""
     procs = [("a", subprocess.Popen(["sh", "-c", "exit 255"])),
-             ("b", subprocess.Popen(["sh", "-c", "sleep 0.5; exit 0"]))]
+             ("b", subprocess.Popen(["sh", "-c", "sleep 1.5; exit 0"]))]
     code = fanout._wait_all(procs, [], grace_s=5.0, elastic=elastic)
     said = capsys.readouterr().err
     if elastic:
