@@ -1,4 +1,4 @@
-"""Helpers shared by the cluster tests: launch on node0, read what the ranks wrote, the 4-rank reference."""
+"""Helpers shared by the cluster tests: launch on node0, read what the ranks wrote, single-host references."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from pathlib import Path
 from zerospeed.testing import run_distributed
 from zerospeed.testing.cluster import Cluster, free_port
 
-TRAIN = Path(__file__).parent / "cl_train.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "dist" / "scripts"
+TRAIN = SCRIPTS / "mn_train.py"  # the launcher tests' one training loop
+sys.path.insert(0, str(SCRIPTS))
+import mn_train  # noqa: E402 - its loop for the forked references, its losses.jsonl readers
+
+sys.path.remove(str(SCRIPTS))
 
 
 def launch_argv(hostfile: str, launcher: str, out: Path, steps: int, *flags: str, script_args: tuple[str, ...] = (),
@@ -32,12 +37,10 @@ def rank_info(out: Path, world: int = 4) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _reference(out: str, steps: int) -> list[float]:
-    from tests.cluster.cl_train import train  # noqa: PLC0415 - the same loop, forked ranks on one host
-
-    return train(out, steps)
+def _reference(out: str, steps: int, kwargs: dict) -> list[float]:
+    return mn_train.train(out, steps, **kwargs)
 
 
-def reference_losses(tmp: Path, steps: int) -> list[float]:
-    """The 4-rank single-host run (forked Gloo ranks over loopback)."""
-    return run_distributed(_reference, 4, str(tmp), steps, timeout=120)[0]
+def reference_losses(tmp: Path, steps: int, world: int = 4, **kwargs: object) -> list[float]:
+    """A single-host run of the same loop (forked Gloo ranks over loopback); ``kwargs`` go to ``train``."""
+    return run_distributed(_reference, world, str(tmp), steps, kwargs, timeout=120)[0]

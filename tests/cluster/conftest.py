@@ -48,7 +48,7 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """The 4-rank single-host losses of cl_train.py (forked ranks), STEPS steps."""
+    """The 4-rank single-host losses of mn_train.py (forked ranks), STEPS steps."""
     from tests.cluster.common import reference_losses
 
     return reference_losses(tmp_path_factory.mktemp("ref"), STEPS)

@@ -1,4 +1,4 @@
-"""One real 3-host test cluster, two parts in this order (one module, so one test worker runs them all):
+"""One real 3-host test cluster, three parts in this order (one module, so one test worker runs them all):
 
 **The launchers.** ``zerospeed launch --hostfile H --launcher ssh|pdsh|openmpi`` for real, 2 hosts x 2 ranks.
 
@@ -20,6 +20,10 @@ node1 fails while the job trains; the launcher on node0 must exit non-zero namin
 A slow link (netem delay 200 ms) and 10 % packet loss are not failures: the job finishes with the losses of
 the 4-rank run. After each test node1 is brought back fresh. The link-down, delay and loss tests run with
 ``ZEROSPEED_CLUSTER_FULL=1`` (the suite's time budget; the DROP test covers a silent cut).
+
+**Elastic training across hosts** (``--elastic_training --launcher ssh``): node1 killed, the job goes on
+at 2 ranks from the universal checkpoint, node1 reset and joined back: 4 ranks, the losses of a fixed-size
+run from that checkpoint (~40 s; it replaces tests/dist/test_multinode.py's single-host elastic test here).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cluster.common import launch, launch_argv, losses, rank_info
+from tests.cluster.common import launch, launch_argv, losses, mn_train, rank_info, reference_losses
 from tests.cluster.conftest import STEPS, full_only
-from zerospeed.testing.cluster import Cluster, faults
+from zerospeed.testing.cluster import Cluster, faults, free_port
 
 
 def _check(cluster: Cluster, out: Path, reference: list[float], hosts: list[str]) -> list[dict]:
@@ -246,3 +250,67 @@ def test_slow_or_lossy_link_still_trains(cluster: Cluster, cluster_env: dict[str
     assert done.returncode == 0, done.stderr[-3000:]
     got = torch.tensor([g["loss"] for g in losses(out)])
     torch.testing.assert_close(got, torch.tensor(reference), rtol=1e-5, atol=0)
+
+
+# --- elastic training across hosts: a host lost and brought back ---
+
+# torch drops a silent node from the rendezvous after keep_alive_interval x keep_alive_max_attempt (5 s x 3
+# by default): 1 s x 3 here, so that the survivors regroup 12 s sooner
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def _elastic_argv(hostfile: str, out: Path, ckpt: Path, port: int, *flags: str) -> list[str]:
+    return launch_argv(hostfile, "ssh", out, 200, "--elastic_training", "--min_elastic_nodes", "1",
+                       "--max_elastic_nodes", "2", "--rdzv_conf", RDZV_CONF, "--shutdown-timeout", "3",
+                       *flags, port=port, script_args=("--ckpt", str(ckpt), "--elastic", "--timeout",
+                                                       str(TIMEOUT_S), "--sleep", "0.3"))
+
+
+@pytest.mark.parametrize("fault", ["kill_host", pytest.param("iptables_drop", marks=full_only)])
+def test_elastic_host_lost_and_readded(cluster: Cluster, cluster_env: dict[str, str], tmp_path: Path,
+                                       node1_reset: None, fault: str) -> None:
+    """``--elastic_training --launcher ssh`` on node0 and node1 (2 ranks each): node1's namespace is killed
+    (or silently cut off: an iptables DROP) mid-training; the launcher names it and goes on, torchrun restarts node0's ranks at world 2 from the
+    latest universal checkpoint; node1 is brought back fresh and joins (``--include node1 --force_multi``
+    with node0 as master): world 4 again. Both restarted phases' losses equal one fixed-size 2-rank run
+    from the shrunk phase's checkpoint (the global batch stays 8: rtol 1e-5)."""
+    hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=2, hosts=[0, 1])
+    out, ckpt, port = tmp_path / "out", tmp_path / "ckpt", free_port()
+    log = str(out / "losses.jsonl")
+    with open(tmp_path / "launcher.log", "w") as f:
+        job = cluster.popen(0, _elastic_argv(hostfile, out, ckpt, port), cwd=str(tmp_path), env=cluster_env,
+                            stdout=f, stderr=subprocess.STDOUT, text=True)
+    procs = [job]
+    try:
+        mn_train.wait_phase(log, 4, 1, job)
+        lost = time.time()
+        cluster.kill_host(1) if fault == "kill_host" else faults.drop(cluster.hosts[1])
+        mn_train.wait_phase(log, 2, 1, job)  # the 2-rank group trains on while node1 comes back and joins
+        cluster.reset_host(1)
+        joined = time.time()
+        with open(tmp_path / "joiner.log", "w") as f:
+            procs.append(cluster.popen(0, _elastic_argv(hostfile, out, ckpt, port, "--include", "node1",
+                                                        "--force_multi", "--master_addr", "node0"),
+                                       cwd=str(tmp_path), env=cluster_env, stdout=f, stderr=subprocess.STDOUT,
+                                       text=True))
+        mn_train.wait_phase(log, 4, 1, job)
+    finally:
+        mn_train.stop(procs)
+    said = (tmp_path / "launcher.log").read_text()
+    assert "host node1 (node 1) left the elastic job" in said, said[-3000:]
+    phases = mn_train.phases(log)
+    assert [p[0]["world"] for p in phases] == [4, 2, 4], phases
+    _, shrunk, grown = phases
+    print(f"{fault}: world 2 trained {shrunk[0]['time'] - lost:.1f} s after the fault, world 4 "
+          f"{grown[0]['time'] - joined:.1f} s after node1's launch")  # the figures in docs/multinode.md
+    ranks = rank_info(out)  # the grown phase's ranks 2 and 3 run on node1 again
+    assert [r["host"] for r in ranks] == ["node0", "node0", "node1", "node1"], ranks
+    assert all(r["step"] is not None and r["step"] >= grown[0]["step"] for r in ranks), ranks
+    start, end = shrunk[0]["start"], grown[-1]["step"] + 1
+    ref = reference_losses(tmp_path / "ref", end, world=2, ckpt=str(ckpt), load_tag=f"step{start}", save=False,
+                           config=mn_train.ELASTIC_CONFIG)
+    got = {e["step"]: e["loss"] for e in [*shrunk, *grown]}
+    ref_at = dict(zip(range(start, end), ref))
+    torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor([ref_at[s] for s in got]),
+                               rtol=1e-5, atol=0)
+    _assert_nothing_left(cluster)

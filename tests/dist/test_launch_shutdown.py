@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-TRAIN = Path(__file__).resolve().parents[1] / "cluster" / "cl_train.py"
+TRAIN = Path(__file__).resolve().parent / "scripts" / "mn_train.py"
 TIMEOUT_S, SHUTDOWN_S = 5, 3
 pytestmark = pytest.mark.slow
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import shlex
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from zerospeed.comm import hierarchy
-from zerospeed.launcher import cli, hostfile, launch, multinode, multinode_flags, nodewatch
+from zerospeed.launcher import cli, fanout, hostfile, launch, multinode, multinode_flags, nodewatch
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "ds_hostfile_cases.json").read_text())
 SCRIPT = str(Path(__file__))
@@ -82,8 +83,26 @@ def test_node_commands_per_launcher(tmp_path: Path) -> None:
     assert "--node_rank=env:OMPI_COMM_WORLD_RANK" in mpi
     mpi2 = multinode.openmpi_command(nargs, {}, "/hf", launcher_args="--mca btl_tcp_if_include ib0")
     assert mpi2.count("btl_tcp_if_include") == 1
-    elastic = multinode.node_launch_argv(multinode.NodeArgs(target="t", resources=res, elastic=(1, 2)), "0")
+    elastic = multinode.node_launch_argv(multinode.NodeArgs(target="t", resources=res, elastic=(1, 2),
+                                                            rdzv_conf="last_call_timeout=1"), "0")
     assert "--elastic_training" in elastic and "--min_elastic_nodes=1" in elastic
+    assert "--rdzv_conf=last_call_timeout=1" in elastic  # every node's rendezvous gets it
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_failed_host_stops_the_job_unless_elastic(elastic: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fixed size: the first host that fails is named and the others are stopped. Elastic: the failed host
+    has left, the others go on (torchrun regroups them) and the job ends with their result."""
+    procs = [("a", subprocess.Popen(["sh", "-c", "exit 255"])),
+             ("b", subprocess.Popen(["sh", "-c", "sleep 1.5; exit 0"]))]
+    code = fanout._wait_all(procs, [], grace_s=5.0, elastic=elastic)
+    said = capsys.readouterr().err
+    if elastic:
+        assert code == 0 and procs[1][1].returncode == 0
+        assert "host a (node 0) left the elastic job (exit code 255); 1 host(s) go on" in said
+    else:
+        assert code == 255 and procs[1][1].returncode == -15  # SIGTERM
+        assert "host a (node 0) failed with exit code 255; stopping the other nodes" in said
 
 
 def test_env_files_and_exports(tmp_path: Path) -> None:

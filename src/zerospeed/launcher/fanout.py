@@ -2,7 +2,8 @@
 
 With ``ssh`` there is one client process per host: the first to end with a non-zero code is named (host and
 node rank) and the others are stopped (SIGTERM, then SIGKILL after the grace period; ``ssh -tt`` hangs up
-the remote launcher, which stops its ranks). ``pdsh``, ``srun`` and ``mpirun`` are one process each; their
+the remote launcher, which stops its ranks); under ``--elastic_training`` it has left the job, which goes on
+on the other hosts (their torchrun regroups without it). ``pdsh``, ``srun`` and ``mpirun`` are one process each; their
 node launchers name the failing node themselves (``nodewatch.py``). A signal to this launcher is passed
 on to every child.
 """
@@ -36,6 +37,7 @@ def node_args(args: argparse.Namespace, resources: Resources) -> multinode.NodeA
         target_args=list(args.target_args), resources=resources,
         master_addr=args.master_addr or next(iter(resources)), master_port=args.master_port or 29500,
         module=args.module, pass_local_rank=args.pass_local_rank, max_restarts=restarts, elastic=elastic,
+        rdzv_conf=args.rdzv_conf if elastic is not None else "",
         python=sys.executable, join_timeout=args.node_join_timeout,
         bind_cores=(args.bind_core_list or "") if getattr(args, "bind_cores_to_rank", False) else None,
     )
@@ -93,20 +95,31 @@ def run(args: argparse.Namespace, resources: Resources) -> int:
 
     previous = {int(s): signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
-        return _wait_all(procs, received, grace_s=args.shutdown_timeout + 10.0)
+        return _wait_all(procs, received, grace_s=args.shutdown_timeout + 10.0, elastic=args.elastic_training)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def _wait_all(procs: list[tuple[str, subprocess.Popen[bytes]]], received: list[int], grace_s: float) -> int:
-    """Wait for every child; on the first failure name it and stop the rest (SIGKILL after ``grace_s``)."""
+def _wait_all(procs: list[tuple[str, subprocess.Popen[bytes]]], received: list[int], grace_s: float,
+              elastic: bool = False) -> int:
+    """Wait for every child; on the first failure name it and stop the rest (SIGKILL after ``grace_s``).
+
+    ``elastic`` (``--elastic_training``): a host that fails has left the job, which goes on without it
+    (torchrun's rendezvous regroups the rest); each is named, and the job fails only when every host did."""
     first: tuple[str, int, int] | None = None
     deadline: float | None = None
+    left: set[int] = set()
     while any(p.poll() is None for _, p in procs):
         for node, (label, proc) in enumerate(procs):
             code = proc.poll()
-            if code not in (None, 0) and first is None and not received:
+            if code in (None, 0) or received or node in left:
+                continue
+            if elastic:
+                left.add(node)
+                print(f"zerospeed launch: host {label} (node {node}) left the elastic job (exit code {code}); "
+                      f"{sum(p.poll() is None for _, p in procs)} host(s) go on", file=sys.stderr, flush=True)
+            elif first is None:
                 first = (label, node, code)
                 where = f"host {label} (node {node})" if len(procs) > 1 else label
                 print(f"zerospeed launch: {where} failed with exit code {code}; stopping the other nodes",
@@ -125,4 +138,7 @@ def _wait_all(procs: list[tuple[str, subprocess.Popen[bytes]]], received: list[i
         return 128 + received[0]
     if first is not None:
         return first[2]
-    return max((p.returncode for _, p in procs), default=0)
+    codes = [p.returncode for _, p in procs]
+    if elastic and 0 in codes:
+        return 0  # the job finished on the hosts that stayed
+    return max(codes, default=0)

@@ -52,6 +52,7 @@ class NodeArgs:
     bind_cores: str | None = None  # --bind_cores_to_rank's core list ("" for all); None: off
     max_restarts: int = 0
     elastic: tuple[int, int] | None = None  # (min_nodes, max_nodes) with --elastic_training
+    rdzv_conf: str = ""  # torchrun's --rdzv-conf with --elastic_training
     python: str = "python"
     join_timeout: float = 600.0
 
@@ -109,6 +110,7 @@ def node_launch_argv(args: NodeArgs, node_rank: str) -> list[str]:
     if args.elastic is not None:
         argv += ["--elastic_training", f"--min_elastic_nodes={args.elastic[0]}",
                  f"--max_elastic_nodes={args.elastic[1]}"]
+        argv += [f"--rdzv_conf={args.rdzv_conf}"] if args.rdzv_conf else []
     if args.module:
         argv.append("--module")
     if not args.pass_local_rank:  # passing it is the default (DeepSpeed's)

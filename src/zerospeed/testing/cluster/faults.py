@@ -7,7 +7,8 @@
   no netem qdisc (some VM kernels: the check is ``netem_available``);
 - ``loss``: random packet loss on eth0, through netem where there is one, else an ``iptables`` rule
   (``-m statistic --mode random``) dropping that share of the packets both ways;
-- ``block_ssh``: DROP of new connections to port 22 (a host that never answers ssh).
+- ``block_ssh``: DROP of new connections to port 22 (a host that never answers ssh);
+- ``shape``: a link of a chosen rate (and delay, with netem) for the bandwidth benchmarks.
 """
 
 from __future__ import annotations
@@ -67,3 +68,17 @@ def loss(h: Host, percent: float) -> None:
 
 def block_ssh(h: Host) -> None:
     _in(h, "iptables", "-w", "-A", "INPUT", "-i", "eth0", "-p", "tcp", "--dport", "22", "-j", "DROP")
+
+
+def shape(h: Host, rate: str, delay: str | None = None) -> str:
+    """Limit what ``h`` sends on eth0 to ``rate`` (tc units: ``"1gbit"``), with ``delay`` (``"1ms"``) added
+    where the kernel has netem; returns the qdisc applied. Without netem a delay raises ``NetemUnavailable``
+    and the rate is a token bucket (``tbf``; its queue holds at most 100 ms of traffic)."""
+    if netem_available(h):
+        spec = ["netem", "rate", rate, *(["delay", delay] if delay else [])]
+    elif delay:
+        raise NetemUnavailable(f"the kernel ({os.uname().release}) has no netem qdisc: cannot add a {delay} delay")
+    else:
+        spec = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+    _in(h, "tc", "qdisc", "replace", "dev", "eth0", "root", *spec)
+    return " ".join(spec)
