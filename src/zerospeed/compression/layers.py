@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from . import masks
 from .quantizers import QuantSpec, fake_quant
 from .weight_quant import WeightQuant
@@ -26,17 +27,32 @@ TECHNIQUE_FLAGS = ("weight_quantization_enabled", "activation_quantization_enabl
 
 
 class QuantAct(nn.Module):
-    """Static activation ranges: a running min/max (``x_min_max``, momentum 0.95) updated in training."""
+    """Static activation ranges: a running min/max (``x_min_max``, momentum 0.95) updated in training.
+
+    Under data parallelism the engine gives it the data-parallel group (``share_ranges``): each update takes
+    the min and max over every replica's micro-batch, so the replicas keep one range, the one a single process
+    would see for the global batch (DeepSpeed let each rank drift to its own)."""
 
     def __init__(self, act_range_momentum: float = 0.95, quant_mode: str = "symmetric") -> None:
         super().__init__()
         self.act_range_momentum = act_range_momentum
         self.quant_mode = quant_mode
+        self.group: Any = None
         self.register_buffer("x_min_max", torch.zeros(2))
+
+    def share_ranges(self, group: Any) -> None:
+        """Update the ranges over ``group``'s micro-batches (a collective in each training forward)."""
+        self.group = group
+
+    def _batch_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.stack([-x.detach().min(), x.detach().max()]).float()
+        if self.group is not None and comm.get_world_size(self.group) > 1:
+            comm.all_reduce(both, group=self.group, op=comm.ReduceOp.MAX)
+        return -both[0], both[1]
 
     def forward(self, x: torch.Tensor, num_bits: int, *args: Any) -> torch.Tensor:
         if self.training:
-            lo, hi = x.detach().min(), x.detach().max()
+            lo, hi = self._batch_range(x)
             if self.x_min_max[0] == self.x_min_max[1]:  # first batch: start from its own range
                 self.x_min_max[0], self.x_min_max[1] = lo, hi
             m = self.act_range_momentum
