@@ -165,13 +165,13 @@ class _Compressed:
         self._drop_mask("sparse")
 
 
-class LinearLayer_Compress(_Compressed, nn.Linear):  # noqa: N801 - DeepSpeed's name
-    """``nn.Linear`` with weight/activation quantization and sparse, row and head pruning."""
+class _LinearCompressed(_Compressed):
+    """A linear's techniques (``LinearLayer_Compress`` and its tensor-parallel twins, ``tensor_parallel.py``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None) -> None:
-        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_compression()
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+    num_heads: int
 
     def enable_row_pruning(self, ratio: float, method: str) -> None:
         self.row_pruning_ratio, self.row_pruning_method = ratio, method
@@ -185,7 +185,9 @@ class LinearLayer_Compress(_Compressed, nn.Linear):  # noqa: N801 - DeepSpeed's 
         self.num_heads, self.head_pruning_ratio, self.head_pruning_method = num_heads, ratio, method
         self.head_pruning_scores = masks.new_scores((1, num_heads), self.weight.device)
 
-    def forward(self, input: torch.Tensor, skip_bias_add: bool = False) -> Any:  # noqa: A002 - torch's name
+    def compressed_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's weight and bias: quantized, times the sparse mask, times the row mask (weight rows and
+        bias), the pruned heads' input columns zeroed."""
         weight, bias = self._sparse(self._quantized_weight()), self.bias
         if self.row_pruning_enabled and self.row_pruning_method:  # type: ignore[attr-defined]
             mask = self.get_mask("row")
@@ -193,6 +195,25 @@ class LinearLayer_Compress(_Compressed, nn.Linear):  # noqa: N801 - DeepSpeed's 
             bias = None if bias is None else bias * mask.reshape(-1)
         if self.head_pruning_enabled and self.head_pruning_method:  # type: ignore[attr-defined]
             weight = masks.head_mask_columns(weight, self.get_mask("head"), self.num_heads)
+        return weight, bias
+
+
+class LinearLayer_Compress(_LinearCompressed, nn.Linear):  # noqa: N801 - DeepSpeed's name
+    """``nn.Linear`` with weight/activation quantization and sparse, row and head pruning."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_compression()
+
+    def tensor_parallel_twin(self, kind: str, fused: bool) -> type[nn.Module] | None:
+        """The tensor-parallel layer AutoTP builds from this one (``parallel/tensor/layer.HasParallelTwin``)."""
+        from .tensor_parallel import parallel_twin
+
+        return parallel_twin(self, kind, fused)
+
+    def forward(self, input: torch.Tensor, skip_bias_add: bool = False) -> Any:  # noqa: A002 - torch's name
+        weight, bias = self.compressed_weight_and_bias()
         x = self._quantized_input(input, input.numel() // input.size(-1))
         if skip_bias_add:
             return F.linear(x, weight), bias
