@@ -64,6 +64,15 @@ class _Twin(_LinearCompressed):
     weight: nn.Parameter
     tp_index: int
     tp_world_size: int
+    cut_dim: int  # the nn.Linear dimension the layer splits (0: output rows, 1: input columns)
+
+    def __init__(self, module: nn.Module, mp_group: Any = None, **kwargs: Any) -> None:
+        super().__init__(module, mp_group, **kwargs)  # type: ignore[call-arg] # the plain tensor-parallel layer's
+        self._adopt(module, self.cut_dim)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        weight, bias = self.compressed_weight_and_bias()
+        return self.project(self._quantized_input(input, input.numel() // input.size(-1)), weight, bias)  # type: ignore[attr-defined,no-any-return]
 
     def _adopt(self, src: Any, cut_dim: int) -> None:
         """``cut_dim``: the ``nn.Linear`` dimension this layer splits (0: output rows, 1: input columns)."""
@@ -133,25 +142,13 @@ class _Twin(_LinearCompressed):
 class ColumnParallelLinear_Compress(_Twin, LinearLayer):  # noqa: N801 - DeepSpeed's name
     """AutoTP's column-parallel layer with the compression of the ``LinearLayer_Compress`` it was made from."""
 
-    def __init__(self, module: nn.Module, mp_group: Any = None, **kwargs: Any) -> None:
-        LinearLayer.__init__(self, module, mp_group, **kwargs)
-        self._adopt(module, 0)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
-        weight, bias = self.compressed_weight_and_bias()
-        return self.project(self._quantized_input(input, input.numel() // input.size(-1)), weight, bias)
+    cut_dim = 0
 
 
 class RowParallelLinear_Compress(_Twin, LinearAllreduce):  # noqa: N801 - DeepSpeed's name
     """AutoTP's row-parallel layer with the compression of the ``LinearLayer_Compress`` it was made from."""
 
-    def __init__(self, module: nn.Module, mp_group: Any = None, **kwargs: Any) -> None:
-        LinearAllreduce.__init__(self, module, mp_group, **kwargs)
-        self._adopt(module, 1)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
-        weight, bias = self.compressed_weight_and_bias()
-        return self.project(self._quantized_input(input, input.numel() // input.size(-1)), weight, bias)
+    cut_dim = 1
 
 
 __all__ = ["ColumnParallelLinear_Compress", "RowParallelLinear_Compress", "parallel_twin"]
