@@ -20,8 +20,12 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "amp": "apex AMP",
     "hybrid_engine.inference_tp_size": "tensor-parallel generation in the hybrid engine (inference_tp_size > 1)",
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine",
-    "weight_quantization.quantized_initialization": "zero.Init's quantized initialization "
-                                                    "(weight_quantization.quantized_initialization)",
+    "weight_quantization.quantized_initialization": (
+        "zero.Init's quantized initialization (DeepSpeed keeps each nn.Linear / nn.Embedding weight's ZeRO-3 "
+        "partition as frozen INT4/INT8 codes with per-group scales and dequantizes them inside "
+        "torch.nn.functional.linear / embedding, which it patches globally; zerospeed patches no torch function "
+        "and its stage-3 parameter store has no quantized partition yet. Quantize at initialize instead: "
+        "weight_quantization.post_init_quant, or init_inference's quant section; docs/migration.md)"),
     "zero_optimization.pipeline_loading_checkpoint": "pipeline-mode checkpoint loading under stage 3",
 }
 
