@@ -100,18 +100,21 @@ class Blocks(nn.Module):
 
 def test_moq_eigenvalues_through_the_engine_set_per_block_periods() -> None:
     """quantize_training (legacy MoQ section) with its eigenvalue subsection: the engine differentiates the loss
-    before the backward when a bit drop is due, and each block's next period is 4 x (1 + floor(4 e))."""
+    before the backward when a bit drop is due, and each block's next period is 4 x (1 + floor(4 e)). At world 2,
+    each replica on its own micro-batch, the factors are averaged: both replicas set the same periods."""
     def train(_: int) -> tuple[list[int], list[int]]:
         import zerospeed
+        from zerospeed import comm
 
-        config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        rank = comm.get_rank()
+        config = {"train_batch_size": 2 * comm.get_world_size(), "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                   "quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 6},
                                         "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0},
                                         "eigenvalue": {"enabled": True, "layer_name": "blocks", "layer_num": 2,
                                                        "tol": 1e-4}}}
         engine, _, _, _ = zerospeed.initialize(model=Blocks(), config=config)
         for step in range(2):
-            loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(step)))
+            loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(step + 100 * rank)))
             engine.backward(loss)
             engine.step()
         layers = engine.compression.moq.layers
@@ -120,6 +123,8 @@ def test_moq_eigenvalues_through_the_engine_set_per_block_periods() -> None:
     bits, periods = run_distributed(train, 1, 0, timeout=60)[0]
     assert bits == [6, 6]  # 8 -> 7 before the first forward, 7 -> 6 after step 1 (eigenvalues known then)
     assert 20 in periods and all(p in (4, 8, 12, 16, 20) for p in periods) and periods != [4, 4], periods
+    first, second = run_distributed(train, 2, 0, timeout=60)
+    assert first == second and first[0] == [6, 6], (first, second)
 
 
 RESUME = {  # MoQ with a falling mixing ratio, learned rows from step 1, static ranges from 2, l1 sparsity from 5

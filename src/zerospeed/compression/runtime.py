@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import comm
 from ..config.compression_training import CompressionTrainingConfig, EigenvalueConfig
 from ..config.errors import ConfigError
 from .apply import check_supported, init_compression
@@ -40,6 +41,7 @@ class CompressionRuntime:
     def __init__(self, model: nn.Module, cfg: CompressionTrainingConfig, eigen: EigenvalueConfig,
                  dp_group: Any = None) -> None:
         self.model = model
+        self.dp_group = dp_group
         for module in model.modules():  # static activation ranges: one range over the data-parallel replicas
             if isinstance(module, QuantAct):
                 module.share_ranges(dp_group)
@@ -72,7 +74,7 @@ class CompressionRuntime:
             return
         self._boundaries += 1
         if self._boundaries % self.eigenvalue.gas_boundary_resolution == 0 and self.moq.any_precision_switch():
-            self.block_eigenvalue = self.eigenvalue.from_loss(loss, self.model)
+            self.block_eigenvalue = _mean_over(self.eigenvalue.from_loss(loss, self.model), self.dp_group)
 
     def after_step(self, applied: bool) -> None:
         if self.moq is not None and self.scheduler.weight_quantization_enabled:
@@ -108,6 +110,20 @@ class CompressionRuntime:
             self.moq.load_state_dict(state["moq"])
         self._boundaries = int(state["eigenvalue_boundaries"])
         self.block_eigenvalue = None
+
+
+def _mean_over(values: dict[int, tuple[float, int]], group: Any) -> dict[int, tuple[float, int]]:
+    """Each block's eigenvalue factor averaged over the data-parallel replicas (each saw its own micro-batch),
+    so every replica lengthens the same periods and their weights stay quantized alike (DeepSpeed let each
+    rank keep its own)."""
+    if group is None or comm.get_world_size(group) == 1 or not values:
+        return values
+    per_block = {block: value for value, block in values.values()}  # ordered by block index on every rank
+    blocks = sorted(per_block)
+    mean = torch.tensor([per_block[b] for b in blocks], dtype=torch.float64)
+    comm.all_reduce(mean, group=group)
+    averaged = dict(zip(blocks, (mean / comm.get_world_size(group)).tolist()))
+    return {k: (averaged[block], block) for k, (_, block) in values.items()}
 
 
 def _moq_layers(model: nn.Module, scheduler: CompressionScheduler) -> list[tuple[nn.Parameter, Any]]:
