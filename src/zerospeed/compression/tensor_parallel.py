@@ -72,7 +72,8 @@ class _Twin(_LinearCompressed):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
         weight, bias = self.compressed_weight_and_bias()
-        return self.project(self._quantized_input(input, input.numel() // input.size(-1)), weight, bias)  # type: ignore[attr-defined,no-any-return]
+        x = self._quantized_input(input, input.numel() // input.size(-1))
+        return self.project(x, weight, bias)  # type: ignore[attr-defined,no-any-return]
 
     def _adopt(self, src: Any, cut_dim: int) -> None:
         """``cut_dim``: the ``nn.Linear`` dimension this layer splits (0: output rows, 1: input columns)."""
@@ -110,7 +111,8 @@ class _Twin(_LinearCompressed):
         setattr(self, f"{unit}_pruning_ratio", ratio)
         setattr(self, f"{unit}_pruning_method", method)
         shape = tuple(self.weight.shape) if unit == "sparse" else (self.weight.shape[0], 1)
-        full = self.shard_specs()["weight"].full_shape if unit == "sparse" else (src.out_features, 1)  # type: ignore[attr-defined]
+        weight_spec = self.shard_specs()["weight"]  # type: ignore[attr-defined]
+        full = weight_spec.full_shape if unit == "sparse" else (src.out_features, 1)
         if method == "l1":  # the shard's own l1 scores
             self.register_buffer(f"{unit}_pruning_mask",
                                  masks.topk_mask(masks.l1_scores(self.weight, unit), ratio).reshape(shape))

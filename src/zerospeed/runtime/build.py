@@ -179,7 +179,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                          cfg.fp16.fp16_master_weights_and_grads or cfg.bf16.bf16_master_weights_and_grads,
                          cfg.bf16.bf16_optimizer_states, cfg.data_types.resolved_grad_accum_dtype())
     limit_heap_retention()  # freed tensors leave the host RSS (accelerator/host_malloc.py)
-    compression = compression_runtime(cfg, model, grids.dp_group)  # before placement: quantize_training swaps the layers
+    compression = compression_runtime(cfg, model, grids.dp_group)  # before placement: quantize_training swaps layers
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
     raw_groups = optimizer_groups(cfg, model, model_parameters, optimizer, grids.moe)
