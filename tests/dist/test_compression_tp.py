@@ -59,33 +59,52 @@ def _per_shard(layer: Any, cut: int) -> None:
     layer.compressed_weight_and_bias = types.MethodType(weight_and_bias, layer)
 
 
-def train(tp: int) -> dict[str, Any]:
+def train(tp: int, ckpt: str = "") -> dict[str, Any]:
+    """``STEPS`` steps; with ``ckpt`` saved after step 2 and resumed there by a fresh engine."""
     import zerospeed
     from zerospeed.compression import init_compression
 
     config = engine_config(tp, 0, BATCH, 0.0, {"compression_training": COMPRESSION})
     if tp == 1:
         del config["tensor_parallel"]
-    model = init_compression(make_model("gpt"), config)
-    if tp == 1:
-        for block in model.blocks:
-            _per_shard(block.mlp.fc, 0), _per_shard(block.mlp.proj, 1), _per_shard(block.attn.proj, 1)
-    engine, *_ = zerospeed.initialize(model=model, config=config)
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of("gpt", engine, global_batch(step, BATCH))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+
+    def engine_() -> Any:
+        model = init_compression(make_model("gpt"), config)
+        if tp == 1:
+            for block in model.blocks:
+                _per_shard(block.mlp.fc, 0), _per_shard(block.mlp.proj, 1), _per_shard(block.attn.proj, 1)
+        return zerospeed.initialize(model=model, config=config)[0]
+
+    def steps(engine: Any, which: range) -> list[float]:
+        losses = []
+        for step in which:
+            loss = loss_of("gpt", engine, global_batch(step, BATCH))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    engine = engine_()
+    losses = steps(engine, range(2))
+    if ckpt:
+        engine.save_checkpoint(ckpt, tag="s2")
+    losses += steps(engine, range(2, STEPS))
+    resumed = []
+    if ckpt:
+        fresh = engine_()
+        fresh.load_checkpoint(ckpt, tag="s2")
+        resumed = steps(fresh, range(2, STEPS))
     block = engine.module.blocks[0]
     kinds = [type(m).__name__ for m in (block.mlp.fc, block.mlp.proj, block.attn.proj, block.attn.qkv)]
-    return {"losses": losses, "kinds": kinds, "heads": block.attn.proj.num_heads,
+    return {"losses": losses, "resumed": resumed, "kinds": kinds, "heads": block.attn.proj.num_heads,
             "kept_rows": int(block.mlp.fc.get_mask("row").sum()), "rows": block.mlp.fc.out_features}
 
 
-def test_compression_under_autotp_equals_one_process_applying_the_per_shard_rule() -> None:
+def test_compression_under_autotp_equals_one_process_applying_the_per_shard_rule(tmp_path: Any) -> None:
+    """...and a tp 2 checkpoint saved at step 2 resumes exactly (sliced learned scores, rebuilt l1 masks)."""
     one = run_distributed(train, 1, 1, timeout=120)[0]
-    for r in run_distributed(train, 2, TP, timeout=120):
+    for r in run_distributed(train, 2, TP, str(tmp_path), timeout=120):
+        assert r["resumed"] == r["losses"][2:]
         assert r["kinds"] == ["ColumnParallelLinear_Compress", "RowParallelLinear_Compress",
                               "RowParallelLinear_Compress", "SubParamLinearLayer"]
         assert (r["heads"], r["kept_rows"], r["rows"]) == (2, 32, 64)  # 2 of 4 heads; half of 64 local rows

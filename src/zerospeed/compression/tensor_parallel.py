@@ -8,7 +8,9 @@ on this rank's shard, by one **per-shard rule**, so a shard's result never depen
 
 * weight quantization: the ``quantize_groups`` groups (and MoQ's bits) cut this rank's shard, flattened;
 * sparse pruning: ``l1`` keeps the ``ceil(dense_ratio * n)`` largest ``|w|`` of the shard; ``topk`` learns
-  scores cut like the weight (this rank's slice of the scores ``init_compression`` drew);
+  scores cut like the weight (this rank's slice of the scores ``init_compression`` drew). An ``l1`` mask is
+  rebuilt from the weights the model is built with, not checkpointed (a checkpoint stores module buffers
+  whole; a resumed run builds the model as the saved one was, then loads);
 * row pruning (column-parallel layers, whose rows are split): each shard keeps ``ceil(dense_ratio * rows_r)``
   of its own rows (by l1 norm, or by its slice of the learned scores), so the shards stay equal in size;
 * head pruning (row-parallel layers: the attention output projection, its input columns split by head):
@@ -113,18 +115,16 @@ class _Twin(_LinearCompressed):
         shape = tuple(self.weight.shape) if unit == "sparse" else (self.weight.shape[0], 1)
         weight_spec = self.shard_specs()["weight"]  # type: ignore[attr-defined]
         full = weight_spec.full_shape if unit == "sparse" else (src.out_features, 1)
-        if method == "l1":  # the shard's own l1 scores
-            self.register_buffer(f"{unit}_pruning_mask",
-                                 masks.topk_mask(masks.l1_scores(self.weight, unit), ratio).reshape(shape))
-            attr = f"{unit}_pruning_mask"
-        else:
-            scores = getattr(src, f"{unit}_mask_scores")
-            mine = self._cut(scores, cut_dim) if self.tp_world_size > 1 else scores.detach().clone()
-            setattr(self, f"{unit}_mask_scores", nn.Parameter(mine))
-            self.register_buffer(f"{unit}_pruning_mask", None)
-            attr = f"{unit}_mask_scores"
+        if method == "l1":  # the shard's own l1 scores, from the weights the model is built with
+            mask = masks.topk_mask(masks.l1_scores(self.weight, unit), ratio).reshape(shape)
+            self.register_buffer(f"{unit}_pruning_mask", mask, persistent=False)  # rebuilt, not checkpointed
+            return
+        scores = getattr(src, f"{unit}_mask_scores")
+        mine = self._cut(scores, cut_dim) if self.tp_world_size > 1 else scores.detach().clone()
+        setattr(self, f"{unit}_mask_scores", nn.Parameter(mine))
+        self.register_buffer(f"{unit}_pruning_mask", None)
         if self.tp_world_size > 1:
-            self._split(attr, full, cut_dim, self._widths())
+            self._split(f"{unit}_mask_scores", full, cut_dim, self._widths())
 
     def _adopt_heads(self, src: Any, cut_dim: int) -> None:
         heads, scores = src.num_heads, src.head_pruning_scores.detach()
