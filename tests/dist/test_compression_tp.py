@@ -15,7 +15,7 @@ from zerospeed.testing import run_distributed
 
 from .tp_fixtures import engine_config, global_batch, loss_of, make_model
 
-TP, STEPS, BATCH = 2, 4, 4
+TP, STEPS, BATCH = 2, 3, 4
 COMPRESSION = {
     "weight_quantization": {"shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
                                                   "quantize_groups": 2, "schedule_offset": 0},
