@@ -1,6 +1,7 @@
 """DeepSpeed's compression library on the demo GPT (issue 35): QAT vs PTQ, head pruning, layer reduction.
 
-    .venv/bin/python benchmarks/bench_compression.py [--steps 120] [--tune 30] [--block 64] [--json]
+    .venv/bin/python benchmarks/bench_compression.py [--steps 120] [--tune 30] [--block 64] [--int4-group 64]
+                                                     [--int4-sym] [--only quant,heads,layers] [--json]
 
 One process, fp32, AdamW, the bundled corpus. A base model trains ``--steps`` steps, then each variant trains
 ``--tune`` more steps from it (layer reduction: ``2 * --tune``) and is measured on ``--windows`` validation
@@ -87,7 +88,9 @@ def quantization_rows(base: GPT, args: argparse.Namespace, block: int) -> list[d
     ref = train(copy.deepcopy(base), args.tune, args.batch, block, seed=1)
     n_embd = base.config.n_embd
     rows = [{"variant": "fp32", "ppl": perplexity(ref, block, args.windows)}]
-    for bits, sym, qgroups in ((8, True, 1), (4, False, n_embd // args.int4_group)):
+    per_row = args.int4_group == 0  # INT4 with one scale per row: the hard case for PTQ
+    int4_groups = 1 if per_row else n_embd // args.int4_group
+    for bits, sym, qgroups in ((8, True, 1), (4, args.int4_sym, int4_groups)):
         q = {"num_bits": bits, "q_type": "symmetric" if sym else "asymmetric", "q_groups": qgroups}
         eng = zerospeed.init_inference(copy.deepcopy(ref), dtype="fp32", quant={"weight": q})
         rows.append({"variant": f"PTQ int{bits}", "ppl": perplexity(eng.module, block, args.windows)})
@@ -95,8 +98,8 @@ def quantization_rows(base: GPT, args: argparse.Namespace, block: int) -> list[d
         qat = compressed(base, qat_section(bits, 1, sym))
         for m in qat.modules():
             if getattr(m, "weight_quant", None) is not None:
-                rows_of = m.weight.shape[0] * (1 if bits == 8 else m.weight.shape[1] // args.int4_group)
-                m.weight_quant.groups = rows_of
+                per = 1 if bits == 8 or per_row else m.weight.shape[1] // args.int4_group
+                m.weight_quant.groups = m.weight.shape[0] * per
         train(qat, args.tune, args.batch, block, seed=1)
         export_quantized(qat)
         eng = zerospeed.init_inference(qat, dtype="fp32")
@@ -159,8 +162,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--windows", type=int, default=64)
-    ap.add_argument("--int4-group", type=int, default=64)
-    ap.add_argument("--only", choices=("quant", "heads", "layers"), default=None)
+    ap.add_argument("--int4-group", type=int, default=64, help="INT4 columns per scale; 0: one scale per row")
+    ap.add_argument("--int4-sym", action="store_true", help="INT4 symmetric (default asymmetric)")
+    ap.add_argument("--only", default="quant,heads,layers", help="comma-separated parts: quant, heads, layers")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -171,7 +175,7 @@ def main() -> None:
           f"{args.block} windows={args.windows} (base trained in {time.time() - t0:.0f} s)", flush=True)
     parts = {"quant": quantization_rows, "heads": head_rows, "layers": layer_rows}
     for name, fn in parts.items():
-        if args.only not in (None, name):
+        if name not in args.only.split(","):
             continue
         for row in fn(base, args, args.block):
             print(json.dumps({"part": name, **row}) if args.json else

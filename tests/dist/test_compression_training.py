@@ -100,18 +100,21 @@ class Blocks(nn.Module):
 
 def test_moq_eigenvalues_through_the_engine_set_per_block_periods() -> None:
     """quantize_training (legacy MoQ section) with its eigenvalue subsection: the engine differentiates the loss
-    before the backward when a bit drop is due, and each block's next period is 4 x (1 + floor(4 e))."""
+    before the backward when a bit drop is due, and each block's next period is 4 x (1 + floor(4 e)). At world 2,
+    each replica on its own micro-batch, the factors are averaged: both replicas set the same periods."""
     def train(_: int) -> tuple[list[int], list[int]]:
         import zerospeed
+        from zerospeed import comm
 
-        config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        rank = comm.get_rank()
+        config = {"train_batch_size": 2 * comm.get_world_size(), "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                   "quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 6},
                                         "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0},
                                         "eigenvalue": {"enabled": True, "layer_name": "blocks", "layer_num": 2,
                                                        "tol": 1e-4}}}
         engine, _, _, _ = zerospeed.initialize(model=Blocks(), config=config)
         for step in range(2):
-            loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(step)))
+            loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(step + 100 * rank)))
             engine.backward(loss)
             engine.step()
         layers = engine.compression.moq.layers
@@ -120,3 +123,71 @@ def test_moq_eigenvalues_through_the_engine_set_per_block_periods() -> None:
     bits, periods = run_distributed(train, 1, 0, timeout=60)[0]
     assert bits == [6, 6]  # 8 -> 7 before the first forward, 7 -> 6 after step 1 (eigenvalues known then)
     assert 20 in periods and all(p in (4, 8, 12, 16, 20) for p in periods) and periods != [4, 4], periods
+    first, second = run_distributed(train, 2, 0, timeout=60)
+    assert first == second and first[0] == [6, 6], (first, second)
+
+
+RESUME = {  # MoQ with a falling mixing ratio, learned rows from step 1, static ranges from 2, l1 sparsity from 5
+    **COMPRESSION,
+    "activation_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 2,
+                                                      "range_calibration": "static"},
+                                "different_groups": {"a": {"params": {"bits": 8}, "modules": ["^2$"]}}},
+    "sparse_pruning": {"shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 5},
+                       "different_groups": {"s": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"]}}}}
+
+
+def resume(ckpt: str) -> dict[str, Any]:
+    import zerospeed
+    from zerospeed import comm
+    from zerospeed.compression import init_compression
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2},
+              "compression_training": RESUME}
+
+    def engine_() -> Any:
+        return zerospeed.initialize(model=init_compression(_model(), config), config=config)[0]
+
+    def train(engine: Any, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+            loss = nn.functional.mse_loss(engine(x[rank * 2:rank * 2 + 2]), y[rank * 2:rank * 2 + 2])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        return losses
+
+    def state(engine: Any) -> Any:
+        rt = engine.compression
+        return (rt.scheduler.training_steps, sorted(rt.scheduler.switched_on), rt.moq.state_dict())
+
+    first = engine_()
+    train(first, range(3))
+    first.save_checkpoint(ckpt, tag="k3")
+    saved = state(first)
+    straight = train(first, range(3, 6))
+    fresh = engine_()
+    fresh.load_checkpoint(ckpt, tag="k3")
+    loaded = state(fresh)
+    resumed = train(fresh, range(3, 6))
+    first.load_checkpoint(ckpt, tag="k3")  # a rollback: what was switched on after step 3 goes off again
+    rolled = (state(first), train(first, range(3, 6)))
+    assert world == 2
+    return {"saved": saved, "loaded": loaded, "straight": straight, "resumed": resumed, "rolled": rolled,
+            "end": state(first), "ranges": first.module[2].activation_quantizer.x_min_max.tolist()}
+
+
+def test_compression_state_checkpoint_resume_and_rollback_equal_the_uninterrupted_run(tmp_path: Any) -> None:
+    """ZeRO-2, world 2: save at step 3, then (a) a fresh engine loads and trains 3 steps, (b) the saving engine,
+    3 steps further, rolls back and trains them again: both equal the uninterrupted steps 4-6 exactly. The
+    replicas keep one static activation range (taken over both micro-batches)."""
+    out, other = run_distributed(resume, 2, str(tmp_path), timeout=120)
+    assert out["ranges"] == other["ranges"] and out["ranges"][0] < out["ranges"][1]
+    assert out["saved"] == out["loaded"] == out["rolled"][0]
+    assert out["saved"][:2] == (3, ["activation_quantization", "row_pruning", "weight_quantization"])
+    assert out["end"][1][-1] == "weight_quantization" and "sparse_pruning" in out["end"][1]
+    torch.testing.assert_close(torch.tensor(out["resumed"]), torch.tensor(out["straight"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(out["rolled"][1]), torch.tensor(out["straight"]), rtol=1e-6, atol=0)

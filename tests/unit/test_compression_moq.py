@@ -88,7 +88,7 @@ def test_quantize_training_section_makes_every_layer_moq() -> None:
     assert runtime is not None and runtime.moq is not None and len(runtime.moq.layers) == 3
     wq = model[1].weight_quant
     assert (wq.start_bits, wq.target_bits, wq.period, wq.groups, wq.symmetric, wq.mixed) == (12, 8, 50, 2, False, True)
-    runtime.before_forward(0)
+    runtime.before_forward()
     assert runtime.moq.qsteps == 0  # schedule_offset 7: MoQ waits
     for _ in range(7):
         runtime.after_step(True)
@@ -97,20 +97,26 @@ def test_quantize_training_section_makes_every_layer_moq() -> None:
     assert runtime.moq.qsteps == 1 and wq.started
 
 
-def test_resumed_engine_replays_the_schedule_to_its_step() -> None:
+def test_schedule_state_round_trips_through_json_and_refuses_another_layer_reduction() -> None:
+    import json
+
     cfg = load_config({"train_batch_size": 1, "quantize_training": {
         "enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 4},
         "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0}}})
-    runs = []
-    for resumed in (False, True):
-        model = nn.Sequential(nn.Linear(4, 4))
-        rt = compression_runtime(cfg, model)
+    runtimes = []
+    for _ in range(2):
+        rt = compression_runtime(cfg, nn.Sequential(nn.Linear(4, 4)))
         assert rt is not None and rt.moq is not None
-        if resumed:
-            rt.before_forward(5)  # first forward after loading a step-5 checkpoint
-        else:
-            rt.before_forward(0)
-            for _ in range(5):
-                rt.after_step(True)
-        runs.append((rt.scheduler.training_steps, rt.moq.qsteps, [(wq.bits, wq.period) for _, wq in rt.moq.layers]))
-    assert runs[0] == runs[1] == (5, 6, [(5, 8)])
+        runtimes.append(rt)
+    first, second = runtimes
+    first.before_forward()
+    for _ in range(5):
+        first.after_step(True)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    second.before_forward()  # a loaded state has had step 0's check: nothing more counts
+    assert (second.scheduler.training_steps, second.moq.qsteps) == (5, 6)
+    assert [(wq.bits, wq.period) for _, wq in second.moq.layers] == [(5, 8)]
+    assert second.check_state(first.state_dict()) == ""
+    other = {**first.state_dict(), "layer_reduction": {"teacher_layer": [0, 2]}}
+    assert "layer_reduction" in second.check_state(other)
+    assert "MoQ schedule has 0 weights" in second.check_state({**first.state_dict(), "moq": None})

@@ -94,6 +94,8 @@ def test_offload_param_below_stage_3_is_accepted(tmp_path: Any) -> None:  # Deep
      NotSupportedYetError),
     (dict(stage=3, quantize_training={"enabled": True, "eigenvalue": {"enabled": True, "layer_num": 2}}),
      ModelFacts(), "eigenvalue", NotSupportedYetError),
+    (dict(stage=1, quantize_training={"enabled": True, "eigenvalue": {"enabled": True, "layer_num": 2}}),
+     ModelFacts(tensor_parallel=True), "eigenvalue", NotSupportedYetError),
 ])
 def test_each_combination_is_refused_with_its_key(cfg: dict[str, Any], facts: ModelFacts, key: str,
                                                   kind: type) -> None:

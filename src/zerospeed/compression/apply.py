@@ -28,6 +28,7 @@ from ..config.compression_training import (
     WeightQuantShared,
 )
 from ..config.errors import ConfigError, NotSupportedYetError
+from ..parallel.tensor.layer import TensorParallelLayer
 from . import shrink
 from .groups import MatchedGroup, get_module_name, match_groups
 from .replace import compression_preparation
@@ -149,6 +150,10 @@ def _fix_group(root: nn.Module, group: MatchedGroup) -> None:
         kept = []
         for name in names:
             module = recursive_getattr(root, name)
+            if reduce and isinstance(module, TensorParallelLayer) and module.tp_world_size > 1:
+                raise NotSupportedYetError(f"compression_training.{group.technique}", f"redundancy_clean cutting the "
+                                           f"pruned units of the tensor-parallel layer '{name}' out (related_modules) "
+                                           "is not supported yet by zerospeed: drop related_modules to zero them")
             if group.technique == "weight_quantization":
                 module.fix_weight_quantization()
             elif group.technique == "sparse_pruning":

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from . import masks
 from .quantizers import QuantSpec, fake_quant
 from .weight_quant import WeightQuant
@@ -26,17 +27,32 @@ TECHNIQUE_FLAGS = ("weight_quantization_enabled", "activation_quantization_enabl
 
 
 class QuantAct(nn.Module):
-    """Static activation ranges: a running min/max (``x_min_max``, momentum 0.95) updated in training."""
+    """Static activation ranges: a running min/max (``x_min_max``, momentum 0.95) updated in training.
+
+    Under data parallelism the engine gives it the data-parallel group (``share_ranges``): each update takes
+    the min and max over every replica's micro-batch, so the replicas keep one range, the one a single process
+    would see for the global batch (DeepSpeed let each rank drift to its own)."""
 
     def __init__(self, act_range_momentum: float = 0.95, quant_mode: str = "symmetric") -> None:
         super().__init__()
         self.act_range_momentum = act_range_momentum
         self.quant_mode = quant_mode
+        self.group: Any = None
         self.register_buffer("x_min_max", torch.zeros(2))
+
+    def share_ranges(self, group: Any) -> None:
+        """Update the ranges over ``group``'s micro-batches (a collective in each training forward)."""
+        self.group = group
+
+    def _batch_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.stack([-x.detach().min(), x.detach().max()]).float()
+        if self.group is not None and comm.get_world_size(self.group) > 1:
+            comm.all_reduce(both, group=self.group, op=comm.ReduceOp.MAX)
+        return -both[0], both[1]
 
     def forward(self, x: torch.Tensor, num_bits: int, *args: Any) -> torch.Tensor:
         if self.training:
-            lo, hi = x.detach().min(), x.detach().max()
+            lo, hi = self._batch_range(x)
             if self.x_min_max[0] == self.x_min_max[1]:  # first batch: start from its own range
                 self.x_min_max[0], self.x_min_max[1] = lo, hi
             m = self.act_range_momentum
@@ -149,13 +165,13 @@ class _Compressed:
         self._drop_mask("sparse")
 
 
-class LinearLayer_Compress(_Compressed, nn.Linear):  # noqa: N801 - DeepSpeed's name
-    """``nn.Linear`` with weight/activation quantization and sparse, row and head pruning."""
+class _LinearCompressed(_Compressed):
+    """A linear's techniques (``LinearLayer_Compress`` and its tensor-parallel twins, ``tensor_parallel.py``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None) -> None:
-        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_compression()
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+    num_heads: int
 
     def enable_row_pruning(self, ratio: float, method: str) -> None:
         self.row_pruning_ratio, self.row_pruning_method = ratio, method
@@ -169,7 +185,9 @@ class LinearLayer_Compress(_Compressed, nn.Linear):  # noqa: N801 - DeepSpeed's 
         self.num_heads, self.head_pruning_ratio, self.head_pruning_method = num_heads, ratio, method
         self.head_pruning_scores = masks.new_scores((1, num_heads), self.weight.device)
 
-    def forward(self, input: torch.Tensor, skip_bias_add: bool = False) -> Any:  # noqa: A002 - torch's name
+    def compressed_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's weight and bias: quantized, times the sparse mask, times the row mask (weight rows and
+        bias), the pruned heads' input columns zeroed."""
         weight, bias = self._sparse(self._quantized_weight()), self.bias
         if self.row_pruning_enabled and self.row_pruning_method:  # type: ignore[attr-defined]
             mask = self.get_mask("row")
@@ -177,6 +195,25 @@ class LinearLayer_Compress(_Compressed, nn.Linear):  # noqa: N801 - DeepSpeed's 
             bias = None if bias is None else bias * mask.reshape(-1)
         if self.head_pruning_enabled and self.head_pruning_method:  # type: ignore[attr-defined]
             weight = masks.head_mask_columns(weight, self.get_mask("head"), self.num_heads)
+        return weight, bias
+
+
+class LinearLayer_Compress(_LinearCompressed, nn.Linear):  # noqa: N801 - DeepSpeed's name
+    """``nn.Linear`` with weight/activation quantization and sparse, row and head pruning."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_compression()
+
+    def tensor_parallel_twin(self, kind: str, fused: bool) -> type[nn.Module] | None:
+        """The tensor-parallel layer AutoTP builds from this one (``parallel/tensor/layer.HasParallelTwin``)."""
+        from .tensor_parallel import parallel_twin
+
+        return parallel_twin(self, kind, fused)
+
+    def forward(self, input: torch.Tensor, skip_bias_add: bool = False) -> Any:  # noqa: A002 - torch's name
+        weight, bias = self.compressed_weight_and_bias()
         x = self._quantized_input(input, input.numel() // input.size(-1))
         if skip_bias_add:
             return F.linear(x, weight), bias

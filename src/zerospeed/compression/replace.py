@@ -13,14 +13,15 @@ from torch import nn
 
 from ..compat.compression_helper import recursive_getattr, recursive_setattr
 from ..config.errors import NotSupportedYetError
-from .layers import COMPRESSED_TYPES, BNLayer_Compress
+from .layers import COMPRESSED_TYPES, BNLayer_Compress, _Compressed
 
 COMPRESSIBLE = tuple(COMPRESSED_TYPES)
 
 
 def is_module_compressible(module: nn.Module, mpu: Any = None) -> bool:
-    """A Linear, Conv2d, Embedding or BatchNorm2d (DeepSpeed's list; tensor-parallel layers: not yet)."""
-    return isinstance(module, COMPRESSIBLE)
+    """A Linear, Conv2d, Embedding or BatchNorm2d (DeepSpeed's list), or a compression-aware AutoTP layer
+    (``tensor_parallel.py``; Megatron ``mpu`` layers: not yet)."""
+    return isinstance(module, (*COMPRESSIBLE, _Compressed))
 
 
 def _compressed_type(module: nn.Module) -> type[nn.Module] | None:

@@ -58,11 +58,18 @@ class CompressionScheduler:
         self.check_all_modules()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"training_steps": self.training_steps}
+        return {"training_steps": self.training_steps, "switched_on": dict(self.switched_on)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Back to a saved step: the techniques switched on by then are on, the others off again (a rollback
+        in the same engine turns off what was switched on after it)."""
         self.training_steps = int(state["training_steps"])
-        self.check_all_modules()
+        self.switched_on = {t: int(s) for t, s in state.get("switched_on", {}).items()}
+        for group in self.groups:
+            for name in group.all_modules():
+                setattr(recursive_getattr(self.model, name), f"{group.technique}_enabled",
+                        group.technique in self.switched_on)
+        self.weight_quantization_enabled = "weight_quantization" in self.switched_on
 
 
 compression_scheduler = CompressionScheduler  # DeepSpeed's name

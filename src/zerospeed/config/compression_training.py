@@ -33,6 +33,13 @@ class _Group(Section):
         return self
 
 
+class _Shared(Section):
+    """What every technique's ``shared_parameters`` holds: on/off and the optimizer step it starts at."""
+
+    enabled: bool = False
+    schedule_offset: int = Field(1000, ge=0)
+
+
 # --- weight quantization ---------------------------------------------------------------------------------
 class WeightQuantParams(Section):
     start_bits: int = Field(ge=1, le=16)
@@ -57,8 +64,7 @@ class Fp16MixedQuantize(Section):
     """MoQ: the forward uses ``r w + (1 - r) Q(w)``; ``r`` starts at 1 and falls by this much each step."""
 
 
-class WeightQuantShared(Section):
-    enabled: bool = False
+class WeightQuantShared(_Shared):
     quantizer_kernel: bool = False
     """DeepSpeed's CUDA quantizer kernel: the same formula, computed here by PyTorch on every device (an accepted
     hint: config/hints.py)."""
@@ -88,12 +94,11 @@ class ActQuantGroup(_Group):
     params: ActQuantParams
 
 
-class ActQuantShared(Section):
-    enabled: bool = False
+class ActQuantShared(_Shared):
     quantization_type: Literal["symmetric", "asymmetric"] = "symmetric"
     range_calibration: Literal["dynamic", "static"] = "dynamic"
-    """``dynamic``: each token's own range. ``static``: one range, a running min/max (momentum 0.95) in training."""
-    schedule_offset: int = Field(1000, ge=0)
+    """``dynamic``: each token's own range. ``static``: one range, a running min/max (momentum 0.95) in training,
+    over every data-parallel replica's micro-batch."""
 
 
 class ActivationQuantization(Section):
@@ -111,12 +116,10 @@ class PruneGroup(_Group):
     params: DenseRatioParams
 
 
-class SparseShared(Section):
-    enabled: bool = False
+class SparseShared(_Shared):
     method: Literal["l1", "topk", "snip_momentum"] = "l1"
     """``l1``: the mask keeps the largest ``|w|`` at switch-on, fixed. ``topk``: learned scores (a parameter) pick
     the kept weights at every forward. ``snip_momentum`` needs Intel Neural Compressor: not supported yet."""
-    schedule_offset: int = Field(1000, ge=0)
     schedule_offset_end: int | None = Field(None, ge=0)
     schedule_offset_stride: int = Field(1, ge=1)
     block_pattern: str = "4x1"
@@ -138,17 +141,15 @@ class SparseShared(Section):
         return self
 
 
-class RowShared(Section):
-    enabled: bool = False
+class RowShared(_Shared):
+    """Row pruning's (and channel pruning's) shared parameters."""
+
     method: Literal["l1", "topk"] = "l1"
-    schedule_offset: int = Field(1000, ge=0)
 
 
-class HeadShared(Section):
-    enabled: bool = False
+class HeadShared(_Shared):
     method: Literal["topk"] = "topk"
     """DeepSpeed 0.19.6's layers prune heads by learned top-k scores only."""
-    schedule_offset: int = Field(1000, ge=0)
     num_heads: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -158,24 +159,26 @@ class HeadShared(Section):
         return self
 
 
-class SparsePruning(Section):
+class _Pruning(Section):
+    """A pruning technique: its ``shared_parameters`` (each subclass's own) and its groups' dense ratios."""
+
+    different_groups: dict[str, PruneGroup] = Field(default_factory=dict)
+
+
+class SparsePruning(_Pruning):
     shared_parameters: SparseShared = Field(default_factory=SparseShared)
-    different_groups: dict[str, PruneGroup] = Field(default_factory=dict)
 
 
-class RowPruning(Section):
+class RowPruning(_Pruning):
     shared_parameters: RowShared = Field(default_factory=RowShared)
-    different_groups: dict[str, PruneGroup] = Field(default_factory=dict)
 
 
-class HeadPruning(Section):
+class HeadPruning(_Pruning):
     shared_parameters: HeadShared = Field(default_factory=HeadShared)
-    different_groups: dict[str, PruneGroup] = Field(default_factory=dict)
 
 
-class ChannelPruning(Section):
+class ChannelPruning(_Pruning):
     shared_parameters: RowShared = Field(default_factory=RowShared)
-    different_groups: dict[str, PruneGroup] = Field(default_factory=dict)
 
 
 # --- layer reduction ------------------------------------------------------------------------------------------

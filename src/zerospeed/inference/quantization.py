@@ -26,6 +26,7 @@ output (``QuantizedRowParallel``) before adding the whole bias.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from .config import QuantTypeEnum, WeightQuantConfig
 
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
 
-__all__ = ["QuantizedLinear", "QuantizedRowParallel", "dequantize", "model_bytes", "quantize", "quantize_model"]
+__all__ = ["PackedWeight", "QuantizedLinear", "QuantizedRowParallel", "dequantize", "model_bytes", "quantize", "quantize_model"]
 
 
 def _grouped(w: torch.Tensor, groups: int) -> torch.Tensor:
@@ -99,41 +100,65 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     return g.reshape(out, -1).to(dtype)
 
 
-class QuantizedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held as INT8/INT4 codes plus per-group scales (see module docstring)."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[out, in]`` as ``QuantizedLinear`` holds it: stored codes, per-group scales (and offsets for
+    asymmetric), bits, and the kernel that reads them."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cfg: WeightQuantConfig) -> None:
-        super().__init__()
-        self.bits = cfg.num_bits
-        self.out_features, self.in_features = weight.shape
-        symmetric = cfg.q_type is QuantTypeEnum.sym
-        self.kernel = cfg.kernel
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    bits: int
+    out_features: int
+    in_features: int
+    kernel: str = "dequant"
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, cfg: WeightQuantConfig) -> PackedWeight:
+        """``weight`` quantized as ``cfg`` says (module docstring)."""
         if cfg.kernel == "int":
             _check_int_kernel(cfg, weight.shape, weight.device)
-        codes, scale, offset = quantize(weight, cfg.num_bits, symmetric, cfg.q_groups)
+        codes, scale, offset = quantize(weight, cfg.num_bits, cfg.q_type is QuantTypeEnum.sym, cfg.q_groups)
         if cfg.kernel == "int" and cfg.num_bits == 4:
             codes = _int4pack(codes)
-        self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)
-        self.register_buffer("offset", offset)
+        return cls(codes, scale, offset, cfg.num_bits, weight.shape[0], weight.shape[1], cfg.kernel)
+
+    @classmethod
+    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                    bits: int) -> PackedWeight:
+        """Codes and scales computed elsewhere (a quantization-aware-trained layer's): ``w = levels * scale
+        (+ offset)`` per group of a row, ``levels`` integers in the ``bits`` range (signed when ``offset`` is
+        None, else ``0 .. 2^bits - 1``); scales kept in fp32."""
+        shift = (-128 if offset is not None else 0) if bits == 8 else (0 if offset is not None else 2 ** (bits - 1))
+        return cls(_pack(levels + shift, bits), scale.float().contiguous(),
+                   None if offset is None else offset.float().contiguous(), bits, *levels.shape)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held as INT8/INT4 codes plus per-group scales (see module docstring).
+
+    ``QuantizedLinear(weight, bias, cfg)`` quantizes ``weight``; ``QuantizedLinear(packed, bias)`` holds a
+    ``PackedWeight`` made elsewhere (``from_levels``); both go through this one constructor."""
+
+    def __init__(self, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None,
+                 cfg: WeightQuantConfig | None = None) -> None:
+        super().__init__()
+        if not isinstance(weight, PackedWeight):
+            if cfg is None:
+                raise ValueError("QuantizedLinear(weight, bias, cfg): a float weight needs its WeightQuantConfig")
+            weight = PackedWeight.quantized(weight, cfg)
+        self.bits, self.kernel = weight.bits, weight.kernel
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scale", weight.scale)
+        self.register_buffer("offset", weight.offset)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
                     bias: torch.Tensor | None) -> QuantizedLinear:
-        """A layer whose codes and scales were computed elsewhere (a quantization-aware-trained layer's):
-        ``w = levels * scale (+ offset)`` per group of a row, ``levels`` integers in the ``bits`` range
-        (signed when ``offset`` is None, else ``0 .. 2^bits - 1``); scales kept in fp32."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.bits, layer.kernel = bits, "dequant"
-        layer.out_features, layer.in_features = levels.shape
-        shift = (-128 if offset is not None else 0) if bits == 8 else (0 if offset is not None else 2 ** (bits - 1))
-        layer.register_buffer("codes", _pack(levels + shift, bits))
-        layer.register_buffer("scale", scale.float().contiguous())
-        layer.register_buffer("offset", None if offset is None else offset.float().contiguous())
-        layer.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        return layer
+        """A layer holding ``PackedWeight.from_levels(levels, scale, offset, bits)``."""
+        return cls(PackedWeight.from_levels(levels, scale, offset, bits), bias)
 
     def weight_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)

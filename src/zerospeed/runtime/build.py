@@ -114,7 +114,7 @@ def _engine(plan: TrainPlan, cfg: ZeroSpeedConfig, model: nn.Module, grids: Grid
     de = data_efficiency(plan, cfg, batch.train_batch_size)
     parts = EngineParts(checkpoint_group=None if tp is None and not plan.pipelined else comm.world_group(),
                         checkpoint_parts=checkpoint_parts(plan, model, zero_opt, scheduler, loader, de, tp,
-                                                         cfg.checkpoint.parallel_write.pipeline_stage),
+                                                         cfg.checkpoint.parallel_write.pipeline_stage, compression),
                         activation_checkpointing=activation_checkpointing(cfg),
                         model_export=model_export(grids.tp, experts_sharded, grids.dp_group, stage3),
                         mp_world_size=1 if tp is None else tp.model.size, optimizer=zero_opt, lr_scheduler=scheduler, training_dataloader=loader, zero3=stage3,
@@ -179,7 +179,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                          cfg.fp16.fp16_master_weights_and_grads or cfg.bf16.bf16_master_weights_and_grads,
                          cfg.bf16.bf16_optimizer_states, cfg.data_types.resolved_grad_accum_dtype())
     limit_heap_retention()  # freed tensors leave the host RSS (accelerator/host_malloc.py)
-    compression = compression_runtime(cfg, model)  # before placement: quantize_training swaps the layers
+    compression = compression_runtime(cfg, model, grids.dp_group)  # before placement: quantize_training swaps layers
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
     raw_groups = optimizer_groups(cfg, model, model_parameters, optimizer, grids.moe)

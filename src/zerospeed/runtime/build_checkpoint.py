@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from .checkpoint.part import CheckpointPart
-from .checkpoint.parts import (CountersPart, DataEfficiencyPart, ExpertsPart, LoaderPart, OffloadPart,
+from .checkpoint.parts import (CompressionPart, CountersPart, DataEfficiencyPart, ExpertsPart, LoaderPart, OffloadPart,
                                PipelineStagePart, SchedulerPart, TensorParallelPart, ZeroGroupsPart)
 from .export_model import ExpertExport, ModelExport, ReplicatedExport, TensorParallelExport
 from .plan import TrainPlan
@@ -17,8 +17,8 @@ PIPELINE_WITH_TP = ("checkpoints of a pipeline with tensor parallelism are not s
 
 
 def checkpoint_parts(plan: TrainPlan, model: nn.Module, optimizer: Any, scheduler: Any, loader: Any,
-                     data_efficiency: Any, tensor_parallel: Any, parallel_write: bool = False
-                     ) -> tuple[CheckpointPart, ...]:
+                     data_efficiency: Any, tensor_parallel: Any, parallel_write: bool = False,
+                     compression: Any = None) -> tuple[CheckpointPart, ...]:
     parts: list[CheckpointPart] = []
     if optimizer is not None and optimizer.stepper is not None:  # ZeRO-Offload's stepper, ZenFlow
         parts.append(OffloadPart(optimizer.stepper))
@@ -32,6 +32,8 @@ def checkpoint_parts(plan: TrainPlan, model: nn.Module, optimizer: Any, schedule
     parts += [SchedulerPart(scheduler), CountersPart(),
               LoaderPart(loader, hasattr(loader, "state_dict"), hasattr(loader, "load_state_dict")),
               DataEfficiencyPart(data_efficiency)]
+    if compression is not None:  # compression_training / MoQ (compression/runtime.py)
+        parts.append(CompressionPart(compression))
     return tuple(parts)
 
 

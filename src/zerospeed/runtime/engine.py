@@ -305,7 +305,7 @@ class Engine(nn.Module):
                 kwargs = {**kwargs, **self.data_efficiency.forward_kwargs(self.module.training, self.global_steps)}
             self.lockstep.forward_seen(self.module)
             if self.compression is not None:
-                self.compression.before_forward(self.global_steps)
+                self.compression.before_forward()
             with self._autocast():
                 out = self.torch_backward.watch(self.module(*inputs, **kwargs))
             self.observer.forward_end()

@@ -213,10 +213,12 @@ RULES: tuple[Rule, ...] = (
          _const("torch_autocast with a PipelineModule" + _NOT_YET + " (the engine's forward applies it)")),
     Rule(lambda p, c, f: not f.client_scheduler and c.scheduler is not None and not p.has_optimizer, "scheduler",
          _const("a scheduler needs an optimizer"), ConfigError),
-    Rule(lambda p, c, f: (c.compression_training.any_enabled or c.quantize_training.enabled)
-         and (p.pipelined or p.tensor_parallel), "compression_training",
-         _const("compression training (compression_training, quantize_training) with pipeline or tensor "
-                "parallelism" + _NOT_YET)),
+    Rule(lambda p, c, f: (c.compression_training.any_enabled or c.quantize_training.enabled) and p.pipelined,
+         "compression_training", _const("compression training (compression_training, quantize_training) with "
+                                        "pipeline parallelism" + _NOT_YET)),
+    Rule(lambda p, c, f: (c.eigenvalue.enabled or c.quantize_training.eigenvalue.enabled) and p.tensor_parallel,
+         "eigenvalue", _const("MoQ's eigenvalues under tensor parallelism (a Hessian-vector product through the "
+                              "tensor-parallel collectives)" + _NOT_YET)),
     Rule(lambda p, c, f: (c.eigenvalue.enabled or c.quantize_training.eigenvalue.enabled) and p.stage == 3,
          "eigenvalue", _const("MoQ's eigenvalues under ZeRO stage 3 (partitioned block parameters)" + _NOT_YET
                               + "; use stage 0, 1 or 2")),

@@ -74,14 +74,19 @@ class LinearLayer(TensorParallelLayer):
         return self.linear_weight.shape[0]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        group, weight = self.mp_group, self.linear_weight
+        return self.project(input, self.linear_weight, self.bias)
+
+    def project(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's forward with this rank's ``weight [out_r, in]`` and ``bias`` given (a compression-aware
+        twin passes its quantized, masked ones)."""
+        group = self.mp_group
         if self.tp_world_size == 1:
-            out = F.linear(input, weight, self.bias)
+            out = F.linear(input, weight, bias)
         elif self.overlap_comm or self.sequence_parallel:
             seq_dim = self.seq_dim if self.sequence_parallel else None
-            out = ColumnParallelMatmul.apply(input, weight, self.bias, group, self.overlap_comm, seq_dim)
+            out = ColumnParallelMatmul.apply(input, weight, bias, group, self.overlap_comm, seq_dim)
         else:
-            out = F.linear(copy_to_tensor_model_parallel_region(input, group), weight, self.bias)
+            out = F.linear(copy_to_tensor_model_parallel_region(input, group), weight, bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, group, self.partition_sizes)
             out = regroup_gathered(out, self._specs["weight"])  # fused weights: back to [q | k | v]

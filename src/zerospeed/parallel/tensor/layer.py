@@ -12,7 +12,7 @@ Hugging Face's ``Conv1D`` (GPT-2) stores its weight transposed, ``[in, out]``; t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -105,6 +105,16 @@ class TensorParallelLayer(nn.Module):
 
 
 TensorParallel_Layer = TensorParallelLayer  # DeepSpeed's name
+
+
+@runtime_checkable
+class HasParallelTwin(Protocol):
+    """A linear that names the tensor-parallel layer AutoTP builds from it (a compression-aware linear: its
+    twin keeps the compression state, cut like the weight). ``kind``: "column" or "row"; ``fused``: a
+    packed weight split per sub-matrix. The twin takes the plain layer's constructor arguments; None: the
+    plain layer."""
+
+    def tensor_parallel_twin(self, kind: str, fused: bool) -> type[TensorParallelLayer] | None: ...
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -109,17 +109,23 @@ def _make_layer(mod: nn.Module, name: str, place: Placement, group: Any, meta: A
     ``sp``: sequence parallel inside the repeated blocks."""
     from .column import LinearLayer
     from .fused import SubParamLinearAllreduce, SubParamLinearLayer
+    from .layer import HasParallelTwin
     from .row import LinearAllreduce
 
     sp = sp and place.block is not None
+    row_cls: Any = LinearAllreduce
+    col_cls: Any = LinearLayer
+    if isinstance(mod, HasParallelTwin):  # e.g. compression-aware linears (compression/tensor_parallel.py)
+        twin = mod.tensor_parallel_twin("row" if place.kind == PartitionType.ROW else "column", place.shape is not None)
+        row_cls = col_cls = twin or (row_cls if place.kind == PartitionType.ROW else col_cls)
     if place.kind == PartitionType.ROW:
         if place.shape is not None:
             dim = 1 if place.partition_dim is None else place.partition_dim
             return SubParamLinearAllreduce(mod, group, shape=place.shape, partition_dim=dim, name=name, tp_meta=meta,
                                            sequence_parallel=sp)
-        return LinearAllreduce(mod, group, name=name, tp_meta=meta, sequence_parallel=sp)
+        return row_cls(mod, group, name=name, tp_meta=meta, sequence_parallel=sp)
     if place.shape is None:
-        return LinearLayer(mod, group, gather_output=place.gather_output, name=name, tp_meta=meta,
+        return col_cls(mod, group, gather_output=place.gather_output, name=name, tp_meta=meta,
                            overlap_comm=overlap, sequence_parallel=sp)
     if place.gather_output:
         raise ValueError(f"AutoTP layer {name}: gather_output with a shaped (packed) spec is not supported yet (as "

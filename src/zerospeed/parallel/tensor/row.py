@@ -62,18 +62,22 @@ class LinearAllreduce(TensorParallelLayer):
         return self.linear_weight.shape[0]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.project(input, self.linear_weight, self.bias)
+
+    def project(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's forward with this rank's ``weight [out, in_r]`` and the whole ``bias`` given (a
+        compression-aware twin passes its quantized, masked ones)."""
         group = self.mp_group
         if self.tp_world_size == 1:
-            return F.linear(input, self.linear_weight, self.bias)
+            return F.linear(input, weight, bias)
         if not self.input_is_parallel:
             input = scatter_to_tensor_model_parallel_region(input, group, self.partition_sizes)
-        partial = F.linear(input, self.linear_weight)
+        partial = F.linear(input, weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, group, self.seq_dim)
-            bias = None if self.bias is None else copy_to_tensor_model_parallel_region(self.bias, group)
+            bias = None if bias is None else copy_to_tensor_model_parallel_region(bias, group)
         else:
             out = reduce_from_tensor_model_parallel_region(partial, group)
-            bias = self.bias
         return out if bias is None else out + bias
 
     @classmethod

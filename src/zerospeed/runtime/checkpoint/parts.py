@@ -167,6 +167,37 @@ class DataEfficiencyPart(Part):
             self.data_efficiency.load_state_dict(saved)
 
 
+class CompressionPart(Part):
+    """compression_training / MoQ: the schedule's position (``compression/runtime.py``'s ``state_dict``); the
+    masks, learned scores and activation ranges are module tensors. DeepSpeed kept none of it (a resumed run
+    restarted every ``schedule_offset`` and MoQ's bits from step 0)."""
+
+    name = "compression"
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime  # a CompressionRuntime
+
+    def meta(self, snap: RankSnapshot, ctx: SaveContext) -> Any:
+        return to_json(self.runtime.state_dict(), "compression")
+
+    def check(self, saved: Any, ctx: LoadContext) -> None:
+        if ctx.module_only or saved is None:
+            return
+        why = self.runtime.check_state(saved)
+        if why:
+            raise CheckpointError(f"{os.path.join(ctx.ckpt, 'meta.json')}: field 'compression' cannot be loaded: {why}")
+
+    def load(self, saved: Any, ctx: LoadContext) -> None:
+        if ctx.module_only:
+            return
+        if saved is None:
+            warnings.warn("the checkpoint holds no compression state (saved without compression_training or "
+                          "quantize_training): the compression schedule goes on from this engine's step "
+                          f"{self.runtime.scheduler.training_steps}", stacklevel=5)
+            return
+        self.runtime.load_state_dict(saved)
+
+
 class TensorParallelPart(Part):
     """AutoTP: split parameters saved per shard (``name@tp<r>of<T>``), replicated ones by the first
     tensor-parallel rank, expert parameters (AutoEP folding) by every rank that owns them; every rank's optimizer layout merged; the split layout described in the entries."""
