@@ -27,7 +27,7 @@ def test_every_key_at_its_default_is_accepted() -> None:
     assert cfg["compile"] == DEFAULTS  # engine.config["compile"]: as written
 
 
-@pytest.mark.parametrize("key,value", [("deepcompile", True), ("free_activation", True), ("double_buffer", False),
+@pytest.mark.parametrize("key,value", [("free_activation", True), ("double_buffer", False),
                                        ("offload_opt_states", True), ("free_activation_threshold", 1),
                                        ("passes", ["z3"]), ("autoep_non_moe", True), ("sync_after_reduce", True),
                                        ("keep_int_input_tensors", False)])

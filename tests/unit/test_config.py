@@ -110,7 +110,7 @@ def test_deepspeed_keys_we_lack_say_not_supported_yet_never_unknown() -> None:
     cases = [({"amp": {"enabled": True}}, "amp"),
              ({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}},
               "zero_optimization.pipeline_loading_checkpoint"),
-             ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
+             ({"compile": {"deepcompile": True, "offload_opt_states": True}}, "compile.offload_opt_states"),
              ({"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}, "hybrid_engine.inference_tp_size")]
     for extra, key in cases:
         with pytest.raises(NotSupportedYetError, match=rf"'{key}'.*not supported yet"):

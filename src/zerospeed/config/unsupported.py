@@ -27,14 +27,13 @@ NOT_SUPPORTED_YET: dict[str, str] = {
 
 # The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain
 # torch.compile (engine.compile()) reads none of them, in DeepSpeed as here.
-DEEPCOMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
+DEEPCOMPILE_KEYS = ("autoep_non_moe", "free_activation", "free_activation_threshold",
                     "offload_activation", "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
                     "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
                     "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
                     "keep_all_input_tensors", "passes")
 for _k in DEEPCOMPILE_KEYS:
-    NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
-                                         "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
+    NOT_SUPPORTED_YET[f"compile.{_k}"] = ("AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
 
 # AutoEP keeps the HF model's own router (parallel/expert/auto/): its routing keys only at their defaults.
 AUTOEP_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {

@@ -38,6 +38,19 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
                    compiled_autograd_enabled: bool, partitioned: bool = False) -> None:
     """Compile ``module`` in place with ``torch.compile(backend=..., **compile_kwargs)``; ``partitioned``:
     ZeRO stage 3's hooks are installed on it."""
+    check_compile_args(compile_kwargs, schedule, compiled_autograd_enabled)
+    if partitioned and compile_kwargs.get("dynamic") is False:
+        warnings.warn("engine.compile(compile_kwargs={'dynamic': False}) under ZeRO stage 3: each module between "
+                      "two gather/release hooks compiles as a frame of its own class, once per parameter shape; "
+                      "past torch._dynamo.config.recompile_limit shapes per class the rest run eagerly. Leave "
+                      "'dynamic' unset to share one graph per class", stacklevel=3)
+    backend = get_accelerator().get_compile_backend() if backend is None else backend
+    _log.info("compiling the model with torch.compile (backend=%s)", backend)
+    module.compile(**{**compile_kwargs, "backend": backend})
+
+
+def check_compile_args(compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> None:
+    """``engine.compile()``'s arguments: refused by name where not built."""
     if schedule is not None:
         raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile passes; DeepCompile is not "
                                   "supported yet by zerospeed: call engine.compile() without a schedule")
@@ -49,14 +62,6 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
                          f"{type(compile_kwargs).__name__}")
     if "backend" in compile_kwargs:
         _log.warning("The `backend` in `compile_kwargs` will be overridden. Use the `backend` argument instead.")
-    if partitioned and compile_kwargs.get("dynamic") is False:
-        warnings.warn("engine.compile(compile_kwargs={'dynamic': False}) under ZeRO stage 3: each module between "
-                      "two gather/release hooks compiles as a frame of its own class, once per parameter shape; "
-                      "past torch._dynamo.config.recompile_limit shapes per class the rest run eagerly. Leave "
-                      "'dynamic' unset to share one graph per class", stacklevel=3)
-    backend = get_accelerator().get_compile_backend() if backend is None else backend
-    _log.info("compiling the model with torch.compile (backend=%s)", backend)
-    module.compile(**{**compile_kwargs, "backend": backend})
 
 
 def compiled_graph_count() -> dict[str, int]:

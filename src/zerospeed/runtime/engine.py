@@ -91,6 +91,7 @@ class Engine(nn.Module):
         self.torch_backward = TorchBackward(self, config.managed_gradient_accumulation)
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
+        self.deepcompiled: Any = None  # runtime/deepcompile.DeepCompiled after engine.compile() with DeepCompile
         if optimizer is not None:
             from ..zero import fragments
 
@@ -393,13 +394,21 @@ class Engine(nn.Module):
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` the model in place (``backend`` None: the
         accelerator's, inductor) under any ZeRO stage (``runtime/compile.py``); a second call does nothing."""
-        from .compile import compile_module
+        from .compile import check_compile_args, compile_module
 
         self._ensure_usable()
         if self._is_compiled:
             return
-        compile_module(self.module, backend, {} if compile_kwargs is None else compile_kwargs, schedule,
-                       compiled_autograd_enabled, partitioned=self.zero3 is not None)
+        kwargs = {} if compile_kwargs is None else compile_kwargs
+        if self.config.compile.deepcompile:  # ZeRO inside the compiled graph (runtime/deepcompile.py)
+            from .deepcompile import deep_compile
+
+            check_compile_args(kwargs, schedule, compiled_autograd_enabled)
+            reducer = self.optimizer.reducer if self.optimizer is not None else None
+            self.deepcompiled = deep_compile(self.module, backend, kwargs, self.config.compile, self.zero3, reducer)
+        else:
+            compile_module(self.module, backend, kwargs, schedule, compiled_autograd_enabled,
+                           partitioned=self.zero3 is not None)
         self._is_compiled = True
 
     @property
