@@ -30,13 +30,15 @@ def _batch(step: int, micro: int, rank: int, world: int) -> torch.Tensor:
     return idx[lo:lo + MB]
 
 
-def _config(stage: int, deep: bool, passes: list[str] | None = None) -> dict[str, Any]:
+def _config(stage: int, deep: bool) -> dict[str, Any]:
     compile_cfg: dict[str, Any] = {"deepcompile": deep}
-    if passes is not None:
-        compile_cfg["passes"] = passes
+    if deep and stage == 3:  # DeepSpeed's keys, read: the op log, synchronisation points (no-ops on CPU)
+        compile_cfg.update(debug_log=True, passes=["z3"], sync_before_allgather=True, sync_after_reduce=True)
     return {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300,
+                                  # selective gather keeps the last two units (ln_f, the last MLP projection)
+                                  "stage3_max_reuse_distance": 1200, "stage3_prefetch_bucket_size": 2000},
             "compile": compile_cfg}
 
 
@@ -68,7 +70,9 @@ def _train(stage: int, deep: bool, compiled: bool) -> dict[str, Any]:
         comm.all_reduce(summed)
         out["losses"].append(float(summed) / world)
     graph = engine.deepcompiled.graph if engine.deepcompiled is not None else None
-    out["gathers"] = None if graph is None else (graph.gathers, graph.reduces, len(graph.units))
+    out["gathers"] = None if graph is None else (graph.gathers, graph.reduces, len(graph.units), graph.prefetches)
+    out["kept"] = None if graph is None else sorted(engine.deepcompiled.kept)
+    out["log"] = None if graph is None else graph.log[:graph.log.index(("reduce", 0)) + 1]  # the first micro-step
     out["state"] = {k: v.float().clone() for k, v in full_state_dict(model, group=engine.dp_group).items()}
     return out
 
@@ -107,8 +111,21 @@ def test_deepcompile_zero3_has_no_graph_break_and_equals_eager_and_one_process()
             torch.testing.assert_close(run["state"][key], ref, rtol=1e-5, atol=2e-5, msg=f"{name} {key}")
             torch.testing.assert_close(run["state"][key], eager["state"][key], rtol=1e-6, atol=1e-7, msg=f"{name} {key}")
     torch.testing.assert_close(deep3["losses"], eager["losses"], rtol=1e-6, atol=1e-7)
-    gathers, reduces, units = deep3["gathers"]
+    gathers, reduces, units, prefetches = deep3["gathers"]
     micro_steps = STEPS * GAS
-    # every unit gathered once per forward; backward re-gathers only what it needs (the embedding tables not)
-    assert units * micro_steps < gathers < 2 * units * micro_steps, (gathers, units)
+    assert deep3["kept"] == [units - 2, units - 1]  # selective gather: ln_f and the last MLP projection
+    # forward: every unit; backward: again, but the two kept and the position table (embedding backward needs
+    # no weight)
+    assert gathers == micro_steps * (units + units - 3), gathers
     assert reduces == units * micro_steps, (reduces, units)
+    log = deep3["log"]
+    forward = log[:2 * units - 1]  # a gather per unit, a prefetch per unit but the first
+    backward = log[len(forward):]
+    assert [u for op, u in forward if op == "gather"] == list(range(units))
+    for u in range(1, units):  # prefetched before the previous unit's gather, at least
+        assert forward.index(("prefetch", u)) < forward.index(("gather", u - 1)), u
+    assert prefetches == micro_steps * sum(1 for op, _ in log if op == "prefetch")
+    assert ("gather", units - 1) not in backward and ("gather", units - 2) not in backward
+    # reduce-scatters as soon as a gradient is final: interleaved with backward's gathers, not all at the end
+    assert backward.index(("reduce", units - 1)) < backward.index(("gather", 2)) < backward.index(("reduce", 0))
+    assert [u for op, u in backward if op == "reduce"] == list(range(units - 1, -1, -1))

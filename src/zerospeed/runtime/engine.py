@@ -403,9 +403,10 @@ class Engine(nn.Module):
         if self.config.compile.deepcompile:  # ZeRO inside the compiled graph (runtime/deepcompile.py)
             from .deepcompile import deep_compile
 
-            check_compile_args(kwargs, schedule, compiled_autograd_enabled)
+            check_compile_args(kwargs, None, compiled_autograd_enabled)
             reducer = self.optimizer.reducer if self.optimizer is not None else None
-            self.deepcompiled = deep_compile(self.module, backend, kwargs, self.config.compile, self.zero3, reducer)
+            self.deepcompiled = deep_compile(self.module, backend, kwargs, self.config.compile, self.zero3, reducer,
+                                             schedule)
         else:
             compile_module(self.module, backend, kwargs, schedule, compiled_autograd_enabled,
                            partitioned=self.zero3 is not None)

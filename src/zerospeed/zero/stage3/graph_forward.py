@@ -9,9 +9,10 @@
    ``torch.func.functional_call``; called directly because ``functional_call`` re-enters ``module.__call__``,
    which is this forward once compiled);
 3. with grad enabled, the whole call is one selective activation checkpoint (``torch.utils.checkpoint`` with
-   ``create_selective_checkpoint_contexts``) whose policy recomputes every ``z3_gather`` and saves everything
-   else: autograd never keeps a gathered parameter from forward to backward; the backward gathers it again
-   where it is needed, and the compiled code frees each value after its last use.
+   ``create_selective_checkpoint_contexts``) whose policy recomputes every ``z3_gather`` (but those of the
+   units that selective gather keeps) and saves everything else: autograd does not keep a gathered
+   parameter from forward to backward; the backward gathers it again where it is needed, and the compiled
+   code frees each value after its last use.
 
 Traced by Dynamo, the whole model is one graph with no break at module boundaries; run eagerly, it does the
 same operations. Graph passes (``runtime/graph_passes.py``) then place the gathers and reductions.
@@ -33,19 +34,23 @@ from .param_store import shard_of
 z3_gather_op = torch.ops.zerospeed.z3_gather.default
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_RECOMPUTE if op is z3_gather_op else CheckpointPolicy.PREFER_SAVE
-
-
-_contexts = functools.partial(create_selective_checkpoint_contexts, _policy)
+def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Gathers are recomputed in backward, but for the units selective gather keeps; so are views (free to
+    recompute: a saved ``W.t()`` would keep the whole gathered weight alive); the rest is saved."""
+    if op is z3_gather_op:
+        return CheckpointPolicy.MUST_SAVE if args[2] in keep else CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_RECOMPUTE if getattr(op, "is_view", False) else CheckpointPolicy.PREFER_SAVE
 
 
 class GraphForward:
     """Callable standing for ``module.__call__`` (installed as its ``_compiled_call_impl``)."""
 
-    def __init__(self, module: nn.Module, graph: GraphUnits) -> None:
+    def __init__(self, module: nn.Module, graph: GraphUnits, keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: units kept gathered from forward to backward (the selective gather pass)."""
         self.module = module
         self.graph = graph
+        self.keep = keep
+        self._contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, keep))
         device = graph.units[0][0].device if graph.units else torch.device("cpu")
         self.anchor = torch.empty(0, device=device, requires_grad=True)  # see graph_ops.py
         names: dict[int, list[str]] = {}
@@ -74,7 +79,7 @@ class GraphForward:
         """What the compiler traces."""
         if not torch.is_grad_enabled():
             return self._run(*args, **kwargs)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.anchor.grad = None  # its gradient is an empty token; do not let it pile up

@@ -1,7 +1,7 @@
 """ZeRO-3's gather and gradient hand-off as graph operations (DeepCompile), so the compiler traces through them.
 
-Two custom operators registered with ``torch.library`` (public API), each with a fake implementation (the
-shapes the compiler traces with) and the gather with an autograd formula:
+Custom operators registered with ``torch.library`` (public API), each with a fake implementation (the
+shapes the compiler traces with), the gather with an autograd formula:
 
 * ``zerospeed::z3_gather(anchor, graph, unit) -> Tensor[]``: unit ``unit``'s parameters, whole. The real
   implementation runs the parameter store's gather (``ensure_gathered``: the same collectives, lockstep
@@ -13,6 +13,9 @@ shapes the compiler traces with) and the gather with an autograd formula:
 * ``zerospeed::z3_reduce(grads, graph, unit) -> Tensor``: the gather's backward. It hands each full
   gradient to the stage-3 reducer (``take_grad``: bucket, reduce-scatter, the same path as eager
   stage 3's gradient hooks) and returns the anchor's (empty, fp32) gradient.
+* ``zerospeed::z3_prefetch(anchor, graph, unit) -> Tensor``: starts the unit's all-gather asynchronously and
+  returns an empty token; the prefetch pass (``graph_passes.py``) turns the unit's ``z3_gather`` into
+  ``z3_gather_prefetched(anchor, graph, unit, token)``, which waits for it (the token orders the two).
 
 ``graph`` is the handle of a :class:`GraphUnits` (one per engine; the op arguments must be plain values).
 The fake gather reads only the static shapes of the handle's units.
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 from .fetcher import Unit
-from .param_store import ParamShard, ensure_gathered
+from .param_store import ParamShard, ensure_gathered, start_gather
 
 GradSink = Callable[[nn.Parameter, torch.Tensor], None]
 
@@ -51,9 +54,17 @@ class GraphUnits:
         self.sink = sink
         self.handle = next(_HANDLES)
         self.gathers = 0  # z3_gather calls that ran (forward and backward recomputation)
+        self.prefetches = 0  # z3_prefetch calls that ran
         self.reduces = 0  # z3_reduce calls that ran
         self.log: list[tuple[str, int]] | None = None  # (op, unit) per call when debug_log is on
+        # compile.sync_{before,after}_{allgather,reduce}: the accelerator is synchronised at those points
+        self.sync_points: frozenset[str] = frozenset()
+        self.synchronize: Callable[[], None] = lambda: None
         _GRAPHS[self.handle] = self
+
+    def sync(self, point: str) -> None:
+        if point in self.sync_points:
+            self.synchronize()
 
     def shapes(self, unit: int) -> list[tuple[torch.Size, torch.dtype]]:
         return [(s.shape, s.dtype) for s in self.units[unit]]
@@ -80,19 +91,56 @@ def _take_full(s: ParamShard) -> torch.Tensor:
     return full
 
 
-@torch.library.custom_op("zerospeed::z3_gather", mutates_args=())
-def z3_gather(anchor: torch.Tensor, graph: int, unit: int) -> list[torch.Tensor]:
+@torch.library.custom_op("zerospeed::z3_prefetch", mutates_args=())
+def z3_prefetch(anchor: torch.Tensor, graph: int, unit: int) -> torch.Tensor:
+    g = graph_units(graph)
+    g.prefetches += 1
+    g.note("prefetch", unit)
+    g.sync("before_allgather")
+    start_gather(g.units[unit], async_op=True, quantize=True)  # the shards' pending gathers; z3_gather waits
+    return torch.empty(0, device=anchor.device)
+
+
+@z3_prefetch.register_fake
+def _z3_prefetch_fake(anchor: torch.Tensor, graph: int, unit: int) -> torch.Tensor:
+    return torch.empty(0, device=anchor.device)
+
+
+def _gather(anchor: torch.Tensor, graph: int, unit: int, prefetched: bool) -> list[torch.Tensor]:
     g = graph_units(graph)
     g.gathers += 1
     g.note("gather", unit)
     shards = g.units[unit]
-    ensure_gathered(shards, quantize=True)
+    if not prefetched:
+        g.sync("before_allgather")
+    ensure_gathered(shards, quantize=True)  # waits for a prefetch in flight, gathers the rest now
+    g.sync("after_allgather")
     return [_take_full(s) for s in shards]
+
+
+def _gather_fake(anchor: torch.Tensor, graph: int, unit: int) -> list[torch.Tensor]:
+    return [anchor.new_empty(shape, dtype=dtype) for shape, dtype in graph_units(graph).shapes(unit)]
+
+
+@torch.library.custom_op("zerospeed::z3_gather", mutates_args=())
+def z3_gather(anchor: torch.Tensor, graph: int, unit: int) -> list[torch.Tensor]:
+    return _gather(anchor, graph, unit, prefetched=False)
 
 
 @z3_gather.register_fake
 def _z3_gather_fake(anchor: torch.Tensor, graph: int, unit: int) -> list[torch.Tensor]:
-    return [anchor.new_empty(shape, dtype=dtype) for shape, dtype in graph_units(graph).shapes(unit)]
+    return _gather_fake(anchor, graph, unit)
+
+
+@torch.library.custom_op("zerospeed::z3_gather_prefetched", mutates_args=())
+def z3_gather_prefetched(anchor: torch.Tensor, graph: int, unit: int, token: torch.Tensor) -> list[torch.Tensor]:
+    """``z3_gather`` after its ``z3_prefetch`` (``token``): only in graphs the passes rewrote (no autograd)."""
+    return _gather(anchor, graph, unit, prefetched=True)
+
+
+@z3_gather_prefetched.register_fake
+def _z3_gather_prefetched_fake(anchor: torch.Tensor, graph: int, unit: int, token: torch.Tensor) -> list[torch.Tensor]:
+    return _gather_fake(anchor, graph, unit)
 
 
 @torch.library.custom_op("zerospeed::z3_reduce", mutates_args=())
@@ -100,9 +148,11 @@ def z3_reduce(grads: list[torch.Tensor | None], graph: int, unit: int) -> torch.
     g = graph_units(graph)
     g.reduces += 1
     g.note("reduce", unit)
+    g.sync("before_reduce")
     for s, grad in zip(g.units[unit], grads):
         if grad is not None and s.param.requires_grad:
             g.sink(s.param, grad)
+    g.sync("after_reduce")
     return torch.empty(0, device=g.units[unit][0].device)
 
 
@@ -122,4 +172,4 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grads: Sequence[torch.Te
 
 z3_gather.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["GraphUnits", "graph_units", "z3_gather", "z3_reduce"]
+__all__ = ["GraphUnits", "graph_units", "z3_gather", "z3_gather_prefetched", "z3_prefetch", "z3_reduce"]
