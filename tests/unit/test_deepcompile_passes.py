@@ -144,6 +144,7 @@ def test_private_compiler_surface_is_where_deepcompile_expects_it() -> None:
     assert CustomGraphPass.__abstractmethods__ == frozenset({"__call__", "uuid"})
     assert {"MUST_SAVE", "MUST_RECOMPUTE", "PREFER_SAVE", "PREFER_RECOMPUTE"} <= set(CheckpointPolicy.__members__)
     assert torch.ops.aten.t.default.is_view and not torch.ops.aten.mm.default.is_view
+    assert hasattr(torch.nn.Module, "_call_impl") and torch.nn.Linear(1, 1)._compiled_call_impl is None
     lin = torch.nn.Linear(2, 2)
     other = torch.nn.Linear(2, 2)
     lin.extra = other  # type: ignore[assignment]

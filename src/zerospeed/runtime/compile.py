@@ -16,8 +16,9 @@ forward is one graph. What stays eager, deliberately:
 * an activation-checkpointed region (``zerospeed.checkpointing.checkpoint``) runs eagerly: its recompute hands
   saved tensors back by position, which only the same eager operations reproduce.
 
-Not built: DeepCompile (``compile.deepcompile`` and its keys are refused when the config is read), its pass
-``schedule``, and compiled autograd (tracing the backward, which would trace the reducer's collectives).
+With ``compile.deepcompile: true`` the engine runs ``runtime/deepcompile.py`` instead (ZeRO inside the graph,
+no breaks; docs/compile.md). Not built: compiled autograd (tracing the backward, which would trace the
+reducer's collectives).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
 def check_compile_args(compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> None:
     """``engine.compile()``'s arguments: refused by name where not built."""
     if schedule is not None:
-        raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile passes; DeepCompile is not "
-                                  "supported yet by zerospeed: call engine.compile() without a schedule")
+        raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile passes: set compile.deepcompile: "
+                                  "true in the config to use them (zerospeed, as DeepSpeed, reads no schedule "
+                                  "without DeepCompile)")
     if compiled_autograd_enabled:
         raise NotImplementedError("engine.compile(compiled_autograd_enabled=True) is not supported yet by zerospeed "
                                   "(the backward stays eager autograd over the compiled graphs)")

@@ -127,7 +127,9 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
 
     graph = GraphUnits(zero3.units, reducer.take_grad)
     graph.log = [] if cfg.debug_log else None
-    graph.sync_points = frozenset(p for p in SYNC_POINTS if getattr(cfg, f"sync_{p}"))
+    points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
+              "before_reduce": cfg.sync_before_reduce, "after_reduce": cfg.sync_after_reduce}
+    graph.sync_points = frozenset(p for p, on in points.items() if on)
     graph.synchronize = get_accelerator().synchronize
     numel_of = [sum(s.numel for s in shards) for shards in graph.units]
     fetcher = zero3.fetcher
@@ -141,9 +143,6 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     _log.info("DeepCompile at stage 3: %d units gathered in the graph, %d kept for backward, passes %s (backend=%s)",
               len(graph.units), len(keep), names, backend)
     return DeepCompiled(graph, forward, names, keep)
-
-
-SYNC_POINTS = ("before_allgather", "after_allgather", "before_reduce", "after_reduce")
 
 
 __all__ = ["DeepCompiled", "deep_compile"]

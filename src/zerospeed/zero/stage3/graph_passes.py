@@ -81,8 +81,12 @@ def prefetch(graph: fx.Graph, numel_of: Sequence[int], window: int) -> int:
             continue  # larger than the window on its own: gathered when needed
         with graph.inserting_before(gathers[j]):
             token = graph.call_function(PREFETCH, (gather.args[0], gather.args[1], unit))
+        anchor = gather.args[0]
+        if isinstance(anchor, fx.Node) and "val" in anchor.meta:  # inductor lowers from the fake values
+            token.meta["val"] = anchor.meta["val"].new_empty(0)
         gather.target = PREFETCHED
         gather.args = (*gather.args[:3], token)
+        gather.meta.pop("eager_input_vals", None)  # inductor's record of the old op's inputs (3, not 4)
         inserted += 1
     return inserted
 
