@@ -53,9 +53,9 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
 def check_compile_args(compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> None:
     """``engine.compile()``'s arguments: refused by name where not built."""
     if schedule is not None:
-        raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile passes: set compile.deepcompile: "
-                                  "true in the config to use them (zerospeed, as DeepSpeed, reads no schedule "
-                                  "without DeepCompile)")
+        raise NotImplementedError("engine.compile(schedule=...) without compile.deepcompile: true is not supported "
+                                  "yet by zerospeed (a schedule names DeepCompile passes, which DeepSpeed ignores "
+                                  "without DeepCompile): set compile.deepcompile: true in the config, or drop it")
     if compiled_autograd_enabled:
         raise NotImplementedError("engine.compile(compiled_autograd_enabled=True) is not supported yet by zerospeed "
                                   "(the backward stays eager autograd over the compiled graphs)")

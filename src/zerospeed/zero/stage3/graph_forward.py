@@ -33,6 +33,12 @@ from .param_store import shard_of
 
 z3_gather_op = torch.ops.zerospeed.z3_gather.default
 
+GRAPH_BREAK_HINT = (
+    "zerospeed DeepCompile (compile.deepcompile: true) compiles the whole model as one graph (fullgraph=True), so "
+    "code that breaks the graph is an error here. zerospeed.checkpointing regions run eagerly by design and are "
+    "not supported yet under DeepCompile: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the "
+    "model, or compile without compile.deepcompile (stage 3's hooks are then graph breaks)")
+
 
 def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Gathers are recomputed in backward, but for the units selective gather keeps; so are views (free to
@@ -52,7 +58,7 @@ class GraphForward:
         self.keep = keep
         self._contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, keep))
         device = graph.units[0][0].device if graph.units else torch.device("cpu")
-        self.anchor = torch.empty(0, device=device, requires_grad=True)  # see graph_ops.py
+        self.anchor = torch.zeros(1, device=device, requires_grad=True)  # see graph_ops.py
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             s = shard_of(p)
@@ -82,8 +88,13 @@ class GraphForward:
         return checkpoint(self._run, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.anchor.grad = None  # its gradient is an empty token; do not let it pile up
-        return self.run(*args, **kwargs)
+        self.anchor.grad = None  # its gradient is a token (zero); do not let it pile up
+        try:
+            return self.run(*args, **kwargs)
+        except Exception as exc:
+            if type(exc).__module__.startswith("torch._dynamo") and GRAPH_BREAK_HINT not in getattr(exc, "__notes__", []):
+                exc.add_note(GRAPH_BREAK_HINT)
+            raise
 
     run = forward  # replaced by the compiled forward (runtime/compile.py)
 

@@ -8,13 +8,14 @@ shapes the compiler traces with), the gather with an autograd formula:
   checks, qwZ/hpZ and offload reads as eager stage 3) and hands each gathered buffer to the graph, the
   parameter itself going straight back to ``SHARDED``: the graph owns the full value, and the value dies
   when the graph stops referencing it. (A value another holder keeps gathered, e.g. ``GatheredParameters``,
-  is copied instead.) ``anchor`` is an empty tensor that requires grad: it makes autograd call the formula;
-  the parameters themselves are not inputs of the op.
+  is copied instead.) ``anchor`` is a one-element tensor that requires grad: it makes autograd call the
+  formula; the parameters themselves are not inputs of the op.
 * ``zerospeed::z3_reduce(grads, graph, unit) -> Tensor``: the gather's backward. It hands each full
   gradient to the stage-3 reducer (``take_grad``: bucket, reduce-scatter, the same path as eager
-  stage 3's gradient hooks) and returns the anchor's (empty, fp32) gradient.
+  stage 3's gradient hooks) and returns the anchor's gradient (one fp32 zero: not empty, since inductor
+  drops ops whose outputs have no elements).
 * ``zerospeed::z3_prefetch(anchor, graph, unit) -> Tensor``: starts the unit's all-gather asynchronously and
-  returns an empty token; the prefetch pass (``graph_passes.py``) turns the unit's ``z3_gather`` into
+  returns a token (one element); the prefetch pass (``graph_passes.py``) turns the unit's ``z3_gather`` into
   ``z3_gather_prefetched(anchor, graph, unit, token)``, which waits for it (the token orders the two).
 
 ``graph`` is the handle of a :class:`GraphUnits` (one per engine; the op arguments must be plain values).
@@ -98,12 +99,12 @@ def z3_prefetch(anchor: torch.Tensor, graph: int, unit: int) -> torch.Tensor:
     g.note("prefetch", unit)
     g.sync("before_allgather")
     start_gather(g.units[unit], async_op=True, quantize=True)  # the shards' pending gathers; z3_gather waits
-    return torch.empty(0, device=anchor.device)
+    return torch.zeros(1, device=anchor.device)  # one element: inductor drops empty outputs
 
 
 @z3_prefetch.register_fake
 def _z3_prefetch_fake(anchor: torch.Tensor, graph: int, unit: int) -> torch.Tensor:
-    return torch.empty(0, device=anchor.device)
+    return torch.empty(1, device=anchor.device)
 
 
 def _gather(anchor: torch.Tensor, graph: int, unit: int, prefetched: bool) -> list[torch.Tensor]:
@@ -153,12 +154,12 @@ def z3_reduce(grads: list[torch.Tensor | None], graph: int, unit: int) -> torch.
         if grad is not None and s.param.requires_grad:
             g.sink(s.param, grad)
     g.sync("after_reduce")
-    return torch.empty(0, device=g.units[unit][0].device)
+    return torch.zeros(1, device=g.units[unit][0].device)
 
 
 @z3_reduce.register_fake
 def _z3_reduce_fake(grads: list[torch.Tensor | None], graph: int, unit: int) -> torch.Tensor:
-    return torch.empty(0, device=graph_units(graph).units[unit][0].device)
+    return torch.empty(1, device=graph_units(graph).units[unit][0].device)
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object) -> None:

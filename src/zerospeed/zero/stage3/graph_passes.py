@@ -83,7 +83,7 @@ def prefetch(graph: fx.Graph, numel_of: Sequence[int], window: int) -> int:
             token = graph.call_function(PREFETCH, (gather.args[0], gather.args[1], unit))
         anchor = gather.args[0]
         if isinstance(anchor, fx.Node) and "val" in anchor.meta:  # inductor lowers from the fake values
-            token.meta["val"] = anchor.meta["val"].new_empty(0)
+            token.meta["val"] = anchor.meta["val"].new_empty(1)
         gather.target = PREFETCHED
         gather.args = (*gather.args[:3], token)
         gather.meta.pop("eager_input_vals", None)  # inductor's record of the old op's inputs (3, not 4)
