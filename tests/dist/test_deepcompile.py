@@ -129,3 +129,27 @@ def test_deepcompile_zero3_has_no_graph_break_and_equals_eager_and_one_process()
     # reduce-scatters as soon as a gradient is final: interleaved with backward's gathers, not all at the end
     assert backward.index(("reduce", units - 1)) < backward.index(("gather", 2)) < backward.index(("reduce", 0))
     assert [u for op, u in backward if op == "reduce"] == list(range(units - 1, -1, -1))
+
+
+def test_private_compiler_surface_is_where_deepcompile_expects_it() -> None:
+    """Every private name DeepCompile uses (docs/compile.md lists them), pinned so that a PyTorch upgrade that
+    moves one fails here. In this file because the harness's warm-up has loaded dynamo (no import cost)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch.nn.utils.stateless import _reparametrize_module
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    assert callable(aot_autograd) and callable(make_boxed_func) and callable(create_selective_checkpoint_contexts)
+    assert CustomGraphPass.__abstractmethods__ == frozenset({"__call__", "uuid"})
+    assert {"MUST_SAVE", "MUST_RECOMPUTE", "PREFER_SAVE", "PREFER_RECOMPUTE"} <= set(CheckpointPolicy.__members__)
+    assert torch.ops.aten.t.default.is_view and not torch.ops.aten.mm.default.is_view
+    assert hasattr(torch.nn.Module, "_call_impl") and torch.nn.Linear(1, 1)._compiled_call_impl is None
+    lin = torch.nn.Linear(2, 2)
+    other = torch.nn.Linear(2, 2)
+    lin.extra = other  # type: ignore[assignment]
+    other.weight = lin.weight  # tied: both names swapped to the same value
+    w = torch.ones(2, 2)
+    with _reparametrize_module(lin, {"weight": w, "extra.weight": w}):
+        assert lin.weight is w and other.weight is w
+    assert lin.weight is other.weight and lin.weight is not w

@@ -108,6 +108,13 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
     return backend, {}
 
 
+def sync_points(cfg: CompileConfig) -> frozenset[str]:
+    """Where the graph ops synchronise the accelerator (``compile.sync_{before,after}_{allgather,reduce}``)."""
+    points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
+              "before_reduce": cfg.sync_before_reduce, "after_reduce": cfg.sync_after_reduce}
+    return frozenset(p for p, on in points.items() if on)
+
+
 def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], cfg: CompileConfig,
                  zero3: Any = None, reducer: Any = None, schedule: Any = None) -> DeepCompiled:
     """Compile ``module`` in place with DeepCompile; ``zero3``: its stage-3 runtime (None below stage 3),
@@ -127,9 +134,7 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
 
     graph = GraphUnits(zero3.units, reducer.take_grad)
     graph.log = [] if cfg.debug_log else None
-    points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
-              "before_reduce": cfg.sync_before_reduce, "after_reduce": cfg.sync_after_reduce}
-    graph.sync_points = frozenset(p for p, on in points.items() if on)
+    graph.sync_points = sync_points(cfg)
     graph.synchronize = get_accelerator().synchronize
     numel_of = [sum(s.numel for s in shards) for shards in graph.units]
     fetcher = zero3.fetcher
@@ -145,4 +150,4 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     return DeepCompiled(graph, forward, names, keep)
 
 
-__all__ = ["DeepCompiled", "deep_compile"]
+__all__ = ["DeepCompiled", "deep_compile", "sync_points"]

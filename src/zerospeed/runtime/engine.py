@@ -393,23 +393,16 @@ class Engine(nn.Module):
     def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None,  # type: ignore[override]
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` the model in place (``backend`` None: the
-        accelerator's, inductor) under any ZeRO stage (``runtime/compile.py``); a second call does nothing."""
-        from .compile import check_compile_args, compile_module
+        accelerator's, inductor) under any ZeRO stage, or DeepCompile (``runtime/compile.py``); once only."""
+        from .compile import compile_engine_module
 
         self._ensure_usable()
         if self._is_compiled:
             return
-        kwargs = {} if compile_kwargs is None else compile_kwargs
-        if self.config.compile.deepcompile:  # ZeRO inside the compiled graph (runtime/deepcompile.py)
-            from .deepcompile import deep_compile
-
-            check_compile_args(kwargs, None, compiled_autograd_enabled)
-            reducer = self.optimizer.reducer if self.optimizer is not None else None
-            self.deepcompiled = deep_compile(self.module, backend, kwargs, self.config.compile, self.zero3, reducer,
-                                             schedule)
-        else:
-            compile_module(self.module, backend, kwargs, schedule, compiled_autograd_enabled,
-                           partitioned=self.zero3 is not None)
+        reducer = self.optimizer.reducer if self.optimizer is not None else None
+        self.deepcompiled = compile_engine_module(self.module, self.config.compile, self.zero3, reducer, backend,
+                                                  {} if compile_kwargs is None else compile_kwargs, schedule,
+                                                  compiled_autograd_enabled)
         self._is_compiled = True
 
     @property
