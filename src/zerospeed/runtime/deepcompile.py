@@ -82,7 +82,7 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
             _log.info("DeepCompile passes %s changed %s; graph:\n%s", passes, done, graph)
 
     if backend == "aot_eager":
-        from functorch.compile import make_boxed_func
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
         def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -90,7 +90,9 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
             gm.recompile()
             return make_boxed_func(gm.forward)
 
-        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler), {}
+        # as torch's own aot_eager (the default partitioner fails on persistent parameters inside the checkpoint)
+        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True,
+                            partition_fn=min_cut_rematerialization_partition), {}
     if backend == "inductor":
         from torch._inductor.custom_graph_pass import CustomGraphPass
 

@@ -92,7 +92,9 @@ class GraphForward:
         try:
             return self.run(*args, **kwargs)
         except Exception as exc:
-            if type(exc).__module__.startswith("torch._dynamo") and GRAPH_BREAK_HINT not in getattr(exc, "__notes__", []):
+            from torch._dynamo.exc import Unsupported  # loaded: the compiled call raised
+
+            if isinstance(exc, Unsupported) and GRAPH_BREAK_HINT not in getattr(exc, "__notes__", []):
                 exc.add_note(GRAPH_BREAK_HINT)
             raise
 
