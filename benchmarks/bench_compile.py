@@ -1,7 +1,7 @@
 """engine.compile() vs eager: step time of the demo GPT under ZeRO 0 and 3, world 2, compile time apart.
 
     .venv/bin/python benchmarks/bench_compile.py [--preset demo] [--micro-batch 8] [--steps 5] [--repeat 1]
-        [--stages 0 3] [--backend inductor] [--deepcompile] [--json]
+        [--stages 0 3] [--backend inductor] [--deepcompile] [--no-plain] [--max-reuse N] [--json]
 
 ``--deepcompile`` adds a third mode at stages 1-3: ``compile.deepcompile: true`` (ZeRO inside the graph,
 docs/compile.md) with the same backend. "peak RSS" is each rank's ``ru_maxrss`` (GiB, mean of the ranks);
@@ -32,7 +32,7 @@ from zerospeed.testing import run_distributed
 
 
 def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | None,
-          deep: bool = False) -> dict[str, Any]:
+          deep: bool = False, max_reuse: int | None = None) -> dict[str, Any]:
     import resource
 
     from zerospeed.runtime.compile import compiled_graph_count
@@ -44,6 +44,8 @@ def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | 
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage},
               "compile": {"deepcompile": deep}}
+    if max_reuse is not None:  # stage 3: what stays gathered from forward to backward (eager and DeepCompile alike)
+        config["zero_optimization"]["stage3_max_reuse_distance"] = max_reuse
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if backend is not None:
         engine.compile(backend=backend)
@@ -69,12 +71,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for _ in range(args.repeat):
         for stage in args.stages:
-            modes = [(None, False), (args.backend, False)] + ([(args.backend, True)] if args.deepcompile and stage else [])
+            modes = [(None, False)] + ([] if args.no_plain else [(args.backend, False)]) + \
+                ([(args.backend, True)] if args.deepcompile and stage else [])
             for backend, deep in modes:
                 with tempfile.TemporaryDirectory(prefix="bench_compile_inductor_") as cache:
                     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold compile, as on a fresh machine
                     ranks = run_distributed(_rank, 2, args.preset, args.micro_batch, args.steps, stage, backend,
-                                            deep, timeout=3600)
+                                            deep, args.max_reuse, timeout=3600)
                 mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in ("first_s", "wall_s", "cpu_s", "rss_gib",
                                                                              "comm_mb")}
                 mode = "eager" if backend is None else f"deepcompile {backend}" if deep else backend
@@ -115,6 +118,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 3])
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--deepcompile", action="store_true", help="also compile.deepcompile: true (stages 1-3)")
+    parser.add_argument("--no-plain", action="store_true", help="skip plain engine.compile()")
+    parser.add_argument("--max-reuse", type=int, default=None, help="zero_optimization.stage3_max_reuse_distance")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     summary = summarize(measure(args))
