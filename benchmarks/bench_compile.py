@@ -1,7 +1,11 @@
 """engine.compile() vs eager: step time of the demo GPT under ZeRO 0 and 3, world 2, compile time apart.
 
     .venv/bin/python benchmarks/bench_compile.py [--preset demo] [--micro-batch 8] [--steps 5] [--repeat 1]
-        [--stages 0 3] [--backend inductor] [--json]
+        [--stages 0 3] [--backend inductor] [--deepcompile] [--no-plain] [--max-reuse N] [--json]
+
+``--deepcompile`` adds a third mode at stages 1-3: ``compile.deepcompile: true`` (ZeRO inside the graph,
+docs/compile.md) with the same backend. "peak RSS" is each rank's ``ru_maxrss`` (GiB, mean of the ranks);
+"comm MB/step" the bytes the engine's collectives moved in the last step.
 
 Each (stage, mode) run is its own pair of forked Gloo ranks with the same model, seed and batches; eager
 and compiled runs alternate. "first step" is the first step's wall time (tracing and code generation
@@ -27,7 +31,10 @@ from zerospeed.models import GPT, PRESETS
 from zerospeed.testing import run_distributed
 
 
-def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | None) -> dict[str, Any]:
+def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | None,
+          deep: bool = False, max_reuse: int | None = None) -> dict[str, Any]:
+    import resource
+
     from zerospeed.runtime.compile import compiled_graph_count
 
     torch._dynamo.reset()
@@ -35,7 +42,10 @@ def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | 
     cfg = PRESETS[preset]()
     model = GPT(cfg, seed=0)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage},
+              "compile": {"deepcompile": deep}}
+    if max_reuse is not None:  # stage 3: what stays gathered from forward to backward (eager and DeepCompile alike)
+        config["zero_optimization"]["stage3_max_reuse_distance"] = max_reuse
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if backend is not None:
         engine.compile(backend=backend)
@@ -53,20 +63,25 @@ def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | 
         losses.append(float(loss.detach()))
     counts = compiled_graph_count() if backend is not None else {"graphs": 0, "graph_breaks": 0}
     return {"first_s": walls[0], "wall_s": sum(walls[1:]) / steps, "cpu_s": sum(cpus[1:]) / steps,
-            "losses": losses, **counts}
+            "losses": losses, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
+            "comm_mb": engine.last_step_comm_volume / 1e6, **counts}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for _ in range(args.repeat):
         for stage in args.stages:
-            for backend in (None, args.backend):
+            modes = [(None, False)] + ([] if args.no_plain else [(args.backend, False)]) + \
+                ([(args.backend, True)] if args.deepcompile and stage else [])
+            for backend, deep in modes:
                 with tempfile.TemporaryDirectory(prefix="bench_compile_inductor_") as cache:
                     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold compile, as on a fresh machine
                     ranks = run_distributed(_rank, 2, args.preset, args.micro_batch, args.steps, stage, backend,
-                                            timeout=3600)
-                mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in ("first_s", "wall_s", "cpu_s")}
-                rows.append({"stage": stage, "mode": backend or "eager", **mean, "graphs": ranks[0]["graphs"],
+                                            deep, args.max_reuse, timeout=3600)
+                mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in ("first_s", "wall_s", "cpu_s", "rss_gib",
+                                                                             "comm_mb")}
+                mode = "eager" if backend is None else f"deepcompile {backend}" if deep else backend
+                rows.append({"stage": stage, "mode": mode, **mean, "graphs": ranks[0]["graphs"],
                              "graph_breaks": ranks[0]["graph_breaks"], "losses": ranks[0]["losses"]})
     return rows
 
@@ -77,13 +92,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         key = (r["stage"], r["mode"])
         acc = out.setdefault(key, {"stage": r["stage"], "mode": r["mode"], "n": 0, "first_s": 0.0, "wall_s": 0.0,
-                                   "cpu_s": 0.0, "graphs": r["graphs"], "graph_breaks": r["graph_breaks"],
+                                   "cpu_s": 0.0, "rss_gib": 0.0, "comm_mb": 0.0, "graphs": r["graphs"], "graph_breaks": r["graph_breaks"],
                                    "losses": r["losses"]})
         acc["n"] += 1
-        for k in ("first_s", "wall_s", "cpu_s"):
+        for k in ("first_s", "wall_s", "cpu_s", "rss_gib", "comm_mb"):
             acc[k] += r[k]
     for acc in out.values():
-        for k in ("first_s", "wall_s", "cpu_s"):
+        for k in ("first_s", "wall_s", "cpu_s", "rss_gib", "comm_mb"):
             acc[k] /= acc["n"]
     for (stage, mode), acc in out.items():
         eager = out[(stage, "eager")]
@@ -102,6 +117,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 3])
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--deepcompile", action="store_true", help="also compile.deepcompile: true (stages 1-3)")
+    parser.add_argument("--no-plain", action="store_true", help="skip plain engine.compile()")
+    parser.add_argument("--max-reuse", type=int, default=None, help="zero_optimization.stage3_max_reuse_distance")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     summary = summarize(measure(args))
@@ -112,11 +130,12 @@ def main() -> None:
     print(f"GPT {args.preset}, world 2 (Gloo, CPU), micro-batch {args.micro_batch}, {args.steps} steps, "
           f"repeat {args.repeat}, torch {torch.__version__}, {os.cpu_count()} cores")
     print("| stage | mode | first step s | compile s | wall s/step | CPU s/step | wall vs eager | CPU vs eager "
-          "| graphs | breaks | max loss diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak RSS GiB | comm MB/step | graphs | breaks | max loss diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         print(f"| {r['stage']} | {r['mode']} | {r['first_s']:.2f} | {r['compile_s']:.1f} | {r['wall_s']:.3f} | "
-              f"{r['cpu_s']:.3f} | {r['wall_ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['graphs']} | "
+              f"{r['cpu_s']:.3f} | {r['wall_ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['rss_gib']:.2f} | "
+              f"{r['comm_mb']:.1f} | {r['graphs']} | "
               f"{r['graph_breaks']} | {r['max_loss_diff']:.1e} |")
     sys.stdout.flush()
 

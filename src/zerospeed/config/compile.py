@@ -2,15 +2,20 @@
 
 In DeepSpeed every key of this section belongs to DeepCompile (``deepcompile: true``): its own graph passes
 that schedule ZeRO's gathers, releases, reductions and offloads inside the compiled graph. Without
-``deepcompile`` DeepSpeed reads none of them and ``engine.compile()`` is plain ``torch.compile`` of the model.
-zerospeed implements that plain compile (``runtime/compile.py``) under every stage; DeepCompile is not built,
-so every key here is listed in ``unsupported.py`` (``DEEPCOMPILE_KEYS``): at its default it is accepted and
-changes nothing, as in DeepSpeed; any other value raises ``NotSupportedYetError`` naming the key.
+``deepcompile`` DeepSpeed reads none of them and ``engine.compile()`` is plain ``torch.compile`` of the model
+(``runtime/compile.py``). With it, ``engine.compile()`` runs ``runtime/deepcompile.py``: ``passes``, ``debug_log``
+and the four ``sync_*`` keys are read there; ``double_buffer`` and ``keep_*_input_tensors`` are accepted hints
+(``hints.py``); the offload, free-activation, symmetric-memory and AutoEP keys are refused away from their
+defaults (``unsupported.py``, ``DEEPCOMPILE_KEYS``). Set without ``deepcompile``, a key that DeepCompile reads
+draws a warning (it has no effect, as in DeepSpeed).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
+
+from pydantic import model_validator
 
 from .base import Section
 
@@ -19,7 +24,7 @@ PassName = Literal["z1", "z3", "autosp", "autotp"]
 
 class CompileConfig(Section):
     deepcompile: bool = False
-    """DeepCompile (ZeRO passes inside the compiled graph): not supported yet."""
+    """DeepCompile: ``engine.compile()`` puts ZeRO's gathers and reductions inside the compiled graph."""
     autoep_non_moe: bool = False
     """Compile the parents of AutoEP layers only (regional compile): not supported yet."""
     free_activation: bool = False
@@ -30,12 +35,26 @@ class CompileConfig(Section):
     double_buffer: bool = True
     symmetric_memory: bool = False
     debug_log: bool = False
+    """Log each graph after the passes, and record every graph op call (``engine.deepcompiled.graph.log``)."""
     offload_parameters: bool = False
     sync_before_reduce: bool = False
+    """Synchronise the accelerator before each gradient hand-off to the reducer (a no-op on CPU)."""
     sync_after_reduce: bool = False
     sync_before_allgather: bool = False
+    """Synchronise the accelerator before each parameter all-gather in the graph (a no-op on CPU)."""
     sync_after_allgather: bool = False
     keep_int_input_tensors: bool = True
     keep_all_input_tensors: bool = False
     passes: list[PassName] | None = None
-    """DeepCompile's pass list: only ``null`` (no DeepCompile pass) is supported."""
+    """DeepSpeed's parallelisation pass: ``["z3"]`` at stage 3, ``["z1"]`` at stages 1-2 (the default, ``null``,
+    picks it from the stage); ``autosp`` and ``autotp`` are not supported yet."""
+
+    @model_validator(mode="after")
+    def _warn_without_deepcompile(self) -> CompileConfig:
+        if not self.deepcompile:
+            read = [k for k in ("debug_log", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+                                "sync_after_allgather") if getattr(self, k)] + (["passes"] if self.passes else [])
+            if read:
+                warnings.warn(f"compile.{read[0]} has no effect without compile.deepcompile: true (as in DeepSpeed)",
+                              stacklevel=2)
+        return self

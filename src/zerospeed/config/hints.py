@@ -15,6 +15,15 @@ from typing import Any
 from pydantic import BaseModel
 
 ACCEPTED_HINTS: dict[str, str] = {
+    "compile.double_buffer": (
+        "DeepCompile's double buffering of gradient reductions: zerospeed's reducer always keeps at most two "
+        "bucket collectives in flight (zero/grad_reducer.py MAX_IN_FLIGHT), which is what true asks for; the "
+        "values are the same either way"),
+    "compile.keep_int_input_tensors": (
+        "which real input values DeepSpeed's profiling runs keep (InputStorage); zerospeed plans its DeepCompile "
+        "passes at compile time and re-runs no graph to profile it, so no inputs are stored whatever it says"),
+    "compile.keep_all_input_tensors": (
+        "as compile.keep_int_input_tensors: inputs kept for DeepSpeed's profiling runs, which zerospeed does not make"),
     "nebula.enable_nebula_load": (
         "whether DeepSpeed loads through the Nebula service or torch.load; zerospeed's tiered checkpoints are the "
         "same committed files either way, which load_checkpoint reads; the loaded state is the same either way"),

@@ -30,16 +30,27 @@ NOT_SUPPORTED_YET: dict[str, str] = {
         "weight_quantization.post_init_quant, or init_inference's quant section; docs/migration.md)"),
 }
 
-# The compile section's DeepCompile keys (config/compile.py): accepted at their defaults only. Plain
-# torch.compile (engine.compile()) reads none of them, in DeepSpeed as here.
-DEEPCOMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
-                    "offload_activation", "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
-                    "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
-                    "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
-                    "keep_all_input_tensors", "passes")
+# The compile section's DeepCompile keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log
+# and the sync_* keys are built: runtime/deepcompile.py). Accepted at their defaults only, as DeepSpeed reads none
+# of them without deepcompile.
+DEEPCOMPILE_KEYS = ("autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+                    "offload_activation_pin_memory", "offload_opt_states", "symmetric_memory", "offload_parameters")
+_DEEPCOMPILE_FEATURES = {
+    "autoep_non_moe": "AutoEP regional compile (compile.autoep_non_moe)",
+    "free_activation": "DeepCompile's free_activation pass (explicit frees of saved activations above a threshold "
+                       "in the backward graph)",
+    "free_activation_threshold": "DeepCompile's free_activation pass (its threshold)",
+    "offload_activation": "DeepCompile's offload_activation pass (saved activations to host memory)",
+    "offload_activation_pin_memory": "DeepCompile's offload_activation pass (its pinned host buffers)",
+    "offload_opt_states": "DeepCompile's offload_adam_states pass (optimizer states to host during forward/"
+                          "backward; zero_optimization.offload_optimizer offloads them for the whole run)",
+    "symmetric_memory": "DeepCompile's symmetric_memory (CUDA symmetric-memory collectives; CPU/Gloo has no "
+                        "symmetric memory, and the CUDA path is not built either)",
+    "offload_parameters": "DeepCompile's offload_parameters pass (zero_optimization.offload_param offloads the "
+                          "shards, and DeepCompile's gathers read them from there)",
+}
 for _k in DEEPCOMPILE_KEYS:
-    NOT_SUPPORTED_YET[f"compile.{_k}"] = ("DeepCompile" if _k == "deepcompile" else
-                                         "AutoEP regional compile" if _k == "autoep_non_moe" else f"DeepCompile's {_k}")
+    NOT_SUPPORTED_YET[f"compile.{_k}"] = _DEEPCOMPILE_FEATURES[_k]
 
 # AutoEP keeps the HF model's own router (parallel/expert/auto/): route_norm, route_scale, routed_scaling_factor,
 # top_k and score_apply are applied to its output (auto/routing.py); these need a router of another kind, or are
@@ -66,8 +77,6 @@ for _k in AUTOEP_ROUTING_KEYS:
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "compile.free_activation_threshold": (None, 10 * 1024 * 1024),
     "compile.offload_activation_pin_memory": (None, True),
-    "compile.double_buffer": (None, True),
-    "compile.keep_int_input_tensors": (None, True),
     **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
 }
 

@@ -16,8 +16,9 @@ forward is one graph. What stays eager, deliberately:
 * an activation-checkpointed region (``zerospeed.checkpointing.checkpoint``) runs eagerly: its recompute hands
   saved tensors back by position, which only the same eager operations reproduce.
 
-Not built: DeepCompile (``compile.deepcompile`` and its keys are refused when the config is read), its pass
-``schedule``, and compiled autograd (tracing the backward, which would trace the reducer's collectives).
+With ``compile.deepcompile: true`` the engine runs ``runtime/deepcompile.py`` instead (ZeRO inside the graph,
+no breaks; docs/compile.md). Not built: compiled autograd (tracing the backward, which would trace the
+reducer's collectives).
 """
 
 from __future__ import annotations
@@ -34,21 +35,24 @@ from ..accelerator import get_accelerator
 _log = logging.getLogger("zerospeed.compile")
 
 
+def compile_engine_module(module: nn.Module, cfg: Any, zero3: Any, reducer: Any, backend: Any,
+                          compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> Any:
+    """``engine.compile()``: DeepCompile when ``cfg.deepcompile`` (returns its ``DeepCompiled``), else plain
+    ``torch.compile`` (returns None). ``cfg``: the ``compile`` section; ``zero3``: the stage-3 runtime or None."""
+    if not cfg.deepcompile:
+        compile_module(module, backend, compile_kwargs, schedule, compiled_autograd_enabled, partitioned=zero3 is not None)
+        return None
+    from .deepcompile import deep_compile
+
+    check_compile_args(compile_kwargs, None, compiled_autograd_enabled)
+    return deep_compile(module, backend, compile_kwargs, cfg, zero3, reducer, schedule)
+
+
 def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
                    compiled_autograd_enabled: bool, partitioned: bool = False) -> None:
     """Compile ``module`` in place with ``torch.compile(backend=..., **compile_kwargs)``; ``partitioned``:
     ZeRO stage 3's hooks are installed on it."""
-    if schedule is not None:
-        raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile passes; DeepCompile is not "
-                                  "supported yet by zerospeed: call engine.compile() without a schedule")
-    if compiled_autograd_enabled:
-        raise NotImplementedError("engine.compile(compiled_autograd_enabled=True) is not supported yet by zerospeed "
-                                  "(the backward stays eager autograd over the compiled graphs)")
-    if not isinstance(compile_kwargs, dict):
-        raise ValueError(f"engine.compile(compile_kwargs=...) expects a dict of torch.compile options, got "
-                         f"{type(compile_kwargs).__name__}")
-    if "backend" in compile_kwargs:
-        _log.warning("The `backend` in `compile_kwargs` will be overridden. Use the `backend` argument instead.")
+    check_compile_args(compile_kwargs, schedule, compiled_autograd_enabled)
     if partitioned and compile_kwargs.get("dynamic") is False:
         warnings.warn("engine.compile(compile_kwargs={'dynamic': False}) under ZeRO stage 3: each module between "
                       "two gather/release hooks compiles as a frame of its own class, once per parameter shape; "
@@ -57,6 +61,22 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
     backend = get_accelerator().get_compile_backend() if backend is None else backend
     _log.info("compiling the model with torch.compile (backend=%s)", backend)
     module.compile(**{**compile_kwargs, "backend": backend})
+
+
+def check_compile_args(compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> None:
+    """``engine.compile()``'s arguments: refused by name where not built."""
+    if schedule is not None:
+        raise NotImplementedError("engine.compile(schedule=...) without compile.deepcompile: true is not supported "
+                                  "yet by zerospeed (a schedule names DeepCompile passes, which DeepSpeed ignores "
+                                  "without DeepCompile): set compile.deepcompile: true in the config, or drop it")
+    if compiled_autograd_enabled:
+        raise NotImplementedError("engine.compile(compiled_autograd_enabled=True) is not supported yet by zerospeed "
+                                  "(the backward stays eager autograd over the compiled graphs)")
+    if not isinstance(compile_kwargs, dict):
+        raise ValueError(f"engine.compile(compile_kwargs=...) expects a dict of torch.compile options, got "
+                         f"{type(compile_kwargs).__name__}")
+    if "backend" in compile_kwargs:
+        _log.warning("The `backend` in `compile_kwargs` will be overridden. Use the `backend` argument instead.")
 
 
 def compiled_graph_count() -> dict[str, int]:
@@ -85,4 +105,5 @@ def disable(func: Any) -> Any:
     return torch.compiler.disable(func)
 
 
-__all__ = ["compile_module", "compiled_graph_count", "disable", "is_compile_supported", "is_compiling"]
+__all__ = ["check_compile_args", "compile_engine_module", "compile_module", "compiled_graph_count", "disable",
+           "is_compile_supported", "is_compiling"]

@@ -91,6 +91,7 @@ class Engine(nn.Module):
         self.torch_backward = TorchBackward(self, config.managed_gradient_accumulation)
         self.broken: str | None = None  # why the engine refuses to continue (ranks may disagree on weights)
         self._is_compiled = False
+        self.deepcompiled: Any = None  # runtime/deepcompile.DeepCompiled after engine.compile() with DeepCompile
         if optimizer is not None:
             from ..zero import fragments
 
@@ -392,14 +393,16 @@ class Engine(nn.Module):
     def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None,  # type: ignore[override]
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` the model in place (``backend`` None: the
-        accelerator's, inductor) under any ZeRO stage (``runtime/compile.py``); a second call does nothing."""
-        from .compile import compile_module
+        accelerator's, inductor) under any ZeRO stage, or DeepCompile (``runtime/compile.py``); once only."""
+        from .compile import compile_engine_module
 
         self._ensure_usable()
         if self._is_compiled:
             return
-        compile_module(self.module, backend, {} if compile_kwargs is None else compile_kwargs, schedule,
-                       compiled_autograd_enabled, partitioned=self.zero3 is not None)
+        reducer = self.optimizer.reducer if self.optimizer is not None else None
+        self.deepcompiled = compile_engine_module(self.module, self.config.compile, self.zero3, reducer, backend,
+                                                  {} if compile_kwargs is None else compile_kwargs, schedule,
+                                                  compiled_autograd_enabled)
         self._is_compiled = True
 
     @property

@@ -124,8 +124,23 @@ class GradReducer:
         with self.events.span(None, "grad_buckets"):
             self._take(g, i, p.grad)
             p.grad = None
-            if self.tracker.take((g, i)) and self.communicate and self.s.overlap_comm:
-                self._launch_ready()
+            self._arrived(g, i)
+
+    @torch.no_grad()
+    def take_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """``p``'s gradient handed over directly, not through ``p.grad`` (DeepCompile's graph op: the full gradient
+        of a partitioned parameter, whose ``p.grad`` could not hold it)."""
+        g, i = self.where[p]
+        if not self.active:
+            self._outside_backward(g, i)
+            return
+        with self.events.span(None, "grad_buckets"):
+            self._take(g, i, grad)
+            self._arrived(g, i)
+
+    def _arrived(self, g: int, i: int) -> None:
+        if self.tracker.take((g, i)) and self.communicate and self.s.overlap_comm:
+            self._launch_ready()
 
     def _take(self, g: int, i: int, grad: torch.Tensor) -> None:
         """Copy (or add) ``grad`` into its bucket's columns, or into the late buffer of a launched bucket."""

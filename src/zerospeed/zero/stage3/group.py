@@ -176,6 +176,13 @@ class Stage3Reducer(GradReducer):
             self.fetcher.on_grad(s)
 
     @torch.no_grad()
+    def take_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        super().take_grad(p, grad)
+        s = shard_of(p)
+        if s is not None:
+            self.fetcher.on_grad(s)
+
+    @torch.no_grad()
     def end_micro_step(self) -> None:
         super().end_micro_step()
         self.fetcher.end_backward()

@@ -225,8 +225,16 @@ class Stage3Runtime:
         self.fetcher.lockstep = self.lockstep
         for s in self.shards:
             s.lockstep = self.lockstep
-        self.handles: list[RemovableHandle] = install(module, self.fetcher, unit_of)
-        self.handles.append(module.register_state_dict_pre_hook(self._check_state_dict))
+        self.module_hooks: list[RemovableHandle] = install(module, self.fetcher, unit_of)
+        self.handles: list[RemovableHandle] = [*self.module_hooks,
+                                               module.register_state_dict_pre_hook(self._check_state_dict)]
+
+    def remove_module_hooks(self) -> None:
+        """DeepCompile: the gathers become graph operations (``graph_forward.py``); the eager hooks go."""
+        for h in self.module_hooks:
+            h.remove()
+        self.handles = [h for h in self.handles if h not in self.module_hooks]
+        self.module_hooks.clear()
 
     def _check_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if any(s.state is not ShardState.GATHERED for s in self.shards):

@@ -1,0 +1,155 @@
+"""``engine.compile()`` with ``compile.deepcompile: true``: ZeRO inside the compiled graph (DeepSpeed's DeepCompile).
+
+* ZeRO-3: stage 3's module hooks (graph breaks) are removed; the model's call becomes
+  :class:`~zerospeed.zero.stage3.graph_forward.GraphForward` (gathers and gradient hand-offs as custom graph
+  ops), compiled as one graph (``fullgraph=True``: a break is an error, not a silent fallback);
+* ZeRO-0/1/2: the model touches ZeRO only through gradient hooks that autograd runs after the compiled
+  backward, so plain ``torch.compile`` already gives one graph with no break; DeepCompile compiles it with
+  ``fullgraph=True`` too (a break raises).
+
+The backend is wrapped by the graph passes (``graph_passes.py``) named in ``compile.passes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accelerator import get_accelerator
+from ..config.compile import CompileConfig
+from ..config.errors import ConfigError, NotSupportedYetError
+
+_log = logging.getLogger("zerospeed.compile")
+
+
+@dataclass
+class DeepCompiled:
+    """What ``engine.compile()`` built under DeepCompile (for checks and reports)."""
+
+    graph: Any = None  # zero/stage3/graph_ops.GraphUnits at stage 3, else None
+    forward: Any = None  # zero/stage3/graph_forward.GraphForward at stage 3, else None
+    passes: tuple[str, ...] = ()  # DeepSpeed's names of the passes that run
+    kept: frozenset[int] = field(default_factory=frozenset)  # units selective gather keeps from forward to backward
+
+
+# DeepSpeed's pass names (``engine.compile(schedule=[(0, [names])])``); the ZeRO pass of the stage always runs
+ZERO3_PASSES = ("zero3_compile", "prefetch", "selective_gather")
+ZERO12_PASSES = ("zero1_compile", "zero2_compile")
+
+
+def _passes(schedule: Any, cfg: CompileConfig, stage3: bool) -> tuple[str, ...]:
+    """The passes to run: DeepSpeed's default (all of the stage's) or a schedule naming them at step 0."""
+    if cfg.passes is not None:
+        wanted = "z3" if stage3 else "z1"
+        bad = [p for p in cfg.passes if p in ("autosp", "autotp")]
+        if bad:
+            raise NotSupportedYetError("compile.passes", f"DeepCompile's {bad[0]} pass is not supported yet by zerospeed")
+        if cfg.passes != [wanted]:
+            raise ConfigError("compile.passes", f"{cfg.passes} does not match the ZeRO stage: use [\"{wanted}\"] (or "
+                              "leave it unset)")
+    if schedule is None:
+        return ZERO3_PASSES if stage3 else ZERO12_PASSES
+    known = ZERO3_PASSES if stage3 else ZERO12_PASSES
+    if not isinstance(schedule, (list, tuple)) or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in schedule):
+        raise ValueError(f"engine.compile(schedule=...) expects [(step, [pass names])], got {schedule!r}")
+    if any(step != 0 for step, _ in schedule):
+        raise NotImplementedError("engine.compile(schedule=...): passes at a step after 0 (DeepSpeed recompiles with "
+                                  "profiled passes) are not supported yet by zerospeed, which plans its passes at "
+                                  "compile time: list them at step 0")
+    names = tuple(n for _, ns in schedule for n in ns)
+    for n in names:
+        if n not in known:
+            raise ValueError(f"engine.compile(schedule=...): unknown DeepCompile pass {n!r} at this ZeRO stage "
+                             f"(known: {', '.join(known)})")
+    return names
+
+
+def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], window: int,
+                  debug: bool) -> tuple[Any, dict[str, Any]]:
+    """``backend`` with the ZeRO-3 graph passes on its forward and backward graphs; (backend, options)."""
+    from ..zero.stage3.graph_passes import run_passes
+
+    passes = tuple("release" if n == "zero3_compile" else n for n in names) + (("reduce",) if "zero3_compile" in names else ())
+
+    def apply(graph: torch.fx.Graph) -> None:
+        done = run_passes(graph, passes, numel_of, window)
+        if debug:
+            _log.info("DeepCompile passes %s changed %s; graph:\n%s", passes, done, graph)
+
+    if backend == "aot_eager":
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            apply(gm.graph)
+            gm.recompile()
+            return make_boxed_func(gm.forward)
+
+        # as torch's own aot_eager (the default partitioner fails on persistent parameters inside the checkpoint)
+        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True,
+                            partition_fn=min_cut_rematerialization_partition), {}
+    if backend == "inductor":
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        class _Passes(CustomGraphPass):  # inductor's documented post-grad hook (config.post_grad_custom_post_pass)
+            def __call__(self, graph: torch.fx.Graph) -> None:
+                apply(graph)
+
+            def uuid(self) -> Any:
+                return repr(("zerospeed-deepcompile", passes, numel_of, window))
+
+        return backend, {"options": {"post_grad_custom_post_pass": _Passes()}}
+    warnings.warn(f"DeepCompile: the graph passes run with the 'aot_eager' and 'inductor' backends only; with "
+                  f"{backend!r} the gathers stay at the top of the forward (no prefetch, release at the end of the "
+                  "graph)", stacklevel=4)
+    return backend, {}
+
+
+def sync_points(cfg: CompileConfig) -> frozenset[str]:
+    """Where the graph ops synchronise the accelerator (``compile.sync_{before,after}_{allgather,reduce}``)."""
+    points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
+              "before_reduce": cfg.sync_before_reduce, "after_reduce": cfg.sync_after_reduce}
+    return frozenset(p for p, on in points.items() if on)
+
+
+def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], cfg: CompileConfig,
+                 zero3: Any = None, reducer: Any = None, schedule: Any = None) -> DeepCompiled:
+    """Compile ``module`` in place with DeepCompile; ``zero3``: its stage-3 runtime (None below stage 3),
+    ``reducer``: the gradient reducer the graph's gradient hand-offs feed."""
+    backend = get_accelerator().get_compile_backend() if backend is None else backend
+    names = _passes(schedule, cfg, zero3 is not None)
+    kwargs = {**compile_kwargs, "fullgraph": True}
+    if zero3 is None:
+        _log.info("DeepCompile below stage 3: the model compiles as one graph (backend=%s)", backend)
+        module.compile(**kwargs, backend=backend)
+        return DeepCompiled(passes=names)
+    if reducer is None:
+        raise ValueError("compile.deepcompile at ZeRO stage 3 needs an optimizer (its reducer takes the gradients)")
+    from ..zero.stage3.graph_forward import GraphForward
+    from ..zero.stage3.graph_ops import GraphUnits
+    from ..zero.stage3.graph_passes import selective_units
+
+    graph = GraphUnits(zero3.units, reducer.take_grad)
+    graph.log = [] if cfg.debug_log else None
+    graph.sync_points = sync_points(cfg)
+    graph.synchronize = get_accelerator().synchronize
+    numel_of = [sum(s.numel for s in shards) for shards in graph.units]
+    fetcher = zero3.fetcher
+    keep = frozenset(selective_units(numel_of, min(fetcher.max_live_numel, fetcher.max_reuse_numel))
+                     if "selective_gather" in names else ())
+    forward = GraphForward(module, graph, keep)
+    compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg.debug_log)
+    zero3.remove_module_hooks()
+    forward.run = torch.compile(forward.forward, **kwargs, backend=compiled, **options)
+    module._compiled_call_impl = forward  # nn.Module.__call__ runs it (as nn.Module.compile does)
+    _log.info("DeepCompile at stage 3: %d units gathered in the graph, %d kept for backward, passes %s (backend=%s)",
+              len(graph.units), len(keep), names, backend)
+    return DeepCompiled(graph, forward, names, keep)
+
+
+__all__ = ["DeepCompiled", "deep_compile", "sync_points"]

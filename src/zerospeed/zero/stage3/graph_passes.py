@@ -1,0 +1,136 @@
+"""DeepCompile's ZeRO-3 graph passes: where the gathers and gradient reductions go in a compiled graph.
+
+They rewrite a ``torch.fx.Graph`` (the forward and the backward graph that AOTAutograd produces, or
+inductor's post-grad graph) holding the ops of ``graph_ops.py``, and change nothing but the order of
+nodes and the prefetch tokens:
+
+* :func:`sink_gathers`: each ``z3_gather`` (with the ``getitem`` nodes that unpack it) moves to just
+  before the first node that uses one of its values. Traced, every gather sits at the top of the forward;
+  sunk, a unit is whole only from its first use, and the compiled code (FX's generated Python, inductor's
+  buffers) frees each value after its last use: release after last use.
+* :func:`prefetch`: before gather ``k``, a ``z3_prefetch`` of the same unit starts its all-gather
+  asynchronously, placed just before the earliest gather ``j < k`` such that units ``j+1 .. k`` hold at most
+  ``window`` elements (``stage3_prefetch_bucket_size``), and at least one gather ahead; the gather becomes
+  ``z3_gather_prefetched``, taking the prefetch's token as input, so no compiler may reorder the two. A planned schedule: every
+  rank compiles the same graph, so every rank issues the same collectives in the same order.
+* :func:`reduce_early`: each ``z3_reduce`` moves to just after the last node that produces one of its
+  gradients: a gradient goes to its reduce-scatter bucket as soon as it is final.
+
+Selective gather (keeping some units gathered from forward to backward) is decided before partitioning,
+by the checkpoint policy (``graph_forward.py``); :func:`selective_units` plans which.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import fx
+
+from . import graph_ops  # noqa: F401  (registers the ops named below)
+
+GATHER = torch.ops.zerospeed.z3_gather.default
+PREFETCH = torch.ops.zerospeed.z3_prefetch.default
+PREFETCHED = torch.ops.zerospeed.z3_gather_prefetched.default
+REDUCE = torch.ops.zerospeed.z3_reduce.default
+
+
+def _calls(graph: fx.Graph, target: object) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _index(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def sink_gathers(graph: fx.Graph) -> int:
+    """Move every gather to just before its first use; returns how many moved."""
+    moved = 0
+    for gather in _calls(graph, GATHER):
+        order = _index(graph)
+        unpack = sorted(gather.users, key=order.__getitem__)
+        uses = [u for g in unpack for u in g.users] if all(u.target is operator.getitem for u in unpack) else unpack
+        if not uses:
+            continue
+        first = min(uses, key=order.__getitem__)
+        if order[first] <= order[gather] + len(unpack) + 1:
+            continue
+        first.prepend(gather)
+        for g in unpack:
+            first.prepend(g)
+        moved += 1
+    return moved
+
+
+def prefetch(graph: fx.Graph, numel_of: Sequence[int], window: int) -> int:
+    """Insert an asynchronous prefetch for each gather but the first (see the module docstring); returns how
+    many were inserted. ``numel_of[unit]``: the elements of each unit; ``window`` <= 0: no prefetch."""
+    if window <= 0:
+        return 0
+    gathers = _calls(graph, GATHER)
+    inserted = 0
+    for k in range(1, len(gathers)):
+        gather = gathers[k]
+        unit = gather.args[2]
+        j, ahead = k - 1, int(numel_of[unit])  # type: ignore[index]
+        while j > 0 and ahead + int(numel_of[gathers[j].args[2]]) <= window:  # type: ignore[index]
+            ahead += int(numel_of[gathers[j].args[2]])  # type: ignore[index]
+            j -= 1
+        if int(numel_of[unit]) > window:  # type: ignore[index]
+            continue  # larger than the window on its own: gathered when needed
+        with graph.inserting_before(gathers[j]):
+            token = graph.call_function(PREFETCH, (gather.args[0], gather.args[1], unit))
+        anchor = gather.args[0]
+        if isinstance(anchor, fx.Node) and "val" in anchor.meta:  # inductor lowers from the fake values
+            token.meta["val"] = anchor.meta["val"].new_empty(1)
+        gather.target = PREFETCHED
+        gather.args = (*gather.args[:3], token)
+        gather.meta.pop("eager_input_vals", None)  # inductor's record of the old op's inputs (3, not 4)
+        inserted += 1
+    return inserted
+
+
+def reduce_early(graph: fx.Graph) -> int:
+    """Move every gradient reduction to just after the last producer of its gradients; returns how many moved."""
+    moved = 0
+    for red in _calls(graph, REDUCE):
+        order = _index(graph)
+        producers = [g for g in red.args[0] if isinstance(g, fx.Node)]  # type: ignore[union-attr]
+        if not producers:
+            continue
+        last = max(producers, key=order.__getitem__)
+        if order[red] == order[last] + 1:
+            continue
+        last.append(red)
+        moved += 1
+    return moved
+
+
+def selective_units(numel_of: Sequence[int], budget: int) -> set[int]:
+    """Units kept gathered from forward to backward: the last ones of the forward (the first the backward
+    needs), as many as fit in ``budget`` elements (eager stage 3's reuse rule, planned once)."""
+    keep: set[int] = set()
+    used = 0
+    for unit in range(len(numel_of) - 1, -1, -1):
+        if used + numel_of[unit] > budget:
+            break
+        used += numel_of[unit]
+        keep.add(unit)
+    return keep
+
+
+def run_passes(graph: fx.Graph, names: Sequence[str], numel_of: Sequence[int], window: int) -> dict[str, int]:
+    """The named passes in their fixed order (sink, prefetch, reduce); returns what each changed."""
+    done: dict[str, int] = {}
+    if "prefetch" in names or "release" in names:
+        done["sink"] = sink_gathers(graph)
+    if "prefetch" in names:
+        done["prefetch"] = prefetch(graph, numel_of, window)
+    if "reduce" in names:
+        done["reduce"] = reduce_early(graph)
+    graph.lint()
+    return done
+
+
+__all__ = ["prefetch", "reduce_early", "run_passes", "selective_units", "sink_gathers"]

@@ -1,0 +1,146 @@
+"""DeepCompile's graph passes on small hand-built FX graphs (the node order each produces) and its config keys.
+(The private compiler surface it touches is pinned in tests/dist/test_deepcompile.py, where dynamo is loaded.)"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import pytest
+import torch
+from torch import fx
+
+from zerospeed.config import load_config
+from zerospeed.config.errors import ConfigError, NotSupportedYetError
+from zerospeed.runtime.deepcompile import _passes, sync_points
+from zerospeed.zero.stage3.graph_ops import GraphUnits
+from zerospeed.zero.stage3.graph_passes import (GATHER, PREFETCH, PREFETCHED, REDUCE, prefetch, reduce_early,
+                                                run_passes, selective_units, sink_gathers)
+
+BASE = {"train_batch_size": 2}
+
+
+def _forward_graph(units: int) -> fx.Graph:
+    """Traced shape: every gather (unpacked by getitem) at the top, then ``h = h @ w_k`` per unit."""
+    g = fx.Graph()
+    anchor, h = g.placeholder("anchor"), g.placeholder("x")
+    weights = []
+    for u in range(units):
+        gathered = g.call_function(GATHER, (anchor, 7, u))
+        weights.append(g.call_function(operator.getitem, (gathered, 0)))
+    for w in weights:
+        h = g.call_function(torch.ops.aten.mm.default, (h, w))
+    g.output(h)
+    return g
+
+
+def _names(g: fx.Graph) -> list[str]:
+    out = []
+    for n in g.nodes:
+        if n.target in (GATHER, PREFETCHED):
+            out.append(f"g{n.args[2]}")
+        elif n.target is PREFETCH:
+            out.append(f"p{n.args[2]}")
+        elif n.target is torch.ops.aten.mm.default:
+            out.append("mm")
+    return out
+
+
+def test_sink_moves_each_gather_to_its_first_use() -> None:
+    g = _forward_graph(3)
+    assert _names(g) == ["g0", "g1", "g2", "mm", "mm", "mm"]
+    assert sink_gathers(g) == 3
+    g.lint()
+    assert _names(g) == ["g0", "mm", "g1", "mm", "g2", "mm"]
+
+
+@pytest.mark.parametrize("window,expected", [
+    (10, ["p1", "g0", "mm", "p2", "g1", "mm", "p3", "g2", "mm", "g3", "mm"]),  # one unit ahead
+    (20, ["p1", "p2", "g0", "mm", "p3", "g1", "mm", "g2", "mm", "g3", "mm"]),  # two units ahead
+    (0, ["g0", "mm", "g1", "mm", "g2", "mm", "g3", "mm"]),  # off
+])
+def test_prefetch_starts_gathers_ahead_within_the_window(window: int, expected: list[str]) -> None:
+    g = _forward_graph(4)
+    sink_gathers(g)
+    prefetch(g, [10, 10, 10, 10], window)
+    g.lint()
+    assert _names(g) == expected
+    for n in g.nodes:  # each prefetched gather waits on its own prefetch's token
+        if n.target is PREFETCHED:
+            assert n.args[3].target is PREFETCH and n.args[3].args[2] == n.args[2]
+
+
+def test_prefetch_skips_a_unit_larger_than_the_window() -> None:
+    g = _forward_graph(3)
+    sink_gathers(g)
+    prefetch(g, [10, 50, 10], 20)
+    assert _names(g) == ["g0", "mm", "p2", "g1", "mm", "g2", "mm"]  # unit 1 (50) is gathered when needed
+
+
+def test_reduce_moves_right_after_its_last_gradient() -> None:
+    g = fx.Graph()
+    g.placeholder("anchor")
+    a, b = g.placeholder("a"), g.placeholder("b")
+    grad_w = g.call_function(torch.ops.aten.mm.default, (a, b))
+    grad_b = g.call_function(torch.ops.aten.sum.default, (a,))
+    later = g.call_function(torch.ops.aten.mm.default, (b, b))  # more backward, independent of this unit
+    red = g.call_function(REDUCE, ([grad_w, None, grad_b], 7, 0))
+    g.output((later, red))
+    assert reduce_early(g) == 1
+    g.lint()
+    order = list(g.nodes)
+    assert order.index(red) == order.index(grad_b) + 1 < order.index(later)
+
+
+def test_run_passes_composes_and_selective_gather_keeps_the_last_units() -> None:
+    g = _forward_graph(3)
+    assert run_passes(g, ("release", "prefetch", "reduce"), [5, 5, 5], 5) == {"sink": 3, "prefetch": 2, "reduce": 0}
+    assert selective_units([4, 4, 4, 4], 9) == {2, 3}
+    assert selective_units([4, 4, 4, 10], 9) == set()  # the last unit does not fit: none kept
+    assert selective_units([4, 4], 10 ** 9) == {0, 1}
+
+
+class _Cfg:
+    def __init__(self, passes: list[str] | None) -> None:
+        self.passes = passes
+
+
+def test_pass_names_and_schedule() -> None:
+    assert _passes(None, _Cfg(None), True) == ("zero3_compile", "prefetch", "selective_gather")  # type: ignore[arg-type]
+    assert _passes([(0, ["zero3_compile"])], _Cfg(["z3"]), True) == ("zero3_compile",)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"compile\.passes.*\[\"z3\"\]"):
+        _passes(None, _Cfg(["z1"]), True)  # type: ignore[arg-type]
+    with pytest.raises(NotSupportedYetError, match="autotp"):
+        _passes(None, _Cfg(["autotp"]), True)  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="after 0"):
+        _passes([(0, ["zero3_compile"]), (10, ["prefetch"])], _Cfg(None), True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown DeepCompile pass 'prefetch'.*zero1_compile"):
+        _passes([(0, ["prefetch"])], _Cfg(None), False)  # type: ignore[arg-type]
+
+
+def test_deepcompile_keys_read_hinted_or_refused() -> None:
+    cfg = load_config({**BASE, "compile": {"deepcompile": True, "debug_log": True, "passes": ["z3"],
+                                           "sync_before_reduce": True, "double_buffer": False,
+                                           "keep_all_input_tensors": True}})
+    assert cfg.compile.deepcompile and cfg.compile.debug_log and cfg.compile.sync_before_reduce
+    with pytest.warns(UserWarning, match=r"compile\.debug_log has no effect without compile\.deepcompile"):
+        load_config({**BASE, "compile": {"debug_log": True}})
+    with pytest.raises(NotSupportedYetError, match=r"symmetric_memory.*CPU/Gloo has no symmetric memory"):
+        load_config({**BASE, "compile": {"deepcompile": True, "symmetric_memory": True}})
+    with pytest.raises(NotSupportedYetError, match=r"offload_parameters.*offload_param"):
+        load_config({**BASE, "compile": {"deepcompile": True, "offload_parameters": True}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({**BASE, "compile": {"deepcompile": True, "debug_log": True}})  # no warning with deepcompile
+
+
+def test_sync_keys_synchronise_at_their_points() -> None:
+    cfg = load_config({**BASE, "compile": {"deepcompile": True, "sync_before_reduce": True,
+                                           "sync_after_allgather": True}}).compile
+    assert sync_points(cfg) == {"before_reduce", "after_allgather"}
+    calls = []
+    g = GraphUnits([], lambda p, grad: None)
+    g.sync_points, g.synchronize = sync_points(cfg), lambda: calls.append(1)
+    for point in ("before_allgather", "after_allgather", "before_reduce", "after_reduce"):
+        g.sync(point)
+    assert len(calls) == 2
