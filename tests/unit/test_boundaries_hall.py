@@ -113,6 +113,9 @@ STATE_ALLOWED = {
     "zero/stage3/param_store.py:_SHARDS": "zero.Init's identity-keyed side table (sanctioned)",
     "zero/stage3/setup.py:_EXTERNAL": "zero.Init's identity-keyed side table (sanctioned)",
     "zero/stage3/setup.py:_UNITS": "zero.Init's identity-keyed side table (sanctioned)",
+    "zero/stage3/graph_ops.py:_GRAPHS": "DeepCompile: torch.library ops are module-level functions that reach "
+                                        "their engine's gather units by an integer handle (a weak table)",
+    "zero/stage3/graph_ops.py:_HANDLES": "DeepCompile: the counter that numbers those handles",
     "compat/op_builder.py:__compatible_ops__": "DeepSpeed's public table users and frameworks read and set "
                                                "(deepspeed.ops.__compatible_ops__)",
     "compat/git_version_info.py:installed_ops": "DeepSpeed's build facts (deepspeed.git_version_info), made once",

@@ -16,14 +16,13 @@ plain PyTorch (stage 3 raises). Consumers use ``owned_tensors()``, ``grad_block(
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from .. import comm
 from ..accelerator.huge_pages import empty_buffer
 from .arrival import ArrivalTracker
+from .in_flight import MAX_IN_FLIGHT, InFlight
 from .layout import scatter_into
 from .reducer_events import ReducerEvents
 from .late_grads import LateGrads
@@ -31,23 +30,6 @@ from .reducer_parts import GroupAxes, ReducerParts, ReducerWiring, ReduceSetting
 from .sharded_group import ShardedGroup
 
 __all__ = ["GradReducer", "MAX_IN_FLIGHT", "ReducerParts", "ReducerWiring", "ReduceSettings", "ShardAxis"]
-
-MAX_IN_FLIGHT = 2  # bucket collectives launched and not yet completed (double buffering)
-
-
-@dataclass
-class _Pending:
-    """A bucket's collective in flight; ``direct``: its reduce-scatter writes straight into the destination;
-    ``local``: not reduced (one rank, or each rank keeps its local gradient)."""
-
-    g: int
-    b: int
-    handle: comm.Handle | None
-    send: torch.Tensor
-    out: torch.Tensor | None
-    local: bool = False
-    direct: bool = False
-
 
 class GradReducer:
     def __init__(self, groups: list[ShardedGroup], settings: ReduceSettings, dp_group: comm.Group | None,
@@ -62,7 +44,7 @@ class GradReducer:
         self.tracker = ArrivalTracker([[bk.params for bk in grp.plan.buckets] for grp in groups], self.axes.order())
         self.late = LateGrads(groups, settings, self.axes, self.tracker, self.store, self.dest)
         self.events = ReducerEvents()
-        self.pending: list[_Pending] = []
+        self.pending: list[InFlight] = []
         self.communicate = self.boundary = True
         self.active = False  # inside this engine's backward (begin_micro_step .. end_micro_step)
         self.where: dict[nn.Parameter, tuple[int, int]] = {}
@@ -188,7 +170,7 @@ class GradReducer:
             buf = self.store.bucket(g, b)
             if size == 1 or (self.allreduce_gate is not None and not self.allreduce_gate()):
                 assert size == 1 or grp.num_partitions == 1, "local gradients need one partition (stage 0)"
-                self.pending.append(_Pending(g, b, None, buf, None, local=True))
+                self.pending.append(InFlight(g, b, None, buf, None, local=True))
                 return
             dtype = self.store.comm_dtype(g, b)
             send = buf if buf.dtype == dtype else buf.to(dtype)
@@ -207,7 +189,7 @@ class GradReducer:
                     handle, direct = comm.reduce_scatter(out, send, group=group, async_op=True, scratch=True), True
                 else:
                     out, handle = self._reduce_scatter(g, b, send)
-            self.pending.append(_Pending(g, b, handle, send, out, direct=direct))
+            self.pending.append(InFlight(g, b, handle, send, out, direct=direct))
 
     def _direct(self) -> bool:
         """Whether reduce-scatters may write the partition themselves (not when a subclass reduces its own way)."""
@@ -219,7 +201,7 @@ class GradReducer:
         # ``send`` is a transient bucket, or a stage-1 full buffer that is zeroed after the step: Gloo may use it
         return out, comm.reduce_scatter(out, send, group=self.comm_of[g][0], async_op=True, scratch=True)
 
-    def _complete(self, item: _Pending) -> None:
+    def _complete(self, item: InFlight) -> None:
         with self.events.span("reduce", "grad_buckets"):
             if item.handle is not None:
                 item.handle.wait()
