@@ -82,3 +82,23 @@ def test_zero3_linear_is_a_linear_under_deepspeeds_name() -> None:
         assert layer(x).dtype == torch.bfloat16
     assert linear.autocast_custom_fwd.func is torch.amp.custom_fwd
     assert linear.autocast_custom_fwd.keywords == {"device_type": "cpu"}
+
+
+def test_partitioned_shape_and_multiple_gather_handles() -> None:
+    from zerospeed.runtime.zero import partition_parameters as pp
+    from zerospeed.zero.stage3.param_store import partition
+
+    p = torch.nn.Parameter(torch.ones(6))
+    partition(p, None, persistent=False)  # one process: the whole value is this rank's shard
+    assert list(p.shape) == pp.partitioned_param_data_shape and p.ds_status is pp.ZeroParamStatus.NOT_AVAILABLE
+
+    class Handle:
+        def __init__(self) -> None:
+            self.got: dict | None = None
+
+        def wait(self, **kwargs: object) -> None:
+            self.got = kwargs
+
+    handles = [Handle(), Handle()]
+    pp.MultipleAllGatherHandles(handles).wait(handle_dependency=False)
+    assert [h.got for h in handles] == [{"handle_dependency": False}] * 2
