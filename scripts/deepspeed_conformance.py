@@ -146,14 +146,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def record(rows_outcomes: dict[str, str], areas: list[str]) -> None:
-    """Replace the stored passing ids of the areas just run with this run's passes."""
+def record(rows_outcomes: dict[str, str], areas: list[str], selected: bool = False, path: Path = PASSING) -> None:
+    """Replace the stored passing ids of the areas just run with this run's passes; with ``selected`` (a -k
+    run) only the ids of the tests that ran are replaced, the rest of their areas is kept."""
     run_areas = {area_of(t) for t in rows_outcomes} | {a.replace("/*.py", "") for a in areas}
-    kept = [t for t in read_ids(PASSING) if area_of(t) not in run_areas]
+    stored = read_ids(path)
+    kept = [t for t in stored if t not in rows_outcomes] if selected else [t for t in stored
+                                                                             if area_of(t) not in run_areas]
     passed = [t for t, o in rows_outcomes.items() if o == "passed"]
     header = ("# Tests DeepSpeed 0.19.8 itself passes here (DS_ACCELERATOR=cpu, Gloo), DeepSpeed tests at\n"
               "# commit edaa7221; written by scripts/deepspeed-conformance --record. Test ids, not code.\n")
-    PASSING.write_text(header + "\n".join(sorted(set(kept + passed))) + "\n")
+    path.write_text(header + "\n".join(sorted(set(kept + passed))) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             got = run_area(checkout, area, args, Path(tmp) / f"{i}.json")
             outcomes.update(got)
             if args.record:  # stored area by area: an interrupted recording keeps what it finished
-                record(got, [area])
+                record(got, [area], selected=bool(args.k))
             print(f"{area}: {sum(o == 'passed' for o in got.values())} passed of {len(got)} run", flush=True)
     if args.results:
         args.results.write_text(json.dumps(outcomes, indent=0, sort_keys=True))

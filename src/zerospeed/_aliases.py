@@ -104,6 +104,15 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.bf16_optimizer": "zerospeed.compat.optimizer_names",
     "zerospeed.runtime.comm": "zerospeed.compat.coalesced_collectives",
     "zerospeed.runtime.comm.coalesced_collectives": "zerospeed.compat.coalesced_collectives",
+    "zerospeed.runtime.zero.linear": "zerospeed.compat.zero_linear",
+    "zerospeed.monitor": "zerospeed.profiling.monitor",
+    "zerospeed.monitor.monitor": "zerospeed.profiling.monitor",
+    "zerospeed.monitor.tensorboard": "zerospeed.profiling.monitor.tensorboard",
+    "zerospeed.monitor.wandb": "zerospeed.profiling.monitor.wandb",
+    "zerospeed.monitor.comet": "zerospeed.profiling.monitor.comet",
+    "zerospeed.monitor.csv_monitor": "zerospeed.profiling.monitor.csv",
+    "zerospeed.monitor.config": "zerospeed.compat.monitor_config",
+    "zerospeed.utils.timer": ("zerospeed.profiling.timers", "zerospeed.profiling.throughput"),
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---

@@ -97,3 +97,14 @@ def test_an_area_past_its_time_takes_its_forked_ranks_with_it(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the forked child outlived the area timeout")
+
+
+def test_record_with_a_selection_keeps_the_rest_of_the_area(tmp_path):
+    path = tmp_path / "passing.txt"
+    path.write_text("unit/comm/test_a.py::t1\nunit/comm/test_a.py::t2\nunit/utils/test_b.py::t\n")
+    conformance.record({"unit/comm/test_a.py::t2": "failed", "unit/comm/test_a.py::t3": "passed"}, ["comm"],
+                       selected=True, path=path)
+    assert conformance.read_ids(path) == ["unit/comm/test_a.py::t1", "unit/comm/test_a.py::t3",
+                                          "unit/utils/test_b.py::t"]
+    conformance.record({"unit/comm/test_a.py::t9": "passed"}, ["comm"], path=path)  # a whole-area run replaces it
+    assert conformance.read_ids(path) == ["unit/comm/test_a.py::t9", "unit/utils/test_b.py::t"]

@@ -19,6 +19,10 @@ class CpuAccelerator(Accelerator):
         """``LOCAL_SIZE`` (the ranks on this node, set by the launcher) as DeepSpeed's CPU accelerator, else 1."""
         return int(os.environ.get("LOCAL_SIZE", "1"))
 
+    def device_name(self, device_index: int | None = None) -> str:
+        """``"cpu"`` whatever the index: the host is one device (DeepSpeed's CPU accelerator answers the same)."""
+        return "cpu"
+
     def device(self, local_rank: int | None = None) -> torch.device:
         return torch.device("cpu")
 

@@ -61,6 +61,14 @@ class CommsLogger:
         self.prof_ops = list(prof_ops or [])
         self.debug = debug
 
+    def start_profiling_comms(self) -> None:
+        """DeepSpeed's switch: profile every op kind from now on (``prof_all``)."""
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        """DeepSpeed's switch: profile only the ``prof_ops`` kinds from now on."""
+        self.prof_all = False
+
     def record(self, op: str, nbytes: int, volume: int, seconds: float = 0.0,
                ranks: tuple[int, ...] | None = None) -> None:
         st = self.stats.setdefault(op, OpStats())

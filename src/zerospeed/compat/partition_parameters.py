@@ -44,6 +44,21 @@ def is_zero_param(param: torch.Tensor) -> bool:
     return shard_of(param) is not None
 
 
+# The shape of a partitioned parameter's ``data`` (zerospeed's placeholder, zero/stage3/param_store.py)
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Several gather handles as one: ``wait(**kwargs)`` waits on each, passing the keywords through."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, **kwargs: Any) -> None:
+        for handle in self.handles:
+            handle.wait(**kwargs)
+
+
 _orig_torch_arange = torch.arange
 _orig_torch_empty = torch.empty
 _orig_torch_zeros = torch.zeros
@@ -64,6 +79,6 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
     return wrapped
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "is_zero_param", "param_status",
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "partitioned_param_data_shape", "is_zero_param", "param_status",
            "register_external_parameter", "get_accelerator", "zero_wrapper_for_fp_tensor_constructor",
            "_orig_torch_arange", "_orig_torch_empty", "_orig_torch_zeros", "_orig_torch_ones", "_orig_torch_full"]

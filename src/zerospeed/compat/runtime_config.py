@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.batch import resolve_batch
+from .monitor_config import DeepSpeedMonitorConfig
 
 DeepSpeedConfigError = ConfigError
 
@@ -53,7 +54,9 @@ class DeepSpeedConfig:
         self.bfloat16_config = self.config.bf16
         self.gradient_clipping = self.config.gradient_clipping
         self.steps_per_print = self.config.steps_per_print
-        self.monitor_config = getattr(self.config, "monitor_config", None)
+        c = self.config
+        self.monitor_config = DeepSpeedMonitorConfig(tensorboard=c.tensorboard, wandb=c.wandb,
+                                                     csv_monitor=c.csv_monitor, comet=c.comet)
 
     def _configure_train_batch_size(self) -> None:
         """Fill in the batch triple from the ones set (DeepSpeed's method; tests and scripts call it after

@@ -200,7 +200,10 @@ class ZeroSpeedConfig(Section):
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
     def _op_case(cls, v: Any) -> Any:
-        return v.lower() if isinstance(v, str) else v  # DeepSpeed reads it case-insensitively
+        v = v.lower() if isinstance(v, str) else v  # DeepSpeed reads it case-insensitively
+        if v not in ("mean", "sum"):  # DeepSpeed's wording, which its users and tests match on
+            raise ValueError(f"Invalid gradient_allreduce_op. Supported operations: ['mean', 'sum']. Got: {v!r}")
+        return v
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

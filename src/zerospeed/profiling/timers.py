@@ -7,6 +7,7 @@ Synchronizing before reading the clock makes a timer measure the device work, no
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterable
 
@@ -99,3 +100,14 @@ class Timers:
         """Format ``time (ms) | name: 1.23 | ...`` for the given timers (the caller prints it on rank 0)."""
         parts = [f"{name}: {ms:.2f}" for name, ms in self.elapsed(names, normalizer, reset).items()]
         return " | ".join(["time (ms)", *parts])
+
+
+def trim_mean(data: list[float], trim_percent: float) -> float:
+    """The mean of ``data`` without its ``round(len * trim_percent)`` smallest and largest values (DeepSpeed's
+    ``deepspeed.utils.timer.trim_mean``); 0 for an empty list; ``data`` itself is left in its order."""
+    if not 0.0 <= trim_percent <= 1.0:
+        raise ValueError(f"trim_percent must be in [0, 1], got {trim_percent}")
+    if not data:
+        return 0
+    k = int(round(len(data) * trim_percent))
+    return statistics.mean(sorted(data)[k:len(data) - k])

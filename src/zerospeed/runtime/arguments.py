@@ -19,3 +19,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 __all__ = ["add_config_arguments"]
+
+
+class InitializeArgumentError(ValueError, AssertionError):
+    """``initialize()`` was called without what it needs (a model). DeepSpeed asserts there, so this is both a
+    ``ValueError`` and an ``AssertionError``: code written for either catches it."""

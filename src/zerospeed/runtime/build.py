@@ -19,6 +19,7 @@ from ..compression.runtime import compression_runtime
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.hints import log_accepted_hints
 from ..precision import AutocastRegion, make_policy
+from .arguments import InitializeArgumentError
 from .build_checkpoint import checkpoint_parts, model_export
 from .build_data import data_efficiency, training_loader
 from .build_model import fp8_linears, optimizer_groups, place_model
@@ -91,7 +92,7 @@ def _joined(dist_init_required: bool | None, distributed_port: int | None, cfg: 
 def _model_and_optimizer(model: nn.Module | None, optimizer: Any, model_parameters: Any,
                          kwargs: dict[str, Any]) -> tuple[nn.Module, Any]:
     if model is None:
-        raise ValueError("initialize() needs model=<torch.nn.Module>")
+        raise InitializeArgumentError("initialize() needs model=<torch.nn.Module>")
     if kwargs:
         raise TypeError(f"initialize() got unexpected arguments: {sorted(kwargs)}")
     if optimizer is not None and callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

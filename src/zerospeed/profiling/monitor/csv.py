@@ -20,10 +20,16 @@ def csv_filename(name: str) -> str:
 
 
 class CsvMonitor(Monitor):
+    """Built from a ``csv_monitor`` section; its directory is made only when the section is enabled (as in
+    DeepSpeed, whose ``csvMonitor`` is this class's other name)."""
+
     def __init__(self, config: CsvMonitorConfig) -> None:
-        self.enabled = True
+        self.enabled = config.enabled
+        self.output_path = config.output_path
+        self.job_name = config.job_name
         self.log_dir = os.path.join(config.output_path, config.job_name)
-        os.makedirs(self.log_dir, exist_ok=True)
+        if self.enabled:
+            os.makedirs(self.log_dir, exist_ok=True)
 
     def path_for(self, name: str) -> str:
         return os.path.join(self.log_dir, csv_filename(name))
@@ -38,3 +44,6 @@ class CsvMonitor(Monitor):
                 if new_file:
                     writer.writerow(["step", name.rsplit("/", 1)[-1]])
                 writer.writerow([step, value])
+
+
+csvMonitor = CsvMonitor  # DeepSpeed's name (deepspeed.monitor.csv_monitor)

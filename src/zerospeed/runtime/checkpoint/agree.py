@@ -20,7 +20,7 @@ import warnings
 from typing import Any
 
 from ... import comm
-from .errors import CheckpointError
+from .errors import CheckpointError, TagMismatchError
 from .layout import MANIFEST
 
 TAG_VALIDATION_MODES = ("Ignore", "Warn", "Fail")
@@ -47,7 +47,7 @@ def agree_on_tag_and_dir(tag: str, save_dir: str, mode: str, group: Any) -> tupl
         msg = (f"save_checkpoint: the checkpoint tag is not the same on every rank ({_by_rank(tags)}); including "
                "rank-specific information in the tag breaks loading at another world size")
         if mode == "Fail":
-            raise CheckpointError(msg + " (checkpoint.tag_validation is 'Fail')")
+            raise TagMismatchError(msg + " (checkpoint.tag_validation is 'Fail')")
         warnings.warn(msg + f"; saving under rank 0's tag {tags[0]!r} (checkpoint.tag_validation is 'Warn')",
                       stacklevel=4)
     return tags[0], [d for _, d in pairs]

@@ -3,3 +3,8 @@
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, unsafe, or does not match the model."""
+
+
+class TagMismatchError(CheckpointError, AssertionError):
+    """``checkpoint.tag_validation: Fail`` and the ranks' tags differ. DeepSpeed asserts there, so this is also an
+    ``AssertionError``: code written for either catches it."""
