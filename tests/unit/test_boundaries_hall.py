@@ -113,6 +113,11 @@ STATE_ALLOWED = {
     "zero/stage3/param_store.py:_SHARDS": "zero.Init's identity-keyed side table (sanctioned)",
     "zero/stage3/setup.py:_EXTERNAL": "zero.Init's identity-keyed side table (sanctioned)",
     "zero/stage3/setup.py:_UNITS": "zero.Init's identity-keyed side table (sanctioned)",
+    "compat/partition_parameters.py:partitioned_param_data_shape": "DeepSpeed's public constant "
+                                                                   "(runtime.zero.partition_parameters), never written",
+    "compat/zero_linear.py:_DEVICE": "the accelerator's device name, read once at import (as DeepSpeed's module)",
+    "compat/zero_linear.py:autocast_custom_fwd": "DeepSpeed's public decorator: torch.amp.custom_fwd for the device",
+    "compat/zero_linear.py:autocast_custom_bwd": "DeepSpeed's public decorator: torch.amp.custom_bwd for the device",
     "zero/stage3/graph_ops.py:_GRAPHS": "DeepCompile: torch.library ops are module-level functions that reach "
                                         "their engine's gather units by an integer handle (a weak table)",
     "zero/stage3/graph_ops.py:_HANDLES": "DeepCompile: the counter that numbers those handles",
