@@ -105,6 +105,7 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.runtime.comm": "zerospeed.compat.coalesced_collectives",
     "zerospeed.runtime.comm.coalesced_collectives": "zerospeed.compat.coalesced_collectives",
     "zerospeed.runtime.zero.linear": "zerospeed.compat.zero_linear",
+    "zerospeed.runtime.zero.mics": "zerospeed.zero.stage3.mics_init",
     "zerospeed.monitor": "zerospeed.profiling.monitor",
     "zerospeed.monitor.monitor": "zerospeed.profiling.monitor",
     "zerospeed.monitor.tensorboard": "zerospeed.profiling.monitor.tensorboard",

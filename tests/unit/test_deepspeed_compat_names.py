@@ -111,3 +111,26 @@ def test_lr_schedule_constants_name_our_schedulers():
 
     assert set(lr_schedules.VALID_LR_SCHEDULES) == set(SCHEDULER_NAMES)
     assert lr_schedules.WARMUP_NUM_STEPS == "warmup_num_steps" and lr_schedules.WarmupLR.__name__ == "WarmupLR"
+
+
+def test_mics_init_has_deepspeeds_signature_and_is_refused_by_name():
+    """zerospeed's stage 3 refuses a model built under zero.Init with mics_shard_size, so DeepSpeed's MiCS_Init
+    is refused at once, naming itself; disabled, it is a block with no effect (as in DeepSpeed)."""
+    import inspect
+
+    from zerospeed.config import NotSupportedYetError
+    from zerospeed.runtime.zero import MiCS_Init as via_runtime_zero
+    from zerospeed.runtime.zero.mics import MiCS_Init
+    from zerospeed.zero import Init
+
+    assert MiCS_Init is zerospeed.zero.MiCS_Init is via_runtime_zero and issubclass(MiCS_Init, Init)
+    assert list(inspect.signature(MiCS_Init).parameters) == [
+        "module", "data_parallel_group", "sequence_data_parallel_group", "mem_efficient_linear", "remote_device",
+        "pin_memory", "config_dict_or_path", "config", "enabled", "dtype", "mpu"]
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 1}}
+    with pytest.raises(NotSupportedYetError, match="MiCS_Init") as err:
+        MiCS_Init(config_dict_or_path=config)
+    assert err.value.key == "zero_optimization.mics_shard_size"
+    with MiCS_Init(config_dict_or_path=config, enabled=False):
+        layer = torch.nn.Linear(3, 2)
+    assert layer.weight.shape == (2, 3) and not hasattr(layer.weight, "ds_id")

@@ -206,5 +206,41 @@ def test_ds_attributes_follow_the_stage3_state(alone) -> None:
     assert not hasattr(copy.deepcopy(w), "ds_numel")  # a copy is not in the stage-3 table
 
 
+def _reuse_engine(stage: int) -> tuple[nn.Module, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}, "stage3_max_reuse_distance": 10**6,
+                              "stage3_param_persistence_threshold": 0}})
+    return model, engine
+
+
+def test_empty_partition_cache_releases_what_stage3_keeps_gathered(alone) -> None:
+    """After a recorded step, stage 3 keeps parameters gathered from forward for backward (reuse distance);
+    ``empty_partition_cache()`` releases them, the backward gathers again, and training is unchanged."""
+    from zerospeed.zero.stage3.param_store import ShardState
+
+    x = torch.randn(2, 5)
+    finals = []
+    for empty in (False, True):
+        model, engine = _reuse_engine(3)
+        for step in range(3):
+            loss = engine(x).square().sum()
+            if step == 2:
+                assert engine.zero3.fetcher.kept and {s.state for s in engine.zero3.shards} == {ShardState.GATHERED}
+            if empty:
+                engine.empty_partition_cache()
+                assert not engine.zero3.fetcher.kept
+                assert {s.state for s in engine.zero3.shards} == {ShardState.SHARDED}
+            engine.backward(loss)
+            engine.step()
+        finals.append([p.ds_tensor.clone() for p in model.parameters()])
+        zerospeed.comm.destroy()
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+    model, engine = _reuse_engine(1)  # below stage 3: nothing to release, and no error
+    engine.empty_partition_cache()
+
+
 def test_alone_left_no_group_and_no_launcher_variables() -> None:
     assert not zerospeed.comm.is_initialized() and "MASTER_PORT" not in os.environ

@@ -92,3 +92,28 @@ def test_wandb_logs_each_event_at_its_step(monkeypatch: pytest.MonkeyPatch) -> N
     monitor.close()
     assert inits == [{"project": "p", "group": "g", "entity": "t"}]
     assert logged == [({"Train/Samples/train_loss": 2.5}, 1), ({"Train/Samples/lr": 1e-3}, 1)]
+
+
+def test_monitors_built_directly_keep_deepspeed_attributes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's tests build each monitor from its section and read the section's fields back off it; a
+    disabled one, or one off rank 0, opens no writer, run or experiment."""
+    from zerospeed.config.monitoring import CometConfig
+    from zerospeed.profiling.monitor import CometMonitor, TensorBoardMonitor, WandbMonitor
+    from zerospeed.profiling.monitor import comet as comet_monitor
+
+    tb = TensorBoardMonitor(TensorBoardConfig(enabled=True, output_path=str(tmp_path), job_name="test"))
+    assert (tb.enabled, tb.output_path, tb.job_name) == (True, str(tmp_path), "test") and tb.writer is not None
+    tb.close()
+    off = TensorBoardMonitor(TensorBoardConfig())
+    defaults = TensorBoardConfig()
+    assert (off.enabled, off.output_path, off.job_name) == (False, defaults.output_path, defaults.job_name)
+    assert off.writer is None
+    off.write_events(EVENTS)
+    monkeypatch.setattr(wandb_monitor, "import_wandb", lambda: pytest.fail("a disabled W&B monitor imports wandb"))
+    wb = WandbMonitor(WandbConfig(enabled=False, group="g", team="t", project="p"))
+    assert (wb.enabled, wb.group, wb.team, wb.project) == (False, "g", "t", "p")
+    monkeypatch.setattr(comet_monitor, "import_comet", lambda: pytest.fail("comet started off rank 0"))
+    cm = CometMonitor(CometConfig(enabled=True, samples_log_interval=42), rank=1)
+    assert (cm.enabled, cm.samples_log_interval, cm.experiment) == (True, 42, None)
+    cm.write_events(EVENTS)
+    cm.close()

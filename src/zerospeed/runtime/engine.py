@@ -501,6 +501,11 @@ class Engine(nn.Module):
     def comms_summary(self) -> str:
         return self.comms.summary(self.dp_world_size)
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release ZeRO-3's gathered parameters nothing is using (a no-op below stage 3)."""
+        if self.zero3 is not None:
+            self.zero3.empty_partition_cache()
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective: the whole model in its compute dtype, as safetensors on rank 0 (True there).

@@ -8,6 +8,7 @@ from .sharded_group import ShardedGroup
 from .stage3 import (
     GatheredParameters,
     Init,
+    MiCS_Init,
     RanksDivergedError,
     ShardState,
     any_rank_running,
@@ -18,7 +19,7 @@ from .stage3 import (
     synced_generate,
 )
 
-__all__ = ["BucketPlan", "GatheredParameters", "GradReducer", "Init", "ParamSlot", "PartitionPlan",
+__all__ = ["BucketPlan", "GatheredParameters", "GradReducer", "Init", "MiCS_Init", "ParamSlot", "PartitionPlan",
            "RanksDivergedError", "ReduceSettings", "ShardState", "ShardedGroup", "ZeroOptimizer", "any_rank_running",
            "full_state_dict", "plan_partitions", "register_external_parameter", "save_16bit_model", "shard_of",
            "shard_size", "synced_generate"]

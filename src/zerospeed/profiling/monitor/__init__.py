@@ -37,11 +37,11 @@ def build_monitors(
         return MonitorMaster([])
     monitors: list[Monitor] = []
     if tensorboard is not None and tensorboard.enabled:
-        monitors.append(TensorBoardMonitor(tensorboard))
+        monitors.append(TensorBoardMonitor(tensorboard, rank))
     if csv_monitor is not None and csv_monitor.enabled:
-        monitors.append(CsvMonitor(csv_monitor))
+        monitors.append(CsvMonitor(csv_monitor, rank))
     if wandb is not None and wandb.enabled:
-        monitors.append(WandbMonitor(wandb))
+        monitors.append(WandbMonitor(wandb, rank))
     if comet is not None and comet.enabled:
-        monitors.append(CometMonitor(comet))
+        monitors.append(CometMonitor(comet, rank))
     return MonitorMaster(monitors)

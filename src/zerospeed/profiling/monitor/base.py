@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
+from ... import comm
 from ...config.errors import ConfigError
 
 Event = tuple[str, float, int]
@@ -18,6 +19,12 @@ def import_optional(module: str, section: str, install: str) -> Any:
     except ImportError as exc:
         raise ConfigError(f"{section}.enabled", f"is true but the '{module}' package is not installed; `{install}` or "
                                                 f"set {section}.enabled to false") from exc
+
+
+def writes_here(enabled: bool, rank: int | None) -> bool:
+    """DeepSpeed's rule for a monitor built directly from its section: it opens files or sessions and writes only
+    when the section is enabled and on rank 0 (``rank=None``: this process's rank, 0 without a process group)."""
+    return enabled and (comm.get_rank() if rank is None else rank) == 0
 
 
 class Monitor:

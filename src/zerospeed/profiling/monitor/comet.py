@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...config.monitoring import CometConfig
-from .base import Event, Monitor, check_event, import_optional
+from .base import Event, Monitor, check_event, import_optional, writes_here
 
 
 def import_comet() -> Any:
@@ -33,19 +33,25 @@ class SampleIntervalGate:
 
 
 class CometMonitor(Monitor):
-    """``comet_ml.start(...)`` with the section's keys; ``experiment.log_metric(name, value, step=samples)``."""
+    """``comet_ml.start(...)`` with the section's keys; ``experiment.log_metric(name, value, step=samples)``.
+    A disabled one (or one off rank 0) keeps ``enabled`` / ``samples_log_interval`` and starts no experiment."""
 
-    def __init__(self, config: CometConfig) -> None:
-        comet_ml = import_comet()
-        self.enabled = True
+    def __init__(self, config: CometConfig, rank: int | None = None) -> None:
+        self.enabled = config.enabled
         self.samples_log_interval = config.samples_log_interval
+        self._gate = SampleIntervalGate(config.samples_log_interval)
+        self.experiment: Any = None
+        if not writes_here(self.enabled, rank):
+            return
+        comet_ml = import_comet()
         self.experiment = comet_ml.start(api_key=config.api_key, project=config.project, workspace=config.workspace,
                                          experiment_key=config.experiment_key, mode=config.mode, online=config.online)
         if config.experiment_name is not None:
             self.experiment.set_name(config.experiment_name)
-        self._gate = SampleIntervalGate(config.samples_log_interval)
 
     def write_events(self, events: Sequence[Event]) -> None:
+        if self.experiment is None:
+            return
         for event in events:
             name, value, samples = check_event(event)
             if self._gate.passes(name, samples):

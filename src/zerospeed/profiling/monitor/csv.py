@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 
 from ...config.monitoring import CsvMonitorConfig
-from .base import Event, Monitor, check_event
+from .base import Event, Monitor, check_event, writes_here
 
 
 def csv_filename(name: str) -> str:
@@ -20,21 +20,24 @@ def csv_filename(name: str) -> str:
 
 
 class CsvMonitor(Monitor):
-    """Built from a ``csv_monitor`` section; its directory is made only when the section is enabled (as in
+    """Built from a ``csv_monitor`` section; its directory is made only when the section is enabled and on rank 0 (as in
     DeepSpeed, whose ``csvMonitor`` is this class's other name)."""
 
-    def __init__(self, config: CsvMonitorConfig) -> None:
+    def __init__(self, config: CsvMonitorConfig, rank: int | None = None) -> None:
         self.enabled = config.enabled
+        self._writing = writes_here(config.enabled, rank)
         self.output_path = config.output_path
         self.job_name = config.job_name
         self.log_dir = os.path.join(config.output_path, config.job_name)
-        if self.enabled:
+        if self._writing:
             os.makedirs(self.log_dir, exist_ok=True)
 
     def path_for(self, name: str) -> str:
         return os.path.join(self.log_dir, csv_filename(name))
 
     def write_events(self, events: Sequence[Event]) -> None:
+        if not self._writing:
+            return
         for event in events:
             name, value, step = check_event(event)
             path = self.path_for(name)

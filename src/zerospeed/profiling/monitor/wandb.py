@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...config.monitoring import WandbConfig
-from .base import Event, Monitor, check_event, import_optional
+from .base import Event, Monitor, check_event, import_optional, writes_here
 
 
 def import_wandb() -> Any:
@@ -14,14 +14,23 @@ def import_wandb() -> Any:
 
 
 class WandbMonitor(Monitor):
-    """Starts one run (project, group, entity=team) and logs each event at its step."""
+    """Starts one run (project, group, entity=team) and logs each event at its step. It keeps DeepSpeed's
+    ``enabled`` / ``group`` / ``team`` / ``project``; a disabled one (or one off rank 0) imports and starts nothing."""
 
-    def __init__(self, config: WandbConfig) -> None:
-        self.wandb = import_wandb()
-        self.enabled = True
-        self.run = self.wandb.init(project=config.project, group=config.group, entity=config.team)
+    def __init__(self, config: WandbConfig, rank: int | None = None) -> None:
+        self.enabled = config.enabled
+        self.group = config.group
+        self.team = config.team
+        self.project = config.project
+        self.wandb: Any = None
+        self.run: Any = None
+        if writes_here(self.enabled, rank):
+            self.wandb = import_wandb()
+            self.run = self.wandb.init(project=config.project, group=config.group, entity=config.team)
 
     def write_events(self, events: Sequence[Event]) -> None:
+        if self.wandb is None:
+            return
         for event in events:
             name, value, step = check_event(event)
             self.wandb.log({name: value}, step=step)

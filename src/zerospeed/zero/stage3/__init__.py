@@ -2,7 +2,8 @@
 
 ``param_store`` (each parameter's shard and state), ``fetcher`` (gather, release, prefetch in recorded
 order), ``hooks`` (module hooks), ``group`` (optimizer group and reducer), ``setup`` (what
-``initialize`` calls), ``init`` (``zero.Init``), ``gathered`` (``GatheredParameters``), ``export``
+``initialize`` calls), ``init`` (``zero.Init``; ``mics_init``: ``MiCS_Init``, refused while enabled),
+``gathered`` (``GatheredParameters``), ``export``
 (full state dict, 16-bit safetensors), ``lockstep`` (every rank's gathers checked to be the same),
 ``synced`` (generation loops of per-rank length).
 """
@@ -13,13 +14,14 @@ from .gathered import GatheredParameters
 from .group import Stage3Group, Stage3Reducer
 from .init import Init
 from .lockstep import RanksDivergedError
+from .mics_init import MiCS_Init
 from .sanity import ModifiedWithoutModifierError, SanityCheckError
 from .param_store import GatherOp, ParamShard, ShardState, shard_of
 from .setup import Stage3Runtime, register_external_parameter, setup_stage3
 from .synced import any_rank_running, synced_generate
 
-__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "ModifiedWithoutModifierError", "ParamShard",
-           "RanksDivergedError", "SanityCheckError", "ShardState",
+__all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "MiCS_Init", "ModifiedWithoutModifierError",
+           "ParamShard", "RanksDivergedError", "SanityCheckError", "ShardState",
            "Stage3Group", "Stage3Reducer", "Stage3Runtime", "Unit", "any_rank_running", "full_state_dict",
            "register_external_parameter", "save_16bit_model", "save_safetensors", "setup_stage3", "shard_of",
            "synced_generate"]

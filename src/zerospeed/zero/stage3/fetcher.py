@@ -200,6 +200,12 @@ class Fetcher:
             self.traces = {FORWARD: [], BACKWARD: []}
         self.cursor = {FORWARD: 0, BACKWARD: 0}
 
+    def release_unheld(self) -> None:
+        """DeepSpeed's ``empty_partition_cache``: finish gathers in flight and release every gathered parameter
+        that no unit holds (kept for reuse, prefetched); those held (a forward under way, ``GatheredParameters``)
+        stay. The next use gathers again."""
+        self._drain()
+
     def _drain(self, keep_kept: bool = False) -> None:
         """Finish gathers still in flight and release what nobody holds (so no collective stays open)."""
         for op in self.inflight:

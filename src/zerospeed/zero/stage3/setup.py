@@ -229,6 +229,10 @@ class Stage3Runtime:
         self.handles: list[RemovableHandle] = [*self.module_hooks,
                                                module.register_state_dict_pre_hook(self._check_state_dict)]
 
+    def empty_partition_cache(self) -> None:
+        """``engine.empty_partition_cache()``: release the gathered parameters nothing is using."""
+        self.fetcher.release_unheld()
+
     def remove_module_hooks(self) -> None:
         """DeepCompile: the gathers become graph operations (``graph_forward.py``); the eager hooks go."""
         for h in self.module_hooks:
