@@ -25,7 +25,7 @@ def _files() -> list[tuple[str, ast.Module]]:
 BRANCH_NAMES = {"zero_stage", "stage", "offload_optimizer", "offload_param", "ep_size", "mp_world_size",
                 "sequence_parallel_size", "tensor_parallel"}
 BRANCHES_ALLOWED: dict[str, tuple[int, str]] = {
-    "accelerator/host_malloc.py": (1, "HeapTrimmer.for_device(device, zero_stage): the stage-3 default of the trim"),
+    "accelerator/host_malloc.py": (1, "HeapTrimmer.for_device(device, zero_stage): the stage 2-3 default of the trim"),
     "autotuning/memory.py": (4, "the autotuner's memory model of each stage (a planner, not the runtime)"),
     "checkpointing.py": (2, "activation checkpointing's mp_world_size (partition_activations over model parallel)"),
     "config/zero.py": (3, "config validation of the zero_optimization section's own keys"),

@@ -204,11 +204,12 @@ def test_heap_trim_caps_the_fragmented_heap_and_frees_heap_for_any_buffer(monkey
     stage2 = replace(BASE, stage=2, allgather_bucket=1)
     assert predict(freed, stage2).owners["buckets"] == 120 * M
     assert predict(freed, replace(stage2, trim_heap=True)).owners["buckets"] == 68 * M
-    # the config's stage decides, as in the engine (``ZEROSPEED_TRIM_HEAP``: auto = stage 3 only)
+    # the config's stage decides, as in the engine (``ZEROSPEED_TRIM_HEAP``: auto = stages 2 and 3)
     monkeypatch.delenv("ZEROSPEED_TRIM_HEAP", raising=False)
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     assert inputs_from_config(load_config(cfg), 2).trim_heap
-    assert not inputs_from_config(load_config(cfg), 2, stage=2).trim_heap
+    assert inputs_from_config(load_config(cfg), 2, stage=2).trim_heap
+    assert not inputs_from_config(load_config(cfg), 2, stage=1).trim_heap
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "0")
     assert not inputs_from_config(load_config(cfg), 2).trim_heap
 

@@ -79,13 +79,14 @@ def heap_free_bytes() -> int | None:
 TRIM_MIN_BYTES = 128 << 20  # in backward: trim once this much more heap is free than after the last trim
 
 
-TRIM_STAGES = frozenset({3})  # ``auto``: the stage chosen for its memory, where the trim's cut is largest
+TRIM_STAGES = frozenset({2, 3})  # ``auto``: the stages chosen for their memory (measured: docs/benchmarks.md)
 
 
 def heap_trim_setting(zero_stage: int | None = None) -> bool:
     """``ZEROSPEED_TRIM_HEAP``: whether a host engine at ``zero_stage`` gives freed heap back during backward.
-    ``auto`` (default): at ZeRO stage 3 only (its peak falls by 6-13 %; at stages 0-2 the memory targets hold
-    without it and its page faults would only cost step time); ``1``: every stage; ``0``: never."""
+    ``auto`` (default): at ZeRO stages 2 and 3, the stages chosen for their memory (GPT-2-small, world 2: stage
+    3's peak falls by 6-13 %, stage 2's by 232 MiB, 5 %, at no measured CPU cost); ``1``: every stage; ``0``:
+    never."""
     raw = os.environ.get("ZEROSPEED_TRIM_HEAP", "auto")
     if raw not in ("0", "1", "auto"):
         raise ValueError(f"ZEROSPEED_TRIM_HEAP must be 0, 1 or auto, got {raw!r}")
@@ -106,7 +107,7 @@ class HeapTrimmer:
     forward's activations): +5 % CPU time per step on GPT-2-small, +2 % on a 2-layer model of its width
     (``benchmarks/bench_heap_trim.py``); the fixed mmap threshold (``ZEROSPEED_MMAP_THRESHOLD``, ~20 %) pays
     a fault per fresh page of every large tensor instead.
-    On by default at ZeRO stage 3 only (``heap_trim_setting``); ``ZEROSPEED_TRIM_HEAP=1`` / ``0``: every stage /
+    On by default at ZeRO stages 2 and 3 (``heap_trim_setting``); ``ZEROSPEED_TRIM_HEAP=1`` / ``0``: every stage /
     never. Only for engines whose tensors are on the host and only with glibc
     (``for_device`` returns None otherwise).
     """

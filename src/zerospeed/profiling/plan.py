@@ -30,7 +30,7 @@ tensor that torch's per-tensor Adam/AdamW makes on CPU). Which memory a buffer c
 (``MMAP_CEILING``): one below 32 MiB comes from the heap, where what backward freed stays resident, so it
 adds only beyond the freed heap; a larger one is mmapped, so it adds only beyond the mapped memory backward
 unmapped (the vocabulary-wide tensors). The stage-1/2 write-back gathers in place on Gloo host tensors (no buffer).
-Under the engine's heap trim (``ZEROSPEED_TRIM_HEAP``; stage 3 by default) freed heap goes back to the OS: at
+Under the engine's heap trim (``ZEROSPEED_TRIM_HEAP``; stages 2-3 by default) freed heap goes back to the OS: at
 most ``TRIM_MIN_BYTES`` of the fragmented heap is resident at the peak, and a buffer of any size reuses what
 backward freed.
 
@@ -90,7 +90,7 @@ class PlanInputs:
     offload_param: bool = False
     staged_gathers: bool = False  # zero_quantized_weights or zero_hpz_partition_size > 1: buffered stage-3 gathers
     accumulation: int = 1  # gradient_accumulation_steps
-    trim_heap: bool = False  # the engine's heap trim in backward (``accelerator/host_malloc.py``; stage 3 by default)
+    trim_heap: bool = False  # the engine's heap trim in backward (``accelerator/host_malloc.py``; stages 2-3 by default)
 
 
 @dataclass
