@@ -18,10 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

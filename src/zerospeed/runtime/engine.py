@@ -27,7 +27,6 @@ from ..accelerator.host_malloc import HeapTrimmer
 from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
 from ..precision.cast import cast_inputs_half
-from ..zero import ZeroOptimizer
 from .lockstep import MicroStepCheck
 from .observer import StepObserver
 from .parts import EngineParts
