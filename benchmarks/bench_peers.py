@@ -81,8 +81,8 @@ def table(spec: BenchSpec, results: list[Result]) -> str:
     for r in results:
         peak = r.peak_device_mib if spec.device == "cuda" else r.peak_rss_mib
         base_peak = base.peak_device_mib if spec.device == "cuda" else base.peak_rss_mib
-        rows.append(f"| {r.contender} | {r.wall_s_per_step:.3f} | {r.ratio:.2f} | {r.cpu_s_per_step:.3f} | "
-                    f"{r.cpu_ratio:.2f} | {peak:.0f} | {peak / base_peak:.2f} | {r.last_loss:.4f} |")
+        rows.append(f"| {r.contender} | {r.wall_s_per_step:.3f} | {r.ratio:.3f} | {r.cpu_s_per_step:.3f} | "
+                    f"{r.cpu_ratio:.3f} | {peak:.0f} | {peak / base_peak:.3f} | {r.last_loss:.6f} |")
     return "\n".join([head, "", *rows])
 
 
@@ -111,6 +111,8 @@ def main() -> int:
     p.add_argument("--only", nargs="+", metavar="TEXT", help="only contenders whose name contains one of these "
                    "(DDP, the baseline, always runs)")
     p.add_argument("--quick", action="store_true", help="mid size only, 2 rounds of 3 timed steps (a few minutes)")
+    p.add_argument("--sweep", action="store_true", help="issue 38's size sweep: 7m, 27m, gpt2-small and 350m, gas1, "
+                   "2 interleaved rounds, micro-batch and steps per size (SWEEP; about 50 minutes on 2 cores)")
     p.add_argument("--write", metavar="DOC", help="write the tables between the bench_peers markers of DOC")
     a = p.parse_args()
     if a.quick:
@@ -127,9 +129,10 @@ def main() -> int:
             a.world = torch.cuda.device_count()
     out = []
     for size in a.sizes:
+        micro, warmup, steps = SWEEP[size] if a.sweep else (a.micro_batch, a.warmup, a.steps)
         for part in a.parts:
-            spec = BenchSpec(preset=size, micro_batch=a.micro_batch, grad_accum=1 if part == "gas1" else 2,
-                             world_size=a.world, warmup=a.warmup, steps=a.steps, device=a.device, dtype=a.dtype)
+            spec = BenchSpec(preset=size, micro_batch=micro, grad_accum=1 if part == "gas1" else 2,
+                             world_size=a.world, warmup=warmup, steps=steps, device=a.device, dtype=a.dtype)
             print(f"== {size} {part} ==", flush=True)
             chosen = [c for c in contenders(part, a.device)
                       if a.only is None or c.name == BASELINE or any(t in c.name for t in a.only)]

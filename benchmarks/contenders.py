@@ -15,7 +15,20 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from zerospeed.models import PRESETS, GPTConfig
+
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+# The size sweep's shapes (issue 38) beside the library's presets: ~7M and ~27M with an 8192-token vocabulary
+# (the byte corpus's tokens are < 256, so a wider vocabulary only widens the embedding and head), and GPT-2
+# medium's shape (24 layers, width 1024, vocabulary 50257) at seq 256 instead of 1024, so a CPU step stays in
+# seconds. Registered into ``PRESETS`` so forked ranks and the harness resolve them by name.
+SWEEP_SHAPES = {
+    "7m": lambda: GPTConfig(vocab_size=8192, block_size=256, n_layer=4, n_head=5, n_embd=320),
+    "27m": lambda: GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=560),
+    "350m": lambda: GPTConfig(vocab_size=50257, block_size=256, n_layer=24, n_head=16, n_embd=1024),
+}
+PRESETS.update(SWEEP_SHAPES)
 
 
 @dataclass(frozen=True)

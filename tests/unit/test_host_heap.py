@@ -18,10 +18,11 @@ def test_heap_free_bytes_grows_when_heap_tensors_are_freed() -> None:
     assert after is not None and after - before >= 50 * 65_536
 
 
-def test_trimmer_trims_once_enough_heap_was_freed_and_rss_falls() -> None:
+def test_trimmer_trims_once_enough_heap_was_freed_and_rss_falls(monkeypatch: pytest.MonkeyPatch) -> None:
     from zerospeed.accelerator.host_malloc import HeapTrimmer
     from zerospeed.profiling.memory import rss_bytes
 
+    monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "full")  # also during backward (the default trims when it starts)
     trimmer = HeapTrimmer.for_device(torch.device("cpu"), 3, min_bytes=32 << 20)
     if trimmer is None:
         pytest.skip("no glibc malloc_trim/mallinfo2 here")
@@ -42,13 +43,19 @@ def test_trim_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from zerospeed.accelerator.host_malloc import HeapTrimmer, heap_trim_setting
 
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "0")
-    assert not heap_trim_setting(3) and HeapTrimmer.for_device(torch.device("cpu"), 3) is None
-    monkeypatch.delenv("ZEROSPEED_TRIM_HEAP")  # auto: stages 2-3 (measured there; stages 0-1 not)
-    assert heap_trim_setting(3) and heap_trim_setting(2) and not any(heap_trim_setting(s) for s in (0, 1))
+    assert heap_trim_setting(3) is None and HeapTrimmer.for_device(torch.device("cpu"), 3) is None
+    monkeypatch.delenv("ZEROSPEED_TRIM_HEAP")  # auto: the start-of-backward trim at stages 2-3 (measured there)
+    assert heap_trim_setting(3) == heap_trim_setting(2) == "start"
+    assert not any(heap_trim_setting(s) for s in (0, 1))
+    trimmer = HeapTrimmer.for_device(torch.device("cpu"), 3)
+    if trimmer is not None:  # glibc: a start-only trimmer never trims during backward
+        assert not trimmer.during and not trimmer.trim_if_freed()
     assert HeapTrimmer.for_device(torch.device("cpu"), 1) is None
     assert HeapTrimmer.for_device(torch.device("meta"), 3) is None
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "1")
-    assert all(heap_trim_setting(s) for s in (0, 1, 2, 3))
+    assert all(heap_trim_setting(s) == "full" for s in (0, 1, 2, 3))
+    monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "start")
+    assert all(heap_trim_setting(s) == "start" for s in (0, 1, 2, 3))
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "yes")
     with pytest.raises(ValueError, match="ZEROSPEED_TRIM_HEAP"):
         heap_trim_setting()

@@ -82,15 +82,21 @@ TRIM_MIN_BYTES = 128 << 20  # in backward: trim once this much more heap is free
 TRIM_STAGES = frozenset({2, 3})  # ``auto``: the stages chosen for their memory (measured: docs/benchmarks.md)
 
 
-def heap_trim_setting(zero_stage: int | None = None) -> bool:
-    """``ZEROSPEED_TRIM_HEAP``: whether a host engine at ``zero_stage`` gives freed heap back during backward.
-    ``auto`` (default): at ZeRO stages 2 and 3, the stages chosen for their memory (GPT-2-small, world 2: stage
-    3's peak falls by 6-13 %, stage 2's by 232 MiB, 5 %, at no measured CPU cost); ``1``: every stage; ``0``:
-    never."""
+def heap_trim_setting(zero_stage: int | None = None) -> str | None:
+    """``ZEROSPEED_TRIM_HEAP``: how a host engine at ``zero_stage`` gives freed heap back, or None (never).
+
+    * ``auto`` (default): ``"start"`` at ZeRO stages 2 and 3. The trim when backward starts takes the forward's
+      freed temporaries out of the peak for about a quarter of the full trim's CPU cost (27M GPT, world 2,
+      stage 3, paired: peak RSS -100 to -130 MiB per rank for +2.3-2.5 % CPU; the full trim -142 to -196 MiB
+      for +5-10 %; docs/benchmarks.md, issue 38);
+    * ``start``: that trim at every stage; ``1`` / ``full``: also during backward (the freed activations,
+      checked at each bucket launch), at every stage; ``0``: never."""
     raw = os.environ.get("ZEROSPEED_TRIM_HEAP", "auto")
-    if raw not in ("0", "1", "auto"):
-        raise ValueError(f"ZEROSPEED_TRIM_HEAP must be 0, 1 or auto, got {raw!r}")
-    return raw == "1" or (raw == "auto" and zero_stage in TRIM_STAGES)
+    if raw not in ("0", "1", "auto", "start", "full"):
+        raise ValueError(f"ZEROSPEED_TRIM_HEAP must be 0, 1, auto, start or full, got {raw!r}")
+    if raw == "auto":
+        return "start" if zero_stage in TRIM_STAGES else None
+    return {"0": None, "1": "full"}.get(raw, raw)
 
 
 class HeapTrimmer:
@@ -105,16 +111,17 @@ class HeapTrimmer:
     takes that memory out of the peak: GPT-2-small stage 3 at world 2, -543 MiB (-12.7 %) of peak RSS per rank
     (docs/benchmarks.md). Cost: the released pages are faulted in again when reused (mostly by the next
     forward's activations): +5 % CPU time per step on GPT-2-small, +2 % on a 2-layer model of its width
-    (``benchmarks/bench_heap_trim.py``); the fixed mmap threshold (``ZEROSPEED_MMAP_THRESHOLD``, ~20 %) pays
-    a fault per fresh page of every large tensor instead.
-    On by default at ZeRO stages 2 and 3 (``heap_trim_setting``); ``ZEROSPEED_TRIM_HEAP=1`` / ``0``: every stage /
-    never. Only for engines whose tensors are on the host and only with glibc
-    (``for_device`` returns None otherwise).
+    (``benchmarks/bench_heap_trim.py``), +5-10 % on a 27M GPT; the fixed mmap threshold
+    (``ZEROSPEED_MMAP_THRESHOLD``, ~20 %) pays a fault per fresh page of every large tensor instead. Trim (1)
+    alone (``during=False``: ``ZEROSPEED_TRIM_HEAP=start``, the stage 2-3 default) keeps most of the saving for
+    a quarter of the cost (``heap_trim_setting``). Only for engines whose tensors are on the host and only with
+    glibc (``for_device`` returns None otherwise).
     """
 
-    def __init__(self, trim: object, min_bytes: int = TRIM_MIN_BYTES) -> None:
+    def __init__(self, trim: object, min_bytes: int = TRIM_MIN_BYTES, during: bool = True) -> None:
         self._trim = trim
         self.min_bytes = min_bytes
+        self.during = during  # also trim during backward (``trim_if_freed``), not only when it starts
         self._low: int | None = None  # free heap right after the last trim (or the lowest seen since)
         self.trims = 0
 
@@ -122,15 +129,15 @@ class HeapTrimmer:
     def for_device(cls, device: object, zero_stage: int | None = None, min_bytes: int = TRIM_MIN_BYTES
                    ) -> HeapTrimmer | None:
         """A trimmer for an engine on ``device`` at ``zero_stage`` (see ``heap_trim_setting``), or None."""
-        if getattr(device, "type", str(device)) != "cpu" or not heap_trim_setting(zero_stage) \
-                or heap_free_bytes() is None:
+        mode = heap_trim_setting(zero_stage)
+        if getattr(device, "type", str(device)) != "cpu" or mode is None or heap_free_bytes() is None:
             return None
         try:
             fn = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):
             return None
         fn.argtypes = [ctypes.c_size_t]
-        return cls(fn, min_bytes)
+        return cls(fn, min_bytes, during=mode == "full")
 
     def trim(self) -> None:
         """Trim now (the start of backward)."""
@@ -139,7 +146,10 @@ class HeapTrimmer:
         self.trims += 1
 
     def trim_if_freed(self) -> bool:
-        """Trim when at least ``min_bytes`` more heap is free than after the last trim; True when it trimmed."""
+        """Trim when at least ``min_bytes`` more heap is free than after the last trim (and ``during``); True when
+        it trimmed."""
+        if not self.during:
+            return False
         free = heap_free_bytes()
         if free is None:
             return False

@@ -61,9 +61,6 @@ ACCEPTED_HINTS: dict[str, str] = {
     "zero_optimization.save_muon_momentum_buffer_in_memory": (
         "DeepSpeed's choice to keep Muon's momentum in memory while other optimizer state is swapped to NVMe; "
         "zerospeed always keeps it in memory (Muon with NVMe optimizer offload is refused), what true asks for"),
-    "optimizer.params.torch_adam": (
-        "zerospeed's Adam and AdamW are always torch.optim's implementation (what true selects in DeepSpeed's "
-        "FusedAdam); the update is the same either way"),
     "optimizer.params.set_grad_none": (
         "DeepSpeed's FusedAdam option to set .grad to None in zero_grad(); zerospeed's parameters never keep a "
         ".grad (gradients move into the reducer's buffers, which are zeroed after each step), so the update is "

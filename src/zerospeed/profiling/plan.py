@@ -26,13 +26,14 @@ Buffers made after that point (``_after_phases``; ``buckets`` in the table) add 
 the reduce at the end of backward (the gradient partition at stages 1-3, the reduce-scatter outputs in flight,
 stages 2-3's transient bucket buffers: the filling one and ``MAX_IN_FLIGHT``; stage 1's buckets are views of its
 full buffer) and the optimizer step (the partition, and the two temporaries the size of the largest master
-tensor that torch's per-tensor Adam/AdamW makes on CPU). Which memory a buffer can take is glibc's rule
+tensor that torch's per-tensor Adam/AdamW makes on CPU; its fused kernel, the default, makes none). Which memory a buffer can take is glibc's rule
 (``MMAP_CEILING``): one below 32 MiB comes from the heap, where what backward freed stays resident, so it
 adds only beyond the freed heap; a larger one is mmapped, so it adds only beyond the mapped memory backward
 unmapped (the vocabulary-wide tensors). The stage-1/2 write-back gathers in place on Gloo host tensors (no buffer).
-Under the engine's heap trim (``ZEROSPEED_TRIM_HEAP``; stages 2-3 by default) freed heap goes back to the OS: at
+Under the engine's full heap trim (``ZEROSPEED_TRIM_HEAP=full``) freed heap goes back to the OS during backward: at
 most ``TRIM_MIN_BYTES`` of the fragmented heap is resident at the peak, and a buffer of any size reuses what
-backward freed.
+backward freed. The default at stages 2-3 trims only when backward starts; the plan does not model that (it
+predicts as without a trim: an upper bound).
 
 Two kinds of *measured constants* (this machine: torch 2.13 CPU, glibc, forked Gloo ranks, glibc's default
 heap: ``ZEROSPEED_MMAP_THRESHOLD`` unset) say what the formulas cannot: ``FRAMEWORK_BYTES``, what the first
@@ -90,7 +91,8 @@ class PlanInputs:
     offload_param: bool = False
     staged_gathers: bool = False  # zero_quantized_weights or zero_hpz_partition_size > 1: buffered stage-3 gathers
     accumulation: int = 1  # gradient_accumulation_steps
-    trim_heap: bool = False  # the engine's heap trim in backward (``accelerator/host_malloc.py``; stages 2-3 by default)
+    trim_heap: bool = False  # the engine's full heap trim in backward (``accelerator/host_malloc.py``, ``full``)
+    fused_step: bool = False  # Adam/AdamW on torch's fused CPU kernel (the default: optim/factory.py): no temporaries
 
 
 @dataclass
@@ -165,7 +167,14 @@ def inputs_from_config(cfg: Any, world: int, micro_batch: int | None = None, seq
                       momentum=float(params.get("momentum", 0.0)) > 0, offload_optimizer=z.offload_optimizer.enabled,
                       offload_param=z.offload_param.enabled,
                       staged_gathers=bool(z.zero_quantized_weights) or z.zero_hpz_partition_size > 1,
-                      accumulation=gas, trim_heap=heap_trim_setting(z.stage if stage is None else stage))
+                      accumulation=gas, trim_heap=heap_trim_setting(z.stage if stage is None else stage) == "full",
+                      fused_step=name in _STEP_TEMPORARIES and _fused_by_default(params))
+
+
+def _fused_by_default(params: dict[str, Any]) -> bool:
+    """Whether the factory picks torch's fused Adam kernel for these params (host parameters assumed)."""
+    return params.get("fused") is not False and params.get("foreach") is None and not any(
+        params.get(k) for k in ("torch_adam", "capturable", "differentiable"))
 
 
 def _shard(n: int, world: int) -> int:
@@ -302,9 +311,9 @@ def _after_phases(numels: list[int], buckets: list[int], partition: int, i: Plan
             # accumulation window, and stage 1 always); later micro-steps add through an output per bucket in flight
             reduce += [b // parts * i.accum_bytes for b in sorted(buckets, reverse=True)[:MAX_IN_FLIGHT]]
     step = list(grad_partition)
-    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and numels:
-        # torch's per-tensor Adam/AdamW (CPU; foreach only on accelerators: optim/factory.py) makes two
-        # temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
+    if i.optimizer in _STEP_TEMPORARIES and not i.offload_optimizer and not i.fused_step and numels:
+        # torch's per-tensor Adam/AdamW (``torch_adam``, or ``foreach`` set; the fused kernel makes none) makes
+        # two temporaries the size of each master tensor in turn (sqrt, then the division): the largest counts
         step += [max(_shard(n, parts) for n in numels) * 4] * _STEP_TEMPORARIES[i.optimizer]
     return [reduce, step]
 
