@@ -204,10 +204,14 @@ class ParamShard:
     @torch.no_grad()
     def refresh_local(self) -> None:
         """Copy this rank's slice of the (gathered) full value into the local shard."""
-        if self.local is None:
-            return
+        if self.local is not None:
+            self.write_full(self.param.data)
+
+    @torch.no_grad()
+    def write_full(self, value: torch.Tensor) -> None:
+        """Set the shard to this rank's slice of the full value ``value`` (encoded first with a codec)."""
         lo, hi = self.owned_range()
-        full = self.param.data.reshape(-1) if self.codec is None else self.codec.encode(self.param.data)
+        full = value.reshape(-1) if self.codec is None else self.codec.encode(value)
         values = torch.zeros(self.shard, dtype=self.dtype, device=self.device)
         if hi > lo:
             values[: hi - lo].copy_(full[lo:hi])
