@@ -2,7 +2,8 @@
 every ``nn.Linear`` / ``nn.Embedding`` weight's partition is codes and scales from the moment it is built; its
 bytes are what they take; the forward equals the hand-written DeepSpeed dequantization; at world 2 a few
 training steps (biases and norms train, the quantized weights are frozen) and a greedy generation equal one
-process doing the same; a weight written in ``GatheredParameters`` is quantized again."""
+process doing the same; a weight written in ``GatheredParameters`` is quantized again; with parameter offload,
+pretrained weights are encoded as they load and a checkpoint restores the quantized weights."""
 
 from __future__ import annotations
 
@@ -118,3 +119,51 @@ def test_quantized_initialization_zero3_world2_equals_one_process() -> None:
         torch.testing.assert_close(r["logits0"], one["logits0"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["losses"], one["losses"], rtol=1e-5, atol=0)
         assert torch.equal(r["tokens"], one["tokens"])
+
+
+def _offload_pretrained_checkpoint(path: str) -> dict[str, Any]:
+    import zerospeed
+    from zerospeed.zero import GatheredParameters
+    from zerospeed.zero.stage3.pretrained import load_pretrained_shards
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "cpu"}},
+              "weight_quantization": {"quantized_initialization": QUANT}}
+
+    def engine(seed: int, pretrained: bool) -> Any:
+        torch.manual_seed(seed)
+        with zerospeed.zero.Init(config_dict_or_path=config):
+            model = TinyLM()
+        if pretrained:
+            load_pretrained_shards(model, f"{path}/model.safetensors")  # encoded as it is written
+        return zerospeed.initialize(model=model, config=config)[0]
+
+    first = engine(3, pretrained=True)
+    with GatheredParameters([first.module.up.weight]):
+        loaded = first.module.up.weight.detach().clone()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    first.eval()
+    with torch.no_grad():
+        logits = first(ids)
+    first.save_checkpoint(f"{path}/ckpt", tag="t")
+    second = engine(7, pretrained=False)  # other weights: the checkpoint brings the quantized ones back
+    second.load_checkpoint(f"{path}/ckpt", tag="t")
+    second.eval()
+    with torch.no_grad():
+        again = second(ids)
+    return {"loaded": loaded, "logits": logits, "again": again}
+
+
+def test_quantized_initialization_offload_pretrained_and_checkpoint(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = TinyLM()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    for r in run_distributed(_offload_pretrained_checkpoint, 2, str(tmp_path), timeout=120):
+        torch.testing.assert_close(r["loaded"], deepspeed_dequantized(ref.up.weight.detach(), BITS, GROUP, 1),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(r["logits"], _reference_logits(ids[:2]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["again"], r["logits"], rtol=1e-6, atol=1e-6)
