@@ -87,3 +87,12 @@ def test_without_zero_init_layers_become_the_engines_quantized_ones() -> None:
         initialization_quantization(nn.Sequential(nn.Linear(8, 8)), GroupSpec(8, 4, 0))
     with pytest.raises(ConfigError, match="group_size 3 does not divide"):
         initialization_quantization(nn.Sequential(nn.Linear(8, 8)), GroupSpec(8, 3, 1))
+
+
+def test_refused_with_tensor_parallelism() -> None:
+    from zerospeed.compression.runtime import compression_runtime
+
+    cfg = load_config({"train_batch_size": 1, "tensor_parallel": {"autotp_size": 2},
+                       "weight_quantization": {"quantized_initialization": {"group_size": 8}}})
+    with pytest.raises(NotSupportedYetError, match="tensor parallelism"):
+        compression_runtime(cfg, nn.Sequential(nn.Linear(8, 8)))

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import comm
 from ..config.compression_training import CompressionTrainingConfig, EigenvalueConfig
-from ..config.errors import ConfigError
+from ..config.errors import ConfigError, NotSupportedYetError
 from .apply import check_supported, init_compression
 from .eigenvalue import Eigenvalue
 from .layers import QuantAct, _Compressed
@@ -150,6 +150,9 @@ def compression_runtime(config: Any, model: nn.Module, dp_group: Any = None) -> 
     if config.weight_quantization is not None:
         post_init_quantization(model, config.weight_quantization)
         spec = config.weight_quantization.initialization_spec()
+        if spec is not None and config.tensor_parallel.size > 1:
+            raise NotSupportedYetError("weight_quantization.quantized_initialization", "quantized initialization "
+                                       "with tensor parallelism (AutoTP) is not supported yet by zerospeed")
         if spec is not None:
             initialization_quantization(model, spec)
     cfg: CompressionTrainingConfig = config.compression_training
