@@ -1,7 +1,7 @@
 """DeepSpeed's compression library on the demo GPT (issue 35): QAT vs PTQ, head pruning, layer reduction.
 
     .venv/bin/python benchmarks/bench_compression.py [--steps 120] [--tune 30] [--block 64] [--int4-group 64]
-                                                     [--int4-sym] [--only quant,heads,layers] [--json]
+                                                     [--int4-sym] [--seeds 1] [--only quant,heads,layers] [--json]
 
 One process, fp32, AdamW, the bundled corpus. A base model trains ``--steps`` steps, then each variant trains
 ``--tune`` more steps from it (layer reduction: ``2 * --tune``) and is measured on ``--windows`` validation
@@ -9,7 +9,10 @@ windows:
 
 * ``fp32`` (the base trained ``--tune`` more steps, the reference), PTQ INT8 / INT4 of it through
   ``init_inference``'s own quantization, and QAT INT8 / INT4 (``quantize_weight_in_forward``, the same groups)
-  exported with ``compression.export.export_quantized`` and served by ``init_inference``: perplexity;
+  exported with ``compression.export.export_quantized`` and served by ``init_inference``: perplexity; with
+  ``--seeds N``, for each of N data orders of the ``--tune`` steps (paired: the fp32 reference and both QAT runs
+  of one seed see the same batches), then each variant's mean, standard deviation and range over the seeds, and
+  those of the paired differences QAT - PTQ and QAT - fp32;
 * 50 % head pruning (learned top-k scores on each attention projection, ``related_modules`` the QKV) then
   ``redundancy_clean``: parameters and forward tokens/s before and after, perplexity;
 * layer reduction 4 -> 2 (teacher layers 1 and 3, embeddings and final norm copied) trained with distillation
@@ -23,7 +26,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -84,27 +87,57 @@ def tokens_per_s(model: torch.nn.Module, block: int, repeat: int = 5) -> tuple[f
     return n / (time.perf_counter() - t), n / (time.process_time() - c)
 
 
-def quantization_rows(base: GPT, args: argparse.Namespace, block: int) -> list[dict[str, Any]]:
-    ref = train(copy.deepcopy(base), args.tune, args.batch, block, seed=1)
+def quantization_rows(base: GPT, args: argparse.Namespace, block: int) -> Iterator[dict[str, Any]]:
+    """fp32 / PTQ / QAT rows for each tune seed (the data order of the ``--tune`` steps, shared by the fp32
+    reference and both QAT runs of that seed: paired), as each is measured, then the mean and spread."""
+    rows: list[dict[str, Any]] = []
+    for seed in range(1, args.seeds + 1):
+        for r in _quantization_seed(base, args, block, seed):
+            rows.append({"seed": seed, **r})
+            yield rows[-1]
+    if args.seeds > 1:
+        yield from _spread(rows)
+
+
+def _quantization_seed(base: GPT, args: argparse.Namespace, block: int, seed: int) -> Iterator[dict[str, Any]]:
+    ref = train(copy.deepcopy(base), args.tune, args.batch, block, seed=seed)
     n_embd = base.config.n_embd
-    rows = [{"variant": "fp32", "ppl": perplexity(ref, block, args.windows)}]
+    yield {"variant": "fp32", "ppl": perplexity(ref, block, args.windows)}
     per_row = args.int4_group == 0  # INT4 with one scale per row: the hard case for PTQ
     int4_groups = 1 if per_row else n_embd // args.int4_group
     for bits, sym, qgroups in ((8, True, 1), (4, args.int4_sym, int4_groups)):
         q = {"num_bits": bits, "q_type": "symmetric" if sym else "asymmetric", "q_groups": qgroups}
         eng = zerospeed.init_inference(copy.deepcopy(ref), dtype="fp32", quant={"weight": q})
-        rows.append({"variant": f"PTQ int{bits}", "ppl": perplexity(eng.module, block, args.windows)})
+        yield {"variant": f"PTQ int{bits}", "ppl": perplexity(eng.module, block, args.windows)}
         # DeepSpeed's groups cut the flattened weight: one group per row (INT8) / per int4_group columns (INT4)
         qat = compressed(base, qat_section(bits, 1, sym))
         for m in qat.modules():
             if getattr(m, "weight_quant", None) is not None:
                 per = 1 if bits == 8 or per_row else m.weight.shape[1] // args.int4_group
                 m.weight_quant.groups = m.weight.shape[0] * per
-        train(qat, args.tune, args.batch, block, seed=1)
+        train(qat, args.tune, args.batch, block, seed=seed)
         export_quantized(qat)
         eng = zerospeed.init_inference(qat, dtype="fp32")
-        rows.append({"variant": f"QAT int{bits}", "ppl": perplexity(eng.module, block, args.windows)})
-    return rows
+        yield {"variant": f"QAT int{bits}", "ppl": perplexity(eng.module, block, args.windows)}
+
+
+def _spread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and sample standard deviation over the seeds of each variant, and of the paired QAT - PTQ and
+    QAT - fp32 differences (same seed)."""
+    by: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by.setdefault(r["variant"], {})[r["seed"]] = r["ppl"]
+    series = dict(by)
+    for bits in (8, 4):
+        qat, ptq, fp = by[f"QAT int{bits}"], by[f"PTQ int{bits}"], by["fp32"]
+        series[f"QAT int{bits} - PTQ int{bits}"] = {s: qat[s] - ptq[s] for s in qat}
+        series[f"QAT int{bits} - fp32"] = {s: qat[s] - fp[s] for s in qat}
+    out = []
+    for name, vals in series.items():
+        v = torch.tensor(list(vals.values()), dtype=torch.float64)
+        out.append({"variant": f"{name} over {len(v)} seeds", "mean": v.mean().item(), "std": v.std().item(),
+                    "min": v.min().item(), "max": v.max().item()})
+    return out
 
 
 def head_rows(base: GPT, args: argparse.Namespace, block: int) -> list[dict[str, Any]]:
@@ -162,6 +195,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--seeds", type=int, default=1, help="quant: tune seeds (data orders) 1..N, with mean and spread")
     ap.add_argument("--int4-group", type=int, default=64, help="INT4 columns per scale; 0: one scale per row")
     ap.add_argument("--int4-sym", action="store_true", help="INT4 symmetric (default asymmetric)")
     ap.add_argument("--only", default="quant,heads,layers", help="comma-separated parts: quant, heads, layers")

@@ -15,7 +15,6 @@ from zerospeed.compression.export import export_quantized
 from zerospeed.compression.ptq import post_init_quantization
 from zerospeed.compression.scheduler import CompressionScheduler
 from zerospeed.config import ConfigError, load_config
-from zerospeed.config.errors import NotSupportedYetError
 from zerospeed.inference.quantization import QuantizedLinear
 
 
@@ -82,7 +81,7 @@ def test_post_init_quant_uses_deepspeeds_asymmetric_groups() -> None:
     s = 255 / (hi - lo)
     ref = (((g - lo) * s).clamp(0, 255).round() / s + lo).reshape(8, 64)
     torch.testing.assert_close(model[0][0].dequantized_weight(torch.float32), ref, rtol=1e-5, atol=1e-6)
-    with pytest.raises(NotSupportedYetError, match="quantized_initialization"):
+    with pytest.raises(ConfigError, match="quantized_initialization.group_size"):  # required (tests/unit/test_quantized_init.py)
         load_config({"train_batch_size": 1, "weight_quantization": {"quantized_initialization": {"num_bits": 8}}})
     bad = load_config({"train_batch_size": 1, "weight_quantization": {"post_init_quant": {
         "1": {"num_bits": 8, "group_size": 3}}}}).weight_quantization

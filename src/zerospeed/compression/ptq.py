@@ -4,6 +4,12 @@ Each ``nn.Linear`` whose name contains one of the section's keys (at most one) b
 ``QuantizedLinear`` with that entry's bits and groups of ``group_size`` input columns: DeepSpeed's asymmetric
 formula ``q = round((w - min) / s)``, ``s = (max - min) / (2^b - 1)``, which is the engine's. The layer then
 holds INT8/INT4 codes and dequantizes in its forward (for evaluation and serving; its weight no longer trains).
+
+``weight_quantization.quantized_initialization`` on a model not built under ``zero.Init`` (which quantizes as it
+builds: ``zero/stage3/quantized_shard.py``): every ``nn.Linear`` and ``nn.Embedding`` (those types exactly, as
+DeepSpeed) becomes the engine's ``QuantizedLinear`` / ``QuantizedEmbedding`` holding the same codes and scales
+(``inference/group_quant.py``), so the model computes what it would have under ``zero.Init``. Its bias stays the
+module's own parameter (it still trains, as under ``zero.Init``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from torch import nn
 from ..config.compression_training import GroupWiseQuant, WeightQuantizationConfig
 from ..config.errors import ConfigError, NotSupportedYetError
 from ..inference.config import QuantTypeEnum, WeightQuantConfig
+from ..inference.group_quant import GroupSpec, QuantizedEmbedding, quantize_groups
 from ..inference.quantization import QuantizedLinear
 
 
@@ -43,5 +50,46 @@ def post_init_quantization(model: nn.Module, section: WeightQuantizationConfig) 
         cfg = _entry_config(section.post_init_quant[keys[0]], section, module.in_features, keys[0])
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, QuantizedLinear(module.weight, module.bias, cfg))
+        done.append(name)
+    return done
+
+
+_KEY = "weight_quantization.quantized_initialization"
+
+
+def _built_quantized(module: nn.Module, name: str) -> bool:
+    """Whether ``zero.Init`` already keeps this weight quantized (else it must be a plain, whole tensor)."""
+    from ..zero.stage3.param_store import shard_of
+
+    shard = shard_of(module.weight)
+    if shard is None:
+        return False
+    if shard.codec is None:
+        raise ConfigError(_KEY, f"'{name}' was built under zero.Init without {_KEY}: build the model under "
+                          "zero.Init with this config (or outside zero.Init)")
+    return True
+
+
+def initialization_quantization(model: nn.Module, spec: GroupSpec) -> list[str]:
+    """Quantize ``model``'s plain ``nn.Linear`` / ``nn.Embedding`` layers in place (module docstring); returns
+    their names."""
+    done = []
+    for name, module in list(model.named_modules()):
+        if type(module) not in (nn.Linear, nn.Embedding) or _built_quantized(module, name):
+            continue
+        if type(module) is nn.Linear and spec.group_dim not in (1, -1):
+            raise NotSupportedYetError(f"{_KEY}.group_dim", f"group_dim {spec.group_dim} on linear '{name}' without "
+                                       "zero.Init: the inference engine's quantized linears group input columns "
+                                       "(group_dim 1); not supported yet by zerospeed")
+        try:
+            if type(module) is nn.Embedding:
+                layer: nn.Module = QuantizedEmbedding(module, spec)
+            else:
+                layer = QuantizedLinear(quantize_groups(module.weight, spec), None)
+                layer.bias = module.bias
+        except ValueError as exc:
+            raise ConfigError(_KEY, f"'{name}': {exc}") from exc
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, layer)
         done.append(name)
     return done

@@ -26,12 +26,12 @@ from torch import nn
 
 from .. import comm
 from ..config.compression_training import CompressionTrainingConfig, EigenvalueConfig
-from ..config.errors import ConfigError
+from ..config.errors import ConfigError, NotSupportedYetError
 from .apply import check_supported, init_compression
 from .eigenvalue import Eigenvalue
 from .layers import QuantAct, _Compressed
 from .moq import MoQ
-from .ptq import post_init_quantization
+from .ptq import initialization_quantization, post_init_quantization
 from .scheduler import CompressionScheduler
 
 
@@ -144,10 +144,17 @@ def _check_prepared(model: nn.Module, scheduler: CompressionScheduler) -> None:
 
 def compression_runtime(config: Any, model: nn.Module, dp_group: Any = None) -> CompressionRuntime | None:
     """The engine's compression part for ``config`` (a ZeroSpeedConfig), or None when nothing is on. Before
-    that, ``weight_quantization.post_init_quant`` quantizes the matched linears (``ptq.py``). ``dp_group``:
+    that, ``weight_quantization.post_init_quant`` quantizes the matched linears and ``quantized_initialization``
+    every linear and embedding not built quantized by ``zero.Init`` (``ptq.py``). ``dp_group``:
     the data-parallel group static activation ranges are taken over."""
     if config.weight_quantization is not None:
         post_init_quantization(model, config.weight_quantization)
+        spec = config.weight_quantization.initialization_spec()
+        if spec is not None and config.tensor_parallel.size > 1:
+            raise NotSupportedYetError("weight_quantization.quantized_initialization", "quantized initialization "
+                                       "with tensor parallelism (AutoTP) is not supported yet by zerospeed")
+        if spec is not None:
+            initialization_quantization(model, spec)
     cfg: CompressionTrainingConfig = config.compression_training
     qt = config.quantize_training
     if qt.eigenvalue.enabled and config.eigenvalue.enabled:

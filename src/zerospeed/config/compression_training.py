@@ -321,6 +321,26 @@ class GroupWiseQuant(Section):
         return value
 
 
+class QuantizedInitialization(Section):
+    """``weight_quantization.quantized_initialization``: under ``zero.Init``, every ``nn.Linear`` and ``nn.Embedding``
+    weight is kept as ``num_bits`` codes in groups of ``group_size`` elements along ``group_dim`` from the moment it
+    is built (``zero/stage3/quantized_shard.py``); without ``zero.Init``, ``initialize`` quantizes them into the
+    inference engine's quantized layers (``compression/ptq.py``). DeepSpeed 0.19.6 requires every key and
+    asymmetric quantization; here only ``group_size`` is required."""
+
+    num_bits: Literal[4, 8] = 8
+    group_size: int = Field(ge=1)
+    group_dim: int = 1
+    symmetric: bool = False
+
+    @field_validator("symmetric")
+    @classmethod
+    def _asymmetric(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("only asymmetric quantization (symmetric: false) is supported, as in DeepSpeed 0.19.6")
+        return value
+
+
 class WeightQuantizationConfig(Section):
     """DeepSpeed's top-level ``weight_quantization``: ``post_init_quant`` maps a module-name substring to its
     quantization; ``initialize`` swaps each matched linear for the inference engine's ``QuantizedLinear`` before
@@ -332,5 +352,18 @@ class WeightQuantizationConfig(Section):
     q_groups: int = Field(1, ge=1)
     """Groups per row for an entry without ``group_size``."""
     post_init_quant: dict[str, GroupWiseQuant] = Field(default_factory=dict)
-    quantized_initialization: dict[str, Any] = Field(default_factory=dict)
-    """zero.Init quantizing weights as they are made: not supported yet (config/unsupported.py)."""
+    quantized_initialization: QuantizedInitialization | None = None
+    """Weights quantized as they are made (``{}``, DeepSpeed's default: off)."""
+
+    @field_validator("quantized_initialization", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: Any) -> Any:
+        return None if value == {} else value
+
+    def initialization_spec(self) -> Any:
+        """The ``quantized_initialization`` groups in force (a ``GroupSpec``), or None (off, or the section
+        disabled)."""
+        from ..inference.group_quant import GroupSpec
+
+        q = self.quantized_initialization
+        return GroupSpec(q.num_bits, q.group_size, q.group_dim) if self.enabled and q is not None else None

@@ -22,12 +22,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
             "through PyTorch)"),
     "hybrid_engine.enable_cuda_graph": "CUDA graphs in the hybrid engine (enable_cuda_graph: they need a CUDA device, "
                                        "so never on CPU; on CUDA zerospeed has no captured decode yet)",
-    "weight_quantization.quantized_initialization": (
-        "zero.Init's quantized initialization (DeepSpeed keeps each nn.Linear / nn.Embedding weight's ZeRO-3 "
-        "partition as frozen INT4/INT8 codes with per-group scales and dequantizes them inside "
-        "torch.nn.functional.linear / embedding, which it patches globally; zerospeed patches no torch function "
-        "and its stage-3 parameter store has no quantized partition yet. Quantize at initialize instead: "
-        "weight_quantization.post_init_quant, or init_inference's quant section; docs/migration.md)"),
 }
 
 # The compile section's DeepCompile keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log

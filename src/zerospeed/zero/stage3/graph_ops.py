@@ -68,7 +68,7 @@ class GraphUnits:
             self.synchronize()
 
     def shapes(self, unit: int) -> list[tuple[torch.Size, torch.dtype]]:
-        return [(s.shape, s.dtype) for s in self.units[unit]]
+        return [(s.shape, s.value_dtype) for s in self.units[unit]]
 
     def note(self, op: str, unit: int) -> None:
         if self.log is not None:

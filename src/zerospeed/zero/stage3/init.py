@@ -15,6 +15,10 @@ too: the model is then never whole in memory, only its largest submodule at a ti
 re-initialises an already-cut child's weights (``self.apply(self._init_weights)``, ``nn.init.*``,
 ``p.data.normal_()``, ``p.data = t``) gets exactly what it would without ``Init``: inside the block such
 calls run on the gathered value and the result is cut again (``init_writes``).
+
+With ``weight_quantization.quantized_initialization`` in the config, the weight of every ``nn.Linear`` and
+``nn.Embedding`` (those types exactly, as DeepSpeed) is cut quantized whatever its size and the world size:
+its shard holds codes and scales, gathers decode it, and it is frozen (``quantized_shard.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from ... import comm
 from ...config import load_config
 from ...config.errors import NotSupportedYetError
 from .init_writes import CutParameterWrites
-from .param_store import partition, shard_of
+from .param_store import register, shard_of
+from .quantized_shard import WeightCodec
 
 
 class Init:
@@ -56,6 +61,8 @@ class Init:
         self.world = comm.get_world_size(self.group)
         cfg = load_config(config_dict_or_path if config_dict_or_path is not None else config or {})
         self.threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+        wq = cfg.weight_quantization
+        self.quant = wq.initialization_spec() if wq is not None else None  # quantized_initialization groups
         if dtype is None:
             dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         self.dtype = dtype
@@ -101,17 +108,32 @@ class Init:
     def _account(self) -> None:
         self.peak_param_bytes = max(self.peak_param_bytes, self.shard_bytes + sum(self._whole_bytes.values()))
 
+    def _codecs(self, module: nn.Module) -> dict[int, WeightCodec]:
+        """``quantized_initialization``: the codec of each ``nn.Linear`` / ``nn.Embedding`` weight not yet cut."""
+        if self.quant is None:
+            return {}
+        return {id(m.weight): WeightCodec(self.quant, m.weight.shape, self.dtype, f"{type(m).__name__} weight "
+                                          f"(weight_quantization.quantized_initialization)")
+                for m in module.modules() if type(m) in (nn.Linear, nn.Embedding) and shard_of(m.weight) is None}
+
     @torch.no_grad()
     def _cut(self, module: nn.Module) -> None:
+        codecs = self._codecs(module)
         for p in module.parameters():
-            if shard_of(p) is not None or p.numel() <= self.threshold or (self.world == 1 and self.home is None):
+            codec = codecs.get(id(p))
+            if shard_of(p) is not None or codec is None and (p.numel() <= self.threshold
+                                                             or (self.world == 1 and self.home is None)):
                 continue
             self._whole_bytes[id(p)] = p.numel() * p.element_size()
             self._account()
             target = self.dtype if p.is_floating_point() else p.dtype
             p.data = p.data.to(device=self.device or p.device, dtype=target)
             comm.broadcast(p.data, src=0, group=self.group)
-            state = partition(p, self.group, persistent=False)
+            state = register(p, self.group, persistent=False)
+            if codec is not None:
+                state.set_codec(codec)
+                p.requires_grad_(False)  # the shard holds codes: no optimizer step can update them
+            state.cut()
             if self.home is not None:
                 self.home.adopt(state)
             self._writes.remember(state)

@@ -26,6 +26,10 @@ partition of the parameter over that node-sized group (rank ``i`` of the group o
 primary shard over all ranks. A new value of the parameter (the optimizer step, a modifier) drops it, so
 the first forward after a step gathers across nodes and its release refills the secondary for backward
 (DeepSpeed's ``ds_secondary_tensor``).
+
+A shard with a *codec* (``weight_quantization.quantized_initialization``, ``quantized_shard.py``) holds the
+parameter's packed bytes (codes and scales) instead of its elements: ``stored_numel`` bytes are cut as above,
+a gather moves bytes and decodes them into the full (float) value, a write-back encodes the full value again.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from ...compat.zero_param_attrs import expose_ds_attributes
 
 if TYPE_CHECKING:
     from .lockstep import Lockstep
+    from .quantized_shard import WeightCodec
 
 
 class ShardState(Enum):
@@ -118,6 +123,24 @@ class ParamShard:
         self.levels: comm.Hierarchy | None = None  # MiCS hierarchical gather: across nodes, then inside the node
         self.sanity_checks = False  # zero_optimization.enable_sanity_checks (zero/stage3/sanity.py)
         self.secondary_exact = True  # the secondary was cut from an exact value: exact gathers may use it
+        self.codec: WeightCodec | None = None  # quantized_initialization: the shard holds packed codes and scales
+
+    def set_codec(self, codec: WeightCodec) -> None:
+        """Before the first cut: keep the partition quantized (its shard: ``codec.nbytes / N`` bytes)."""
+        if self.local is not None or self.persistent:
+            raise RuntimeError("a quantized partition is set before the parameter is first cut, and never persistent")
+        self.codec = codec
+        self.shard = shard_size(codec.nbytes, self.world)
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements of the value that is cut: the parameter's, or its packed bytes with a codec."""
+        return self.numel if self.codec is None else self.codec.nbytes
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The gathered value's dtype (with a codec, not the stored bytes' ``dtype``)."""
+        return self.dtype if self.codec is None else self.codec.dtype
 
     @property
     def secondary_shard(self) -> int:
@@ -157,8 +180,9 @@ class ParamShard:
         return self.local.device if self.local is not None else self.param.device
 
     def owned_range(self) -> tuple[int, int]:
-        lo = min(self.rank * self.shard, self.numel)
-        return lo, min(lo + self.shard, self.numel)
+        n = self.stored_numel
+        lo = min(self.rank * self.shard, n)
+        return lo, min(lo + self.shard, n)
 
     def _expect(self, *states: ShardState, action: str) -> None:
         if self.state not in states:
@@ -173,19 +197,24 @@ class ParamShard:
         if self.persistent or self.local is not None:
             raise RuntimeError("parameter is persistent or already partitioned")
         p = self.param
-        self.local = torch.zeros(self.shard, dtype=p.dtype, device=p.device)
+        self.local = torch.zeros(self.shard, dtype=p.dtype if self.codec is None else torch.uint8, device=p.device)
         self.refresh_local()
         self._free()
 
     @torch.no_grad()
     def refresh_local(self) -> None:
         """Copy this rank's slice of the (gathered) full value into the local shard."""
-        if self.local is None:
-            return
+        if self.local is not None:
+            self.write_full(self.param.data)
+
+    @torch.no_grad()
+    def write_full(self, value: torch.Tensor) -> None:
+        """Set the shard to this rank's slice of the full value ``value`` (encoded first with a codec)."""
         lo, hi = self.owned_range()
+        full = value.reshape(-1) if self.codec is None else self.codec.encode(value)
         values = torch.zeros(self.shard, dtype=self.dtype, device=self.device)
         if hi > lo:
-            values[: hi - lo].copy_(self.param.data.reshape(-1)[lo:hi])
+            values[: hi - lo].copy_(full[lo:hi])
         self.write_local(values)
 
     @torch.no_grad()
@@ -235,8 +264,8 @@ class ParamShard:
     def full_buffer(self) -> torch.Tensor:
         """Where the next gather writes the full value (the previous buffer, storage grown back)."""
         buf = self._full
-        if buf is None or buf.dtype != self.dtype or buf.device != self.device:
-            self._full = empty_buffer(self.numel, self.dtype, self.device)
+        if buf is None or buf.dtype != self.value_dtype or buf.device != self.device:
+            self._full = empty_buffer(self.numel, self.value_dtype, self.device)
             return self._full
         if buf.untyped_storage().nbytes() == 0:
             buf.untyped_storage().resize_(self.numel * buf.element_size())
@@ -259,7 +288,7 @@ class ParamShard:
             self._full.untyped_storage().resize_(0)
 
     def _free(self) -> None:
-        if self.hpz is not None and self.secondary is None and self.state is ShardState.GATHERED \
+        if self.hpz is not None and self.codec is None and self.secondary is None and self.state is ShardState.GATHERED \
                 and self.param.data.numel() == self.numel:
             self._cut_secondary()
         if self._full is not None and self.param.data.untyped_storage() is not None and \
@@ -270,7 +299,12 @@ class ParamShard:
         self.state = ShardState.SHARDED
 
     def cast_(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Move/cast the stored value (shard, or full data when persistent or gathered)."""
+        """Move/cast the stored value (shard, or full data when persistent or gathered); with a codec the packed
+        bytes only move, and later gathers decode to ``dtype``."""
+        value_dtype = dtype
+        if self.codec is not None:
+            self.codec.dtype = dtype
+            dtype = self.dtype
         if self.local is not None and self.home is not None and (self.dtype != dtype or self.device != device):
             with self.loaded() as local:
                 values = local.to(device=device, dtype=dtype)
@@ -281,8 +315,8 @@ class ParamShard:
         if self.secondary is not None:
             self.secondary = self.secondary.to(device=device, dtype=dtype)
         p = self.param
-        if p.dtype != dtype or p.device != device:
-            p.data = p.data.to(device=device, dtype=dtype)
+        if p.dtype != value_dtype or p.device != device:
+            p.data = p.data.to(device=device, dtype=value_dtype)
 
     def local_bytes(self) -> int:
         """Bytes this rank keeps for the parameter between uses (hpZ: with its secondary partition)."""
@@ -347,9 +381,10 @@ class GatherOp:
         self.fulls: list[torch.Tensor] | None = None
         self.out: torch.Tensor | None = None
         self.send: torch.Tensor | None = None
-        if first.fetch_all_reduce and not quantize and not secondary and len(self.shards) > 1:
+        exact = first.codec is None  # packed bytes (quantized_initialization) travel as they are, then decode
+        if first.fetch_all_reduce and exact and not quantize and not secondary and len(self.shards) > 1:
             self._gather_all_reduce(parts, group, async_op)  # DeepSpeed: coalesced, exact, primary gathers only
-        elif not quantize and not secondary and all(s.home is None for s in self.shards) and first.levels is None \
+        elif exact and not quantize and not secondary and all(s.home is None for s in self.shards) and first.levels is None \
                 and comm.gathers_in_place(first.local, group):  # type: ignore[arg-type]
             self._gather_in_place(group, async_op)
         else:
@@ -426,7 +461,12 @@ class GatherOp:
                 continue
             full = s.full_buffer()
             with torch.autograd._unsafe_preserve_version_counter(full):
-                gather_from(out2d, col, width, full)
+                if s.codec is None:
+                    gather_from(out2d, col, width, full)
+                else:
+                    packed = torch.empty(s.stored_numel, dtype=s.dtype, device=s.device)
+                    gather_from(out2d, col, width, packed)
+                    s.codec.decode(packed, full)
             s.set_full(full)
             s.full_exact = not self.quantize
         self.out = None
@@ -474,7 +514,7 @@ def start_gather(shards: Iterable[ParamShard], async_op: bool, quantize: bool = 
     for s in shards:
         if s.state is ShardState.SHARDED and id(s) not in seen:
             seen.add(id(s))
-            lossy = quantize and s.quantize_gather
+            lossy = bool(quantize and s.quantize_gather and s.codec is None)  # packed codes are not re-quantized
             # hpZ: an exact gather (GatheredParameters, exports, no qwZ) never reads a secondary cut from a
             # dequantised value
             secondary = s.secondary is not None and (lossy or s.secondary_exact)

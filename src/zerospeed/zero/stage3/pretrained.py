@@ -3,7 +3,8 @@
 The model is built under ``zero.Init`` (already partitioned). For each parameter this rank reads from the
 safetensors file(s) just the rows covering its owned flat range, and writes that range into its shard (or
 the shard's offload home); persistent (whole) parameters and buffers are read whole. No rank ever holds a
-full copy of the model, and no collective runs. A tensor missing from the files, an unexpected one (with
+full copy of the model, and no collective runs (a ``quantized_initialization`` weight is read whole and
+encoded: its packed bytes are cut, not its elements). A tensor missing from the files, an unexpected one (with
 ``strict``), or a shape mismatch is an error naming it.
 """
 
@@ -91,7 +92,11 @@ def load_pretrained_shards(module: nn.Module, path: str, strict: bool = True) ->
             file_shape = tuple(h.get_slice(name).get_shape())
             if file_shape != full_shape:
                 raise ValueError(f"{name}: the file holds shape {file_shape}, the model {full_shape}")
-            if shard is None or shard.local is None:  # whole (not partitioned, or persistent)
+            if shard is not None and shard.codec is not None:  # quantized_initialization: encode the whole value
+                value = h.get_tensor(name)
+                shard.write_full(value)
+                stats.elements_read += value.numel()
+            elif shard is None or shard.local is None:  # whole (not partitioned, or persistent)
                 value = h.get_tensor(name)
                 t.data.copy_(value.to(t.dtype))
                 stats.elements_read += value.numel()
