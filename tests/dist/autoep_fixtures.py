@@ -6,28 +6,50 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM  # before the fork
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,  # before the fork
+                          DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 VOCAB, SEQ = 64, 8
 
 
-def tiny_moe(family: str, seed: int = 0) -> nn.Module:
-    """A 2-layer Mixtral or Qwen2-MoE (4 experts, top-2) whose loss includes the load-balancing loss."""
+def tiny_moe(family: str, seed: int = 0, **extra: Any) -> nn.Module:
+    """A 2-layer Mixtral or Qwen2-MoE (4 experts, top-2) whose loss includes the load-balancing loss, or a
+    DeepSeek-V2 / V3 (4 routed experts in 2 groups, 1 group chosen per token, a shared expert, routed scaling 1.5;
+    HF's DeepSeek models have no auxiliary loss); ``extra`` overrides config fields."""
     common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                   num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
                                   output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False)
     torch.manual_seed(seed)
     if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=12, num_local_experts=4, **common))
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=12, num_local_experts=4, **common, **extra))
+    elif family.startswith("deepseek"):
+        model = _tiny_deepseek(family, common, extra)
     else:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(moe_intermediate_size=12, shared_expert_intermediate_size=8,
                                                    num_experts=4, intermediate_size=12, norm_topk_prob=False,
-                                                   **common))
+                                                   **common, **extra))
     with torch.no_grad():  # routers spread wider than HF's init, so top-2 choices are not near-ties
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return model.float()
+
+
+def _tiny_deepseek(family: str, common: dict[str, Any], extra: dict[str, Any]) -> nn.Module:
+    """Multi-head latent attention at its smallest; every layer MoE; V3's score-correction bias set (a buffer that
+    only steers the choice of experts), so the test sees it."""
+    kw = {k: v for k, v in common.items() if k not in ("output_router_logits", "router_aux_loss_coef")}
+    kw.update(moe_intermediate_size=12, intermediate_size=12, n_routed_experts=4, n_shared_experts=1,
+              first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+              v_head_dim=4, n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    if family == "deepseek_v2":
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**{"topk_method": "group_limited_greedy", **kw, **extra}))
+    else:
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{"norm_topk_prob": True, **kw, **extra}))
+        g = torch.Generator().manual_seed(5)
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(4, generator=g))
+    return model
 
 
 def batch(step: int, rank: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,12 +78,15 @@ def test_config_keys() -> None:
         load_config({"train_batch_size": 1, "expert_parallel": {"autoep_sise": 2}})
     with pytest.raises(ConfigError, match="unknown preset_model"):
         load_config({"train_batch_size": 1, "expert_parallel": {"preset_model": "llama"}})
-    with pytest.raises(NotSupportedYetError, match="score_func"):  # AutoEP keeps the HF router's own routing
-        load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "score_func": "sigmoid"}})
+    cfg = load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "score_func": "sigmoid",
+                                                                 "num_expert_groups": 2, "num_limited_groups": 1}})
+    assert (cfg.expert_parallel.score_func, cfg.expert_parallel.num_limited_groups) == ("sigmoid", 1)
+    with pytest.raises(ConfigError, match="num_expert_groups"):
+        load_config({"train_batch_size": 1, "expert_parallel": {"num_expert_groups": 0}})
 
 
-def _hf_and_auto(family: str, **section) -> tuple[nn.Module, nn.Module]:
-    plain, auto = tiny_moe(family), tiny_moe(family)
+def _hf_and_auto(family: str, model: dict | None = None, **section) -> tuple[nn.Module, nn.Module]:
+    plain, auto = tiny_moe(family, **(model or {})), tiny_moe(family, **(model or {}))
     autoep_model(ExpertParallelConfig(enabled=True, **section), auto)
     return plain, auto
 
@@ -137,7 +140,83 @@ def test_routing_keys_the_model_cannot_honour_are_refused() -> None:
         _hf_and_auto("mixtral", top_k=5)
     with pytest.raises(ConfigError, match="top_k must be >= 1"):
         load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "top_k": 0}})
-    for key, value in (("num_expert_groups", 2), ("combine_impl", "legacy_bmm"), ("load_balance_coeff", 0.001)):
+    for key, value in (("combine_impl", "legacy_bmm"), ("load_balance_coeff", 0.001)):
         with pytest.raises(NotSupportedYetError, match=key):
             load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, key: value}})
     load_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "combine_impl": "weighted_sum"}})
+    with pytest.raises(NotSupportedYetError, match="scores with softmax"):  # the kept router's own score function
+        _hf_and_auto("mixtral", score_func="sigmoid")
+    with pytest.raises(NotSupportedYetError, match="scores with sigmoid"):
+        _hf_and_auto("deepseek_v3", score_func="softmax")
+    _hf_and_auto("deepseek_v3", score_func="sigmoid")
+    with pytest.raises(NotSupportedYetError, match="has no group limit"):
+        _hf_and_auto("qwen2_moe", num_expert_groups=2)
+    with pytest.raises(NotSupportedYetError, match="topk_method 'greedy'"):
+        _hf_and_auto("deepseek_v2", num_limited_groups=1, model={"topk_method": "greedy"})
+    with pytest.raises(ConfigError, match="3 does not divide the 4 experts"):
+        _hf_and_auto("deepseek_v3", num_expert_groups=3)
+    with pytest.raises(ConfigError, match="between 1 and the 2 expert groups"):
+        _hf_and_auto("deepseek_v3", num_limited_groups=3)
+    with pytest.raises(ConfigError, match="expert per group"):  # V3 scores a group by its top-2
+        _hf_and_auto("deepseek_v3", num_expert_groups=4, num_limited_groups=2)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_blocks_are_found_and_keep_the_hf_loss(family: str) -> None:
+    plain, auto = tiny_moe(family), tiny_moe(family)
+    specs = autoep_model(ExpertParallelConfig(enabled=True, preset_model=family), auto)
+    assert [s.name for s in specs] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert isinstance(auto.model.layers[0].mlp.experts, AutoEPExperts)
+    _same_loss_and_grads(plain, auto)  # shared experts, group limit, scaling (and V3's bias) kept
+
+
+def _deepspeed_route(logits, k, score, groups, limited, group_score, norm, scale, bias=None):
+    """DeepSpeed master's TokenChoiceTopKRouter (deepspeed/moe/ep_router.py), written from its formula."""
+    s = logits.float().sigmoid() if score == "sigmoid" else logits.float().softmax(-1)
+    choice = s if bias is None else s + bias
+    grouped = choice.view(len(s), groups, -1)
+    g = grouped.max(-1).values if group_score == "max" else grouped.topk(2, dim=-1)[0].sum(-1)
+    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(limited, dim=-1)[1], True)
+    idx = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(len(s), -1).topk(k, dim=-1)[1]
+    w = s.gather(1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) if norm else w
+    return idx, w * scale
+
+
+def _sorted(idx, w):
+    order = idx.argsort(-1)
+    return idx.gather(1, order), w.gather(1, order)
+
+
+@pytest.mark.parametrize("family,section,ds", [
+    ("deepseek_v3", {}, ("sigmoid", 2, 1, "top2_sum", True, 1.5)),
+    ("deepseek_v3", {"num_limited_groups": 2, "route_norm": False, "routed_scaling_factor": 2.5},
+     ("sigmoid", 2, 2, "top2_sum", False, 2.5)),
+    ("deepseek_v2", {}, ("softmax", 2, 1, "max", False, 1.5)),
+    ("deepseek_v2", {"route_norm": True, "num_expert_groups": 4, "num_limited_groups": 2},
+     ("softmax", 4, 2, "max", True, 1.5))])
+def test_deepseek_routing_keys_are_deepspeeds_formula(family: str, section: dict, ds: tuple) -> None:
+    """The kept HF router (plus AutoEP's adjustment) routes as DeepSpeed's router with its DeepSeek preset (V2:
+    group score max, no norm; V3: sigmoid, score-correction bias, top-2-sum group score) and these keys."""
+    model = tiny_moe(family)
+    autoep_model(ExpertParallelConfig(enabled=True, **section), model)
+    block = model.model.layers[1].mlp
+    h = torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
+    logits, w, idx = block.gate(h)
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    want_idx, want_w = _sorted(*_deepspeed_route(logits, 2, *ds, bias=bias))
+    got_idx, got_w = _sorted(idx, block.experts.routing.weights(w))
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+    if ds[2] < ds[1] and 4 // ds[1] > 1:  # a real limit (one expert per group, scored by its max, is none)
+        free_idx, _ = _sorted(*_deepspeed_route(logits, 2, ds[0], 1, 1, "max", False, 1.0, bias))
+        assert not torch.equal(free_idx, want_idx)  # the group limit changed some choices
+
+
+def test_deepseek_group_keys_equal_the_hf_model_built_with_them() -> None:
+    """num_limited_groups 1 on a V3 built with topk_group 2 = HF's V3 built with topk_group 1 (loss, gradients)."""
+    plain, auto = _hf_and_auto("deepseek_v3", model={"topk_group": 2}, num_limited_groups=1)
+    limited = tiny_moe("deepseek_v3", topk_group=1)
+    _same_loss_and_grads(limited, auto)
+    with torch.no_grad():
+        assert abs(float(loss_of(plain, *batch(0, 0, 2))) - float(loss_of(limited, *batch(0, 0, 2)))) > 1e-5

@@ -2,19 +2,20 @@
 
 DeepSpeed's keys (master, 2026). zerospeed keeps the model's own router module and MoE block forward, and
 replaces only the experts' computation (``parallel/expert/auto/``). ``top_k``, ``route_norm``, ``route_scale``,
-``routed_scaling_factor`` and ``score_apply`` are applied to the HF router (``auto/routing.py``); the routing
-keys that need a router of another kind are honoured at their defaults and any other value is refused as "not
-supported yet" (``unsupported.AUTOEP_ROUTING_KEYS``); the keys below are read:
+``routed_scaling_factor``, ``score_apply``, ``score_func``, ``num_expert_groups`` and ``num_limited_groups`` are
+applied to (or checked against) the HF router (``auto/routing.py``, ``auto/hf_router.py``); the keys below are
+read (``combine_impl: legacy_bmm``, ``load_balance_coeff`` and ``expert_tensor_parallel_size`` > 1 are refused as
+"not supported yet": ``unsupported.AUTOEP_ROUTING_KEYS``):
 
 * ``enabled``, ``autoep_size`` (the expert-parallel degree; 1 keeps every expert local, no all-to-all);
-* detection: ``preset_model`` (``mixtral``, ``qwen2_moe``, ``qwen3_moe``), ``moe_layer_pattern`` (a regex
+* detection: ``preset_model`` (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``), ``moe_layer_pattern`` (a regex
   over module names), ``router_pattern`` / ``expert_pattern`` (child names), ``expert_w1`` / ``expert_w2`` /
   ``expert_w3`` (the experts' 3-D weights; ``expert_w3: null`` = gate and up fused in ``expert_w1``),
   ``num_experts_attr`` (a hint: the count comes from the weights); user values take precedence over the
   structural detection;
 * routing (``auto/routing.py``): ``top_k`` (with ``top_k_attr``, the model attribute HF's load-balancing loss
   reads, default ``num_experts_per_tok``), ``route_norm``, ``route_scale``, ``routed_scaling_factor``,
-  ``score_apply``; ``validate_folding_routing`` (AutoEP + AutoTP: compare the tensor ranks' routes);
+  ``score_apply``, ``score_func``, ``num_expert_groups``, ``num_limited_groups``; ``validate_folding_routing`` (AutoEP + AutoTP: compare the tensor ranks' routes);
 * compute: ``use_grouped_mm`` (``torch._grouped_mm`` where it runs, a per-expert loop otherwise);
   ``disable_triton_grouped_mm`` is a hint (zerospeed has no Triton kernel).
 """
@@ -27,7 +28,7 @@ from pydantic import Field, field_validator
 
 from .base import Section
 
-PRESETS = ("mixtral", "qwen2_moe", "qwen3_moe")
+PRESETS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 class ExpertParallelConfig(Section):
@@ -48,9 +49,12 @@ class ExpertParallelConfig(Section):
     route_scale: float = 1.0
     score_apply: Literal["auto", "pre", "post"] = "auto"
     combine_impl: Literal["auto", "weighted_sum", "legacy_bmm"] = "auto"
-    num_expert_groups: int | None = None
-    num_limited_groups: int | None = None
+    num_expert_groups: int | None = Field(None, ge=1)
+    """Group-limited routing (DeepSeek-V2/V3 routers: their ``n_group``); refused on a router without groups."""
+    num_limited_groups: int | None = Field(None, ge=1)
+    """Groups each token may use (the router's ``topk_group``)."""
     score_func: Literal["auto", "softmax", "sigmoid"] = "auto"
+    """Must be the kept router's own (sigmoid for DeepSeek-V3, softmax for the others); another is refused."""
     top_k: int | Literal["auto"] = "auto"
     load_balance_coeff: float | None = None
     routed_scaling_factor: float | Literal["auto"] = "auto"

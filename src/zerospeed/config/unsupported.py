@@ -47,19 +47,15 @@ for _k in DEEPCOMPILE_KEYS:
     NOT_SUPPORTED_YET[f"compile.{_k}"] = _DEEPCOMPILE_FEATURES[_k]
 
 # AutoEP keeps the HF model's own router (parallel/expert/auto/): route_norm, route_scale, routed_scaling_factor,
-# top_k and score_apply are applied to its output (auto/routing.py); these need a router of another kind, or are
-# refused by DeepSpeed too, and are accepted at their defaults only.
+# top_k, score_apply, score_func and the group keys are applied to it or checked against it (auto/routing.py,
+# auto/hf_router.py, which refuse what the model's router cannot do); these are refused by DeepSpeed too, or are
+# a debug order, and are accepted at their defaults only.
 AUTOEP_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
-    "combine_impl": (None, "auto", "weighted_sum"), "num_expert_groups": (None,), "num_limited_groups": (None,),
-    "score_func": (None, "auto"), "load_balance_coeff": (None,), "expert_tensor_parallel_size": (None, 1),
+    "combine_impl": (None, "auto", "weighted_sum"), "load_balance_coeff": (None,),
+    "expert_tensor_parallel_size": (None, 1),
 }
 _AUTOEP_REASONS = {
     "combine_impl": "combine_impl 'legacy_bmm' (DeepSpeed's debug reduction order; zerospeed's is 'weighted_sum')",
-    "num_expert_groups": "group-limited routing (num_expert_groups): AutoEP keeps the HF router, which has no "
-                         "group limit",
-    "num_limited_groups": "group-limited routing (num_limited_groups): AutoEP keeps the HF router, which has no "
-                          "group limit",
-    "score_func": "a score function other than the HF router's own (score_func): AutoEP keeps the HF router",
     "load_balance_coeff": "AutoEP's auxiliary-loss-free load balancing (load_balance_coeff; DeepSpeed refuses it too)",
     "expert_tensor_parallel_size": "AutoEP expert tensor parallelism (expert_tensor_parallel_size > 1; DeepSpeed "
                                    "refuses it too)",

@@ -8,8 +8,8 @@ An MoE block is a module with two children: a *router* holding a 2-D ``weight`` 
     experts.<w2>   [E, H, I]    down projection
     experts.act_fn              the activation between them (SiLU for Mixtral / Qwen-MoE)
 
-so ``y_e(x) = (act(x W1g^T) * x W1u^T) W2^T``. Mixtral, Qwen2-MoE and Qwen3-MoE (transformers 5) all have
-this shape under the names ``gate`` / ``experts`` / ``gate_up_proj`` / ``down_proj``. User keys of the
+so ``y_e(x) = (act(x W1g^T) * x W1u^T) W2^T``. Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3
+(transformers 5; DeepSeek's dense first layers have no router and are skipped) all have this shape under the names ``gate`` / ``experts`` / ``gate_up_proj`` / ``down_proj``. User keys of the
 ``expert_parallel`` section (``moe_layer_pattern``, ``router_pattern``, ``expert_pattern``, ``expert_w1`` ...)
 take precedence over these defaults; a preset only fixes the defaults for its family.
 """
@@ -26,7 +26,8 @@ from ....config.expert_parallel import ExpertParallelConfig
 
 _DEFAULTS = {"router": "gate", "experts": "experts", "w1": "gate_up_proj", "w2": "down_proj", "w3": None}
 _PRESET_LAYER = {"mixtral": r"(.*\.)?layers\.\d+\.mlp", "qwen2_moe": r"(.*\.)?layers\.\d+\.mlp",
-                 "qwen3_moe": r"(.*\.)?layers\.\d+\.mlp"}
+                 "qwen3_moe": r"(.*\.)?layers\.\d+\.mlp", "deepseek_v2": r"(.*\.)?layers\.\d+\.mlp",
+                 "deepseek_v3": r"(.*\.)?layers\.\d+\.mlp"}
 
 
 @dataclass(frozen=True)
