@@ -20,8 +20,9 @@ exactly its output length). Contenders:
 * ``zerospeed-ngram``: the same with prompt-lookup speculative decoding (``--spec-tokens`` drafts per step);
   single-stream decode: ``--requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-ngram``.
 * ``zerospeed-draft``: the same with a draft model (``--spec-tokens`` drafts per step). With ``--model zs-corpus``
-  the target is a 6-layer zerospeed GPT and the draft a 2-layer one, both trained for ``--train-steps`` steps
-  on the bundled corpus (same seed), and the prompts are corpus text:
+  the target is a zerospeed GPT of ``--target-shape`` (LAYERSxWIDTH, default 6x128) and the draft one of
+  ``--draft-shape`` (default 2x128), both trained ``--train-steps`` steps on the bundled corpus and cached
+  (``serving_models.py``), and the prompts are corpus text; ``--temperature T`` samples (exact rejection rule):
   ``--model zs-corpus --requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-draft``.
 * ``hf-static``: Hugging Face ``generate`` on static batches of ``--static-batch`` requests in arrival order
   (left-padded; a batch starts when its last request has arrived and the previous batch is done, and runs to
