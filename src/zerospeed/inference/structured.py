@@ -5,7 +5,9 @@ Requests ask for structure the OpenAI way (``response_format``: ``json_object`` 
 ``outlines_core.json_schema.build_regex_from_schema``), compiled once per expression against the model's
 vocabulary into an ``outlines_core.Index`` (cached). Each request walks its own ``Guide``: before every token the
 logits of the tokens the guide does not allow are set to ``-inf``; the chosen token advances the guide; the
-request ends ("stop") when the guide is finished. The vocabulary is the tokens' bytes: the byte tokenizer's
+request ends ("stop") when the guide is finished. ``json_object`` is any object nested up to
+``JSON_OBJECT_DEPTH`` levels (a bounded-depth regex; outlines-core compiles it in seconds, so compiled indexes
+are also kept on disk per vocabulary, see ``index_cache_dir``). The vocabulary is the tokens' bytes: the byte tokenizer's
 256 bytes, or a Hugging Face tokenizer's tokens decoded from byte-level BPE (GPT-2, Llama 3) or SentencePiece
 (``▁`` = space, ``<0xNN>`` byte fallback). Why outlines-core: it installs here as a wheel, is maintained, and is
 what vLLM and TGI use for this; xgrammar also exists but needs a tokenizer-info build we do not have for the
