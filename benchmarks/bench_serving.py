@@ -20,8 +20,9 @@ exactly its output length). Contenders:
 * ``zerospeed-ngram``: the same with prompt-lookup speculative decoding (``--spec-tokens`` drafts per step);
   single-stream decode: ``--requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-ngram``.
 * ``zerospeed-draft``: the same with a draft model (``--spec-tokens`` drafts per step). With ``--model zs-corpus``
-  the target is a 6-layer zerospeed GPT and the draft a 2-layer one, both trained for ``--train-steps`` steps
-  on the bundled corpus (same seed), and the prompts are corpus text:
+  the target is a zerospeed GPT of ``--target-shape`` (LAYERSxWIDTH, default 6x128) and the draft one of
+  ``--draft-shape`` (default 2x128), both trained ``--train-steps`` steps on the bundled corpus and cached
+  (``serving_models.py``), and the prompts are corpus text; ``--temperature T`` samples (exact rejection rule):
   ``--model zs-corpus --requests 1 --prompt 64 64 --output 256 256 --contenders zerospeed zerospeed-draft``.
 * ``hf-static``: Hugging Face ``generate`` on static batches of ``--static-batch`` requests in arrival order
   (left-padded; a batch starts when its last request has arrived and the previous batch is done, and runs to
@@ -44,36 +45,18 @@ import time
 
 import torch
 
+from serving_models import corpus_model
+
 V = 1024
 SPEC_STATS: dict = {}
 
 
-def train_on_corpus(n_layer: int, steps: int) -> torch.nn.Module:
-    """A zerospeed GPT (bytes, d 128) trained ``steps`` steps on the bundled corpus (batch 16 x 128, AdamW)."""
-    from zerospeed.data import load_corpus
-    from zerospeed.models.gpt import GPT, GPTConfig
-
-    data = torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8).long()
-    model = GPT(GPTConfig(block_size=1024, n_layer=n_layer, n_head=4, n_embd=128), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        at = torch.randint(0, data.numel() - 129, (16,), generator=g)
-        x = torch.stack([data[i:i + 129] for i in at.tolist()])
-        loss = model(x[:, :-1], x[:, 1:])[1]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    print(f"# trained a {n_layer}-layer GPT for {steps} steps on the corpus: last loss {loss.item():.3f}")
-    return model.eval()
-
-
-def build(kind: str, train_steps: int = 300) -> torch.nn.Module:
+def build(kind: str, train_steps: int = 300, target_shape: str = "6x128") -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
     if kind == "zs-corpus":
-        return train_on_corpus(6, train_steps)
+        return corpus_model(target_shape, train_steps)
     if kind == "zs-loop":  # zerospeed's GPT (bytes): its greedy text falls into loops (zerospeed contenders only)
         from zerospeed.models.gpt import GPT, GPTConfig
 
@@ -129,7 +112,8 @@ def run_zerospeed(model, reqs, args, prefix_caching=False, speculative=None):
     while nxt < len(reqs) or eng.has_work:
         now = time.perf_counter() - t0
         while nxt < len(reqs) and reqs[nxt][0] <= now:
-            uid = eng.add_request(reqs[nxt][1], SamplingParams(max_tokens=reqs[nxt][2]))
+            uid = eng.add_request(reqs[nxt][1], SamplingParams(max_tokens=reqs[nxt][2], temperature=args.temperature,
+                                                               seed=nxt if args.temperature else None))
             uid_of[uid], times[nxt], tokens[nxt] = nxt, [], []
             nxt += 1
         if not eng.has_work:
@@ -241,10 +225,14 @@ def main() -> None:
                     help="prompts repeat a pattern of this many tokens (a repetitive prompt for n-gram drafting)")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request shares")
     ap.add_argument("--train-steps", type=int, default=300, help="zs-corpus: training steps of target and draft")
+    ap.add_argument("--target-shape", default="6x128", help="zs-corpus: the target's LAYERSxWIDTH")
+    ap.add_argument("--draft-shape", default="2x128", help="zs-corpus: the draft's LAYERSxWIDTH")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="zerospeed contenders: sampling temperature (seed = request index; 0: greedy)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args.model, args.train_steps)
-    draft = train_on_corpus(2, args.train_steps) if "zerospeed-draft" in args.contenders else None
+    model = build(args.model, args.train_steps, args.target_shape)
+    draft = corpus_model(args.draft_shape, args.train_steps) if "zerospeed-draft" in args.contenders else None
     reqs = workload(args.requests, args.rate, tuple(args.prompt), tuple(args.output), args.seed,
                     args.shared_prefix)
     if args.model == "zs-loop":  # a byte vocabulary

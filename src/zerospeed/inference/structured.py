@@ -5,7 +5,9 @@ Requests ask for structure the OpenAI way (``response_format``: ``json_object`` 
 ``outlines_core.json_schema.build_regex_from_schema``), compiled once per expression against the model's
 vocabulary into an ``outlines_core.Index`` (cached). Each request walks its own ``Guide``: before every token the
 logits of the tokens the guide does not allow are set to ``-inf``; the chosen token advances the guide; the
-request ends ("stop") when the guide is finished. The vocabulary is the tokens' bytes: the byte tokenizer's
+request ends ("stop") when the guide is finished. ``json_object`` is any object nested up to
+``JSON_OBJECT_DEPTH`` levels (a bounded-depth regex; outlines-core compiles it in seconds, so compiled indexes
+are also kept on disk per vocabulary, see ``index_cache_dir``). The vocabulary is the tokens' bytes: the byte tokenizer's
 256 bytes, or a Hugging Face tokenizer's tokens decoded from byte-level BPE (GPT-2, Llama 3) or SentencePiece
 (``▁`` = space, ``<0xNN>`` byte fallback). Why outlines-core: it installs here as a wheel, is maintained, and is
 what vLLM and TGI use for this; xgrammar also exists but needs a tokenizer-info build we do not have for the
@@ -14,8 +16,11 @@ byte tokenizer.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +28,38 @@ import torch
 __all__ = ["GuideSpec", "StructuredOutput", "mask_logits", "regex_for"]
 
 _SPECIAL_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-# json_object: an object of scalar values. outlines-core's regex for *any* JSON value nests deeply and took
-# 26 s to compile for a 256-token vocabulary here; nested objects need response_format json_schema.
-_ANY_FLAT_OBJECT = {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean", "null"]}}
+# json_object: any JSON object nested at most JSON_OBJECT_DEPTH levels (objects and arrays inside it). The
+# regex grows 4x per level (a list item appears twice, objects and arrays both nest) and outlines-core's
+# determinisation with it: depth 2 compiles in ~0.2 s, depth 3 in ~8 s on this CPU (load 2-13), whatever the
+# vocabulary; so compiled indexes are kept on disk per vocabulary (``index_cache_dir``).
+JSON_OBJECT_DEPTH = 3
+
+
+def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
+    """Any JSON object whose values nest objects / arrays at most ``depth`` levels deep (outlines' tokens)."""
+    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE as WS
+
+    if depth < 1:
+        raise ValueError(f"a JSON object has depth >= 1, got {depth}")
+    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
+
+    def obj(v: str) -> str:
+        member = f"{STRING}{WS}:{WS}{v}"
+        return rf"\{{{WS}({member}({WS},{WS}{member})*)?{WS}\}}"
+
+    value = scalar
+    for _ in range(depth - 1):
+        value = f"({scalar}|{obj(value)}|\\[{WS}({value}({WS},{WS}{value})*)?{WS}\\])"
+    return obj(value)
+
+
+def index_cache_dir() -> Path | None:
+    """Where compiled indexes are kept: ``$ZEROSPEED_STRUCTURED_CACHE`` ("" turns it off), else
+    ``~/.cache/zerospeed/structured``."""
+    env = os.environ.get("ZEROSPEED_STRUCTURED_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    return Path.home() / ".cache" / "zerospeed" / "structured"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -44,8 +78,9 @@ def regex_for(kind: str, spec: Any) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     if kind == "json":
-        schema = _ANY_FLAT_OBJECT if spec is None else spec
-        return build_regex_from_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        if spec is None:
+            return json_object_regex()
+        return build_regex_from_schema(spec if isinstance(spec, str) else json.dumps(spec))
     if kind == "regex":
         return str(spec)
     if kind == "choice":
@@ -79,6 +114,7 @@ class StructuredOutput:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = eos_token_ids[0] if eos_token_ids else vocab_size  # a virtual eos past the vocabulary
         self._vocab: Any = None
+        self._vocab_key = ""
         self._indexes: dict[str, Any] = {}
 
     def _token_bytes(self) -> dict[bytes, list[int]]:
@@ -111,12 +147,45 @@ class StructuredOutput:
 
         if regex not in self._indexes:
             if self._vocab is None:
-                self._vocab = Vocabulary(self.eos, self._token_bytes())
+                tokens = self._token_bytes()
+                self._vocab = Vocabulary(self.eos, tokens)
+                self._vocab_key = hashlib.sha256(repr((self.eos, sorted(tokens.items()))).encode()).hexdigest()
+            path = self._cache_path(regex)
+            if path is not None and path.exists():
+                self._indexes[regex] = Index.from_binary(path.read_bytes())
+                return self._indexes[regex]
             try:
                 self._indexes[regex] = Index(regex, self._vocab)
             except Exception as exc:  # noqa: BLE001 - outlines' own error types
                 raise ValueError(f"cannot build a token mask for this structure: {exc}") from None
+            if path is not None:
+                self._store(path, self._indexes[regex])
         return self._indexes[regex]
+
+    def _cache_path(self, regex: str) -> Path | None:
+        """The file of ``regex``'s index for this vocabulary and outlines-core version (None: no cache)."""
+        import importlib.metadata
+
+        root = index_cache_dir()
+        if root is None:
+            return None
+        version = importlib.metadata.version("outlines_core")
+        key = hashlib.sha256(f"{version}\0{self._vocab_key}\0{regex}".encode()).hexdigest()
+        return root / f"{key}.index"
+
+    @staticmethod
+    def _store(path: Path, index: Any) -> None:
+        """Write ``index`` (outlines-core's own binary form, not a pickle) atomically; a failure only warns."""
+        import logging
+
+        try:
+            _, (blob,) = index.__reduce__()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(bytes(blob))
+            tmp.replace(path)
+        except (OSError, TypeError, ValueError) as exc:
+            logging.getLogger("zerospeed.serve").warning("structured output: index cache not written: %s", exc)
 
 
 def mask_logits(row: torch.Tensor, guide: Any, vocab_size: int) -> torch.Tensor:
