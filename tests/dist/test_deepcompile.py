@@ -32,8 +32,10 @@ def _batch(step: int, micro: int, rank: int, world: int) -> torch.Tensor:
 
 def _config(stage: int, deep: bool) -> dict[str, Any]:
     compile_cfg: dict[str, Any] = {"deepcompile": deep}
-    if deep and stage == 3:  # DeepSpeed's keys, read: the op log, synchronisation points (no-ops on CPU)
-        compile_cfg.update(debug_log=True, passes=["z3"], sync_before_allgather=True, sync_after_reduce=True)
+    if deep and stage == 3:  # DeepSpeed's keys, read: the op log, synchronisation points (no-ops on CPU), and
+        # every saved activation freed after its last use in backward (free_activation, threshold 0)
+        compile_cfg.update(debug_log=True, passes=["z3"], sync_before_allgather=True, sync_after_reduce=True,
+                           free_activation=True, free_activation_threshold=0)
     return {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             # LayerNorms (16 elements a tensor) stay whole, the rest is partitioned; selective gather keeps
@@ -73,6 +75,7 @@ def _train(stage: int, deep: bool, compiled: bool) -> dict[str, Any]:
     graph = engine.deepcompiled.graph if engine.deepcompiled is not None else None
     out["gathers"] = None if graph is None else (graph.gathers, graph.reduces, len(graph.units), graph.prefetches)
     out["kept"] = None if graph is None else sorted(engine.deepcompiled.kept)
+    out["freed"] = None if graph is None else sum(map(len, engine.deepcompiled.freed))
     out["log"] = None if graph is None else graph.log[:graph.log.index(("reduce", 0)) + 1]  # the first micro-step
     out["state"] = {k: v.float().clone() for k, v in full_state_dict(model, group=engine.dp_group).items()}
     return out
@@ -115,6 +118,7 @@ def test_deepcompile_zero3_has_no_graph_break_and_equals_eager_and_one_process()
     gathers, reduces, units, prefetches = deep3["gathers"]
     micro_steps = STEPS * GAS
     assert units == 10 and deep3["kept"] == [units - 1]  # selective gather: the last MLP projection
+    assert deep3["freed"] > 10, deep3["freed"]  # free_activation: the backward frees the saved activations
     # forward: every unit; backward: again, but the kept one and the position table (embedding backward needs
     # no weight)
     assert gathers == micro_steps * (units + units - 2), gathers
@@ -135,13 +139,17 @@ def test_deepcompile_zero3_has_no_graph_break_and_equals_eager_and_one_process()
 def test_private_compiler_surface_is_where_deepcompile_expects_it() -> None:
     """Every private name DeepCompile uses (docs/compile.md lists them), pinned so that a PyTorch upgrade that
     moves one fails here. In this file because the harness's warm-up has loaded dynamo (no import cost)."""
-    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch.nn.utils.stateless import _reparametrize_module
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    assert callable(aot_autograd) and callable(make_boxed_func) and callable(create_selective_checkpoint_contexts)
+    assert callable(aot_autograd) and callable(create_selective_checkpoint_contexts)
+    # graph_free.ListArgsCodeGen overrides torch.fx.CodeGen.gen_fn_def (public, but its signature is what we rely on)
+    import inspect
+
+    assert list(inspect.signature(torch.fx.CodeGen.gen_fn_def).parameters)[:3] == ["self", "free_vars",
+                                                                                  "maybe_return_annotation"]
     assert CustomGraphPass.__abstractmethods__ == frozenset({"__call__", "uuid"})
     assert {"MUST_SAVE", "MUST_RECOMPUTE", "PREFER_SAVE", "PREFER_RECOMPUTE"} <= set(CheckpointPolicy.__members__)
     assert torch.ops.aten.t.default.is_view and not torch.ops.aten.mm.default.is_view

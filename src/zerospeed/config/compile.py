@@ -3,9 +3,9 @@
 In DeepSpeed every key of this section belongs to DeepCompile (``deepcompile: true``): its own graph passes
 that schedule ZeRO's gathers, releases, reductions and offloads inside the compiled graph. Without
 ``deepcompile`` DeepSpeed reads none of them and ``engine.compile()`` is plain ``torch.compile`` of the model
-(``runtime/compile.py``). With it, ``engine.compile()`` runs ``runtime/deepcompile.py``: ``passes``, ``debug_log``
-and the four ``sync_*`` keys are read there; ``double_buffer`` and ``keep_*_input_tensors`` are accepted hints
-(``hints.py``); the offload, free-activation, symmetric-memory and AutoEP keys are refused away from their
+(``runtime/compile.py``). With it, ``engine.compile()`` runs ``runtime/deepcompile.py``: ``passes``, ``debug_log``,
+``free_activation(_threshold)`` and the four ``sync_*`` keys are read there; ``double_buffer`` and ``keep_*_input_tensors`` are accepted hints
+(``hints.py``); the offload, symmetric-memory and AutoEP keys are refused away from their
 defaults (``unsupported.py``, ``DEEPCOMPILE_KEYS``). Set without ``deepcompile``, a key that DeepCompile reads
 draws a warning (it has no effect, as in DeepSpeed).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from .base import Section
 
@@ -28,7 +28,10 @@ class CompileConfig(Section):
     autoep_non_moe: bool = False
     """Compile the parents of AutoEP layers only (regional compile): not supported yet."""
     free_activation: bool = False
-    free_activation_threshold: int = 10 * 1024 * 1024
+    """Free each saved activation of at least ``free_activation_threshold`` bytes right after its last use in the
+    compiled backward (``aot_eager``; inductor frees its buffers itself)."""
+    free_activation_threshold: int = Field(10 * 1024 * 1024, ge=0)
+    """Bytes (as DeepSpeed's documentation says; its code compares elements)."""
     offload_activation: bool = False
     offload_activation_pin_memory: bool = True
     offload_opt_states: bool = False
@@ -52,7 +55,7 @@ class CompileConfig(Section):
     @model_validator(mode="after")
     def _warn_without_deepcompile(self) -> CompileConfig:
         if not self.deepcompile:
-            read = [k for k in ("debug_log", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+            read = [k for k in ("debug_log", "free_activation", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
                                 "sync_after_allgather") if getattr(self, k)] + (["passes"] if self.passes else [])
             if read:
                 warnings.warn(f"compile.{read[0]} has no effect without compile.deepcompile: true (as in DeepSpeed)",

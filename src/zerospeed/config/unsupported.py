@@ -24,16 +24,13 @@ NOT_SUPPORTED_YET: dict[str, str] = {
                                        "so never on CPU; on CUDA zerospeed has no captured decode yet)",
 }
 
-# The compile section's DeepCompile keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log
-# and the sync_* keys are built: runtime/deepcompile.py). Accepted at their defaults only, as DeepSpeed reads none
+# The compile section's DeepCompile keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log,
+# free_activation(_threshold) and the sync_* keys are built: runtime/deepcompile.py). Accepted at their defaults only, as DeepSpeed reads none
 # of them without deepcompile.
-DEEPCOMPILE_KEYS = ("autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+DEEPCOMPILE_KEYS = ("autoep_non_moe", "offload_activation",
                     "offload_activation_pin_memory", "offload_opt_states", "symmetric_memory", "offload_parameters")
 _DEEPCOMPILE_FEATURES = {
     "autoep_non_moe": "AutoEP regional compile (compile.autoep_non_moe)",
-    "free_activation": "DeepCompile's free_activation pass (explicit frees of saved activations above a threshold "
-                       "in the backward graph)",
-    "free_activation_threshold": "DeepCompile's free_activation pass (its threshold)",
     "offload_activation": "DeepCompile's offload_activation pass (saved activations to host memory)",
     "offload_activation_pin_memory": "DeepCompile's offload_activation pass (its pinned host buffers)",
     "offload_opt_states": "DeepCompile's offload_adam_states pass (optimizer states to host during forward/"
@@ -65,7 +62,6 @@ for _k in AUTOEP_ROUTING_KEYS:
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "compile.free_activation_threshold": (None, 10 * 1024 * 1024),
     "compile.offload_activation_pin_memory": (None, True),
     **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
 }

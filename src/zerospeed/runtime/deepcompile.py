@@ -35,6 +35,7 @@ class DeepCompiled:
     forward: Any = None  # zero/stage3/graph_forward.GraphForward at stage 3, else None
     passes: tuple[str, ...] = ()  # DeepSpeed's names of the passes that run
     kept: frozenset[int] = field(default_factory=frozenset)  # units selective gather keeps from forward to backward
+    freed: list[list[str]] = field(default_factory=list)  # free_activation: saved activations freed, per free call
 
 
 # DeepSpeed's pass names (``engine.compile(schedule=[(0, [names])])``); the ZeRO pass of the stage always runs
@@ -70,9 +71,13 @@ def _passes(schedule: Any, cfg: CompileConfig, stage3: bool) -> tuple[str, ...]:
 
 
 def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], window: int,
-                  debug: bool) -> tuple[Any, dict[str, Any]]:
-    """``backend`` with the ZeRO-3 graph passes on its forward and backward graphs; (backend, options)."""
+                  cfg: CompileConfig, freed: list[list[str]]) -> tuple[Any, dict[str, Any]]:
+    """``backend`` with the ZeRO-3 graph passes on its forward and backward graphs; (backend, options).
+    ``freed`` receives the names of the activations ``free_activation`` frees in each backward graph."""
+    from ..zero.stage3.graph_free import add_free_activations, boxed
     from ..zero.stage3.graph_passes import run_passes
+
+    debug = cfg.debug_log
 
     passes = tuple("release" if n == "zero3_compile" else n for n in names) + (("reduce",) if "zero3_compile" in names else ())
 
@@ -82,18 +87,29 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
             _log.info("DeepCompile passes %s changed %s; graph:\n%s", passes, done, graph)
 
     if backend == "aot_eager":
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from functorch.compile import min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
-        def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             apply(gm.graph)
-            gm.recompile()
-            return make_boxed_func(gm.forward)
+            return boxed(gm)  # the inputs die at their last use, not when the graph returns (graph_free.py)
+
+        def bw_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            apply(gm.graph)
+            if cfg.free_activation:
+                mine = add_free_activations(gm.graph, cfg.free_activation_threshold)
+                freed.extend(mine)
+                _log.info("DeepCompile free_activation: %d saved activations of >= %d bytes freed after their "
+                          "last use in backward", sum(map(len, mine)), cfg.free_activation_threshold)
+            return boxed(gm)
 
         # as torch's own aot_eager (the default partitioner fails on persistent parameters inside the checkpoint)
-        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True,
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True,
                             partition_fn=min_cut_rematerialization_partition), {}
     if backend == "inductor":
+        if cfg.free_activation:  # as in DeepSpeed (free_activation is off under inductor)
+            _log.info("DeepCompile free_activation: inductor frees each saved activation after its last use "
+                      "itself; no explicit frees are inserted")
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         class _Passes(CustomGraphPass):  # inductor's documented post-grad hook (config.post_grad_custom_post_pass)
@@ -143,13 +159,14 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     keep = frozenset(selective_units(numel_of, min(fetcher.max_live_numel, fetcher.max_reuse_numel))
                      if "selective_gather" in names else ())
     forward = GraphForward(module, graph, keep)
-    compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg.debug_log)
+    freed: list[list[str]] = []
+    compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg, freed)
     zero3.remove_module_hooks()
     forward.run = torch.compile(forward.forward, **kwargs, backend=compiled, **options)
     module._compiled_call_impl = forward  # nn.Module.__call__ runs it (as nn.Module.compile does)
     _log.info("DeepCompile at stage 3: %d units gathered in the graph, %d kept for backward, passes %s (backend=%s)",
               len(graph.units), len(keep), names, backend)
-    return DeepCompiled(graph, forward, names, keep)
+    return DeepCompiled(graph, forward, names, keep, freed)
 
 
 __all__ = ["DeepCompiled", "deep_compile", "sync_points"]
