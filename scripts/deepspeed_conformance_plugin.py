@@ -10,6 +10,12 @@ The harness patch touches DeepSpeed's ``DistributedExec`` only, never a test bod
 both modes: ranks are forked (warm imports, and the rename hook is inherited), and on a failing or hung
 rank the pool is terminated and the test fails, instead of a destroy barrier that waits on the stuck
 rank until Gloo's 30-minute timeout, or ``pytest.exit`` ending the whole run.
+
+Under DeepSpeed the C++ ops its tests JIT-build on first use (``deepspeed_shm_comm`` in every
+``init_distributed`` on CPU, ``fused_adam`` for ``"type": "Adam"``) are built once here, before any test
+(8 and 15 minutes on this loaded machine; cached in ``~/.cache/torch_extensions`` after that, a second
+each). Built inside a test, the build outlives the per-test timeout: the rank is killed mid-build and
+every later test waits on the build's lock file, which is how earlier recordings "hung".
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ if MODE == "zerospeed":
     ds_rename.install()
 else:
     import deepspeed  # noqa: F401  # the installed one, before conftest puts the checkout on sys.path
+    from deepspeed.accelerator import get_accelerator
+
+    for _builder in ("ShareMemCommBuilder", "FusedAdamBuilder"):  # JIT builds outside any test's timeout
+        _op = get_accelerator().create_op_builder(_builder)
+        if _op is not None and deepspeed.ops.__compatible_ops__.get(_op.NAME, False):
+            _op.load()
 
 _OUTCOMES: dict[str, str] = {}
 

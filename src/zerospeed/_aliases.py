@@ -126,7 +126,8 @@ ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.utils": ("zerospeed.compat.on_device",),  # deepspeed.utils.OnDevice
     # DeepSpeed's optimizer-wrapper names, for isinstance checks (nothing is one: compat/optimizer_names.py)
     "zerospeed.runtime.zero.stage_1_and_2": ("zerospeed.compat.optimizer_names",),
-    "zerospeed.runtime.zero.stage3": ("zerospeed.compat.optimizer_names",),
+    "zerospeed.runtime.zero.stage3": ("zerospeed.compat.optimizer_names",
+                                      "zerospeed.zero.stage3.unwrap"),  # unwrap_model_for_generation (TRL)
 }
 for _path, _extra in ALIAS_ADDITIONS.items():
     _base = ALIASES.get(_path, ())

@@ -244,3 +244,38 @@ def test_empty_partition_cache_releases_what_stage3_keeps_gathered(alone) -> Non
 
 def test_alone_left_no_group_and_no_launcher_variables() -> None:
     assert not zerospeed.comm.is_initialized() and "MASTER_PORT" not in os.environ
+
+
+def test_unwrap_model_for_generation_gathers_once_drops_the_hooks_and_puts_them_back(alone) -> None:
+    """Inside the block every ZeRO-3 parameter is whole and no module carries a stage-3 hook (plain forwards);
+    after it the hooks are back and training goes on exactly as without the block."""
+    from zerospeed.runtime.zero import unwrap_model_for_generation
+    from zerospeed.zero.stage3.param_store import ShardState
+
+    def hooked(model: nn.Module) -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    x = torch.randn(2, 5)
+    finals = []
+    for unwrap in (False, True):
+        model, engine = _reuse_engine(3)
+        for step in range(3):
+            if unwrap and step == 1:
+                n_hooks = hooked(model)
+                with unwrap_model_for_generation(engine) as same:
+                    assert same is engine and hooked(model) == 0
+                    assert {s.state for s in engine.zero3.shards} == {ShardState.GATHERED}
+                    assert model[0].weight.shape == (7, 5)
+                    for _ in range(2):
+                        with torch.no_grad():
+                            engine(x)
+                assert hooked(model) == n_hooks > 0
+                assert {s.state for s in engine.zero3.shards} == {ShardState.SHARDED}
+            engine.backward(engine(x).square().sum())
+            engine.step()
+        finals.append([p.ds_tensor.clone() for p in model.parameters()])
+        zerospeed.comm.destroy()
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+    plain = nn.Linear(2, 2)  # no stage 3 (a plain module, or an engine below stage 3): yielded as it is
+    with unwrap_model_for_generation(plain) as same:
+        assert same is plain

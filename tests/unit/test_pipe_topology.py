@@ -52,3 +52,11 @@ def test_bad_topologies() -> None:
         ProcessTopology(["a", "b"], [2])
     with pytest.raises(ValueError, match=">= 1"):
         ProcessTopology(["a"], [0])
+
+
+def test_prime_factors_under_deepspeeds_path_ascend_with_repeats_and_refuse_zero() -> None:
+    from zerospeed.runtime.pipe.topology import _prime_factors  # DeepSpeed's test module imports it
+
+    assert [_prime_factors(n) for n in (1, 2, 12, 29, 30)] == [[], [2], [2, 2, 3], [29], [2, 3, 5]]
+    with pytest.raises(ValueError, match="positive"):
+        _prime_factors(0)

@@ -113,19 +113,27 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
+def _prime_factors(n: int) -> list[int]:
+    """The prime factors of ``n`` in ascending order, with repeats (``12 -> [2, 2, 3]``, ``1 -> []``)."""
+    if n < 1:
+        raise ValueError(f"prime factors of a positive integer only, got {n}")
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
+
+
 def default_topology(world_size: int) -> PipeDataParallelTopology:
     """DeepSpeed's default grid: alternate prime factors of the world between pipe and data."""
     pp = dp = 1
-    n, i, p = world_size, 0, 2
-    while n > 1:
-        while n % p == 0:
-            if i % 2 == 0:
-                pp *= p
-            else:
-                dp *= p
-            n //= p
-            i += 1
-        p += 1
+    for i, p in enumerate(_prime_factors(world_size)):
+        if i % 2 == 0:
+            pp *= p
+        else:
+            dp *= p
     return PipeDataParallelTopology(num_pp=pp, num_dp=dp)
 
 

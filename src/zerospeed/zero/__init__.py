@@ -17,9 +17,10 @@ from .stage3 import (
     save_16bit_model,
     shard_of,
     synced_generate,
+    unwrap_model_for_generation,
 )
 
 __all__ = ["BucketPlan", "GatheredParameters", "GradReducer", "Init", "MiCS_Init", "ParamSlot", "PartitionPlan",
            "RanksDivergedError", "ReduceSettings", "ShardState", "ShardedGroup", "ZeroOptimizer", "any_rank_running",
            "full_state_dict", "plan_partitions", "register_external_parameter", "save_16bit_model", "shard_of",
-           "shard_size", "synced_generate"]
+           "shard_size", "synced_generate", "unwrap_model_for_generation"]

@@ -5,7 +5,7 @@ order), ``hooks`` (module hooks), ``group`` (optimizer group and reducer), ``set
 ``initialize`` calls), ``init`` (``zero.Init``; ``mics_init``: ``MiCS_Init``, refused while enabled),
 ``gathered`` (``GatheredParameters``), ``export``
 (full state dict, 16-bit safetensors), ``lockstep`` (every rank's gathers checked to be the same),
-``synced`` (generation loops of per-rank length).
+``synced`` (generation loops of per-rank length), ``unwrap`` (gathered once, hooks off, for generation).
 """
 
 from .export import full_state_dict, save_16bit_model, save_safetensors
@@ -19,9 +19,10 @@ from .sanity import ModifiedWithoutModifierError, SanityCheckError
 from .param_store import GatherOp, ParamShard, ShardState, shard_of
 from .setup import Stage3Runtime, register_external_parameter, setup_stage3
 from .synced import any_rank_running, synced_generate
+from .unwrap import unwrap_model_for_generation
 
 __all__ = ["Fetcher", "GatherOp", "GatheredParameters", "Init", "MiCS_Init", "ModifiedWithoutModifierError",
            "ParamShard", "RanksDivergedError", "SanityCheckError", "ShardState",
            "Stage3Group", "Stage3Reducer", "Stage3Runtime", "Unit", "any_rank_running", "full_state_dict",
            "register_external_parameter", "save_16bit_model", "save_safetensors", "setup_stage3", "shard_of",
-           "synced_generate"]
+           "synced_generate", "unwrap_model_for_generation"]

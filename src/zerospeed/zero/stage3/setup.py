@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -225,6 +227,7 @@ class Stage3Runtime:
         self.fetcher.lockstep = self.lockstep
         for s in self.shards:
             s.lockstep = self.lockstep
+        self.unit_of = unit_of
         self.module_hooks: list[RemovableHandle] = install(module, self.fetcher, unit_of)
         self.handles: list[RemovableHandle] = [*self.module_hooks,
                                                module.register_state_dict_pre_hook(self._check_state_dict)]
@@ -239,6 +242,17 @@ class Stage3Runtime:
             h.remove()
         self.handles = [h for h in self.handles if h not in self.module_hooks]
         self.module_hooks.clear()
+
+    @contextmanager
+    def hooks_removed(self) -> Iterator[None]:
+        """``unwrap_model_for_generation``: the module hooks off inside the block, the same ones back at exit
+        (the recorded trace is kept: they come back on the same modules)."""
+        self.remove_module_hooks()
+        try:
+            yield
+        finally:
+            self.module_hooks = install(self.module, self.fetcher, self.unit_of)
+            self.handles.extend(self.module_hooks)
 
     def _check_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if any(s.state is not ShardState.GATHERED for s in self.shards):
