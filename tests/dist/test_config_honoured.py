@@ -94,7 +94,7 @@ def _startup() -> dict:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     cfg = {"train_micro_batch_size_per_gpu": 2, "dump_state": True, "vocabulary_size": 50257,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "set_grad_none": True}},
            "zero_optimization": {"stage": 1, "contiguous_gradients": True, "memory_efficient_linear": False}}
     out = io.StringIO()
     with _capture("zerospeed.config") as lines, contextlib.redirect_stdout(out), \

@@ -26,6 +26,7 @@ BRANCH_NAMES = {"zero_stage", "stage", "offload_optimizer", "offload_param", "ep
                 "sequence_parallel_size", "tensor_parallel"}
 BRANCHES_ALLOWED: dict[str, tuple[int, str]] = {
     "accelerator/host_malloc.py": (1, "HeapTrimmer.for_device(device, zero_stage): the stage 2-3 default of the trim"),
+    "compression/runtime.py": (1, "weight_quantization.quantized_initialization refused under AutoTP (a refusal)"),
     "autotuning/memory.py": (4, "the autotuner's memory model of each stage (a planner, not the runtime)"),
     "checkpointing.py": (2, "activation checkpointing's mp_world_size (partition_activations over model parallel)"),
     "config/zero.py": (3, "config validation of the zero_optimization section's own keys"),

@@ -262,13 +262,13 @@ def _copy_group(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, "params": [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)}
 
 
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FUSED_DTYPES = (torch.float32, torch.float64)  # 16-bit masters keep torch's loop (DeepSpeed's bf16 rounding)
 
 
 def _prefer_fused(groups: list[dict[str, Any]]) -> bool | None:
     """DeepSpeed's default Adam(W) is a fused kernel (FusedAdam; its CPU build on a CPU accelerator), and
     ``torch_adam: true`` selects torch.optim's per-tensor loop. zerospeed's default is torch's own fused kernel
-    where it serves (every parameter a dense host tensor of a floating dtype): one pass over each tensor
+    where it serves (every parameter a dense fp32/fp64 host tensor): one pass over each tensor
     instead of one per elementwise op, about 4x faster per step on CPU (docs/benchmarks.md, issue 38), the
     same update to rounding (one ulp). Elsewhere torch's default (foreach on accelerators, ``_prefer_foreach``)."""
     tensors = [t for g in groups for t in g["params"]]

@@ -14,6 +14,7 @@ betas, eps, weight_decay``), as DeepSpeed's engine does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +30,7 @@ from .newton_schulz import NS_METHODS
 from .validate import parse_params
 
 PATH = "optimizer.params"
+_LOG = logging.getLogger("zerospeed.optim")
 MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 _NOT_MATRIX_NAMES = ("embed", "lm_head")
@@ -79,6 +81,11 @@ class MuonParams(Section):
 
 def parse_muon_params(params: dict[str, Any] | None) -> MuonParams:
     p = parse_params(MuonParams, params, PATH)
+    if p.torch_adam:
+        # DeepSpeed's engine pops torch_adam before it builds any optimizer, so under Muon it selects nothing;
+        # the auxiliary Adam here is MuonWithAuxAdam's own per-tensor update either way
+        _LOG.info("%s.torch_adam has no effect under Muon: the auxiliary Adam is MuonWithAuxAdam's own update "
+                  "(as in DeepSpeed, whose engine drops the key before building Muon)", PATH)
     if p.per_head_muon:
         raise NotSupportedYetError(f"{PATH}.per_head_muon", "per-head Muon is not supported yet by zerospeed")
     if p.fp32_optimizer_states is False:
