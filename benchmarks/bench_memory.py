@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from dataclasses import asdict
 from typing import Any
 
-from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
+from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, untrimmed, zerospeed_stage
 from harness import Result, run_contender, runnable_contenders
 
 from zerospeed.launcher.memory_report import gpt2s
@@ -36,16 +35,6 @@ from zerospeed.models import GPT, PRESETS
 PRESETS.setdefault("gpt2s", gpt2s)  # the GPT-2-small shape; forked ranks inherit the table
 
 BASELINES = ("torch DDP", "torch FSDP2")
-
-
-def untrimmed(c: Contender) -> Contender:
-    """``c`` with the engine's heap trimming off (``ZEROSPEED_TRIM_HEAP=0`` in its ranks), for a paired before/after."""
-
-    def make(model: Any, spec: BenchSpec) -> Any:
-        os.environ["ZEROSPEED_TRIM_HEAP"] = "0"  # a forked rank's own environment
-        return c.make(model, spec)
-
-    return Contender(f"{c.name}, no heap trim", make, c.world_size, c.threads, c.skip)
 
 
 def contenders(include_ds: bool, trim_pairs: bool = False) -> list[Contender]:

@@ -32,10 +32,10 @@ import sys
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # count devices without initialising CUDA (fork)
 
 try:  # run as ``python benchmarks/bench_peers.py`` (script dir on sys.path) or as a package module
-    from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
+    from contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, untrimmed, zerospeed_stage
     from harness import Result, run_all
 except ImportError:  # pragma: no cover
-    from benchmarks.contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, zerospeed_stage
+    from benchmarks.contenders import BenchSpec, Contender, ddp, deepspeed_stage, fsdp2, untrimmed, zerospeed_stage
     from benchmarks.harness import Result, run_all
 
 from zerospeed.models import GPT, PRESETS  # noqa: E402
@@ -44,18 +44,23 @@ BASELINE = "torch DDP"
 SIZES = ("mid", "gpt2-small")
 LOCAL = {"zero_local_grad_accumulation": True}
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+# issue 38's sweep: size -> (micro-batch, warm-up steps, timed steps), sized so one size takes minutes on 2 cores
+SWEEP = {"7m": (8, 1, 6), "27m": (8, 1, 4), "gpt2-small": (2, 1, 2), "350m": (2, 1, 2)}
 BEGIN, END = "<!-- bench_peers:begin -->", "<!-- bench_peers:end -->"
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 3e-2}  # bf16: torch autocast and zerospeed's bf16 weights round differently
 
 
-def contenders(part: str, device: str) -> list[Contender]:
-    """The contenders of one part (``gas1``: all; ``gas2``: the accumulation comparison)."""
+def contenders(part: str, device: str, trim_pairs: bool = False) -> list[Contender]:
+    """The contenders of one part (``gas1``: all; ``gas2``: the accumulation comparison); ``trim_pairs`` adds
+    zerospeed stages 2 and 3 with the heap trim off beside their default (the trade-off of issue 38)."""
     if part == "gas2":
         return [ddp(), fsdp2(reshard_after_forward=False, name="torch FSDP2 (no reshard)"),
                 deepspeed_stage(2, device), zerospeed_stage(2),
                 zerospeed_stage(2, name="zerospeed stage 2, local accumulation", extra=LOCAL)]
-    return [ddp(), fsdp2(reshard_after_forward=False, name="torch FSDP2 (no reshard)"), fsdp2(),
+    return [ddp(), *([ddp(fused=True)] if device == "cpu" else []),
+            fsdp2(reshard_after_forward=False, name="torch FSDP2 (no reshard)"), fsdp2(),
             *(deepspeed_stage(s, device) for s in range(4)), *(zerospeed_stage(s) for s in range(4)),
+            *([untrimmed(zerospeed_stage(s)) for s in (2, 3)] if trim_pairs else []),
             zerospeed_stage(2, OFFLOAD, name="zerospeed stage 2, CPU offload")]
 
 
@@ -104,7 +109,7 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; ratios are paired per round")
+    p.add_argument("--repeat", type=int, help="interleaved rounds; ratios are paired per round (3; --sweep 2)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--world", type=int, default=2)
@@ -113,10 +118,15 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="mid size only, 2 rounds of 3 timed steps (a few minutes)")
     p.add_argument("--sweep", action="store_true", help="issue 38's size sweep: 7m, 27m, gpt2-small and 350m, gas1, "
                    "2 interleaved rounds, micro-batch and steps per size (SWEEP; about 50 minutes on 2 cores)")
+    p.add_argument("--trim-pairs", action="store_true", help="add zerospeed stages 2 and 3 with the heap trim off")
     p.add_argument("--write", metavar="DOC", help="write the tables between the bench_peers markers of DOC")
     a = p.parse_args()
     if a.quick:
         a.sizes, a.repeat, a.steps = ["mid"], 2, 3
+    if a.sweep:  # --sizes narrows the sweep to some of its sizes
+        a.sizes = [s for s in a.sizes if s in SWEEP] if a.sizes != list(SIZES) else list(SWEEP)
+        a.parts = ["gas1"]
+    a.repeat = a.repeat or (2 if a.sweep else 3)
     if a.device == "cuda":
         import torch
 
@@ -134,7 +144,7 @@ def main() -> int:
             spec = BenchSpec(preset=size, micro_batch=micro, grad_accum=1 if part == "gas1" else 2,
                              world_size=a.world, warmup=warmup, steps=steps, device=a.device, dtype=a.dtype)
             print(f"== {size} {part} ==", flush=True)
-            chosen = [c for c in contenders(part, a.device)
+            chosen = [c for c in contenders(part, a.device, a.trim_pairs)
                       if a.only is None or c.name == BASELINE or any(t in c.name for t in a.only)]
             results = run_all(spec, chosen, baseline=BASELINE, repeat=a.repeat)
             text = table(spec, results)

@@ -102,17 +102,20 @@ def count_state(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
     return out
 
 
-def _adamw(params: Iterable[nn.Parameter], spec: BenchSpec) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=spec.weight_decay)
+def _adamw(params: Iterable[nn.Parameter], spec: BenchSpec, fused: bool | None = None) -> torch.optim.Optimizer:
+    """torch's AdamW: its default implementation (foreach), or its fused kernel (``fused=True``)."""
+    return torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=spec.weight_decay,
+                             fused=fused)
 
 
 class TorchTrainer:
     """Plain PyTorch: one process, DDP or FSDP2 — ``no_sync(i)`` returns the context for micro-batch i."""
 
-    def __init__(self, model: nn.Module, spec: BenchSpec, wrapped: nn.Module, no_sync: Callable[[bool], Any]):
+    def __init__(self, model: nn.Module, spec: BenchSpec, wrapped: nn.Module, no_sync: Callable[[bool], Any],
+                 fused: bool | None = None):
         self.model, self.wrapped, self.no_sync = model, wrapped, no_sync
         self.params = [p for p in wrapped.parameters()]
-        self.opt = _adamw(self.params, spec)
+        self.opt = _adamw(self.params, spec, fused)
         self.clip = spec.clip
         self.autocast = torch.autocast(spec.device, dtype=torch.bfloat16, enabled=spec.dtype == "bf16")
 
@@ -148,7 +151,7 @@ def make_single(model: nn.Module, spec: BenchSpec) -> Trainer:
     return TorchTrainer(model, spec, model, lambda _skip: nullcontext())
 
 
-def make_ddp(model: nn.Module, spec: BenchSpec) -> Trainer:
+def make_ddp(model: nn.Module, spec: BenchSpec, fused: bool | None = None) -> Trainer:
     from contextlib import nullcontext
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -156,7 +159,7 @@ def make_ddp(model: nn.Module, spec: BenchSpec) -> Trainer:
     model = _place(model, spec)
     ddp = DDP(model, gradient_as_bucket_view=True,
               device_ids=[torch.cuda.current_device()] if spec.device == "cuda" else None)
-    return TorchTrainer(model, spec, ddp, lambda skip: ddp.no_sync() if skip else nullcontext())
+    return TorchTrainer(model, spec, ddp, lambda skip: ddp.no_sync() if skip else nullcontext(), fused)
 
 
 def make_fsdp2(model: nn.Module, spec: BenchSpec, reshard_after_forward: bool = True) -> Trainer:
@@ -308,7 +311,11 @@ def single(threads: int = 1) -> Contender:
     return Contender("one process", make_single, world_size=1, threads=threads)
 
 
-def ddp() -> Contender:
+def ddp(fused: bool = False) -> Contender:
+    """torch DDP with torch's default AdamW, or (``fused``) with its fused kernel, zerospeed's default on host
+    parameters: the row that separates the optimizer kernel from the engine."""
+    if fused:
+        return Contender("torch DDP, fused AdamW", lambda m, s: make_ddp(m, s, fused=True))
     return Contender("torch DDP", make_ddp)
 
 
@@ -321,6 +328,18 @@ def zerospeed_stage(stage: int, zero_extra: dict[str, Any] | None = None, name: 
     """zerospeed at ZeRO ``stage``; ``zero_extra``: more ``zero_optimization`` keys; ``extra``: top-level keys."""
     return Contender(name or f"zerospeed stage {stage}",
                      lambda m, s: ZeroSpeedTrainer(m, s, stage, zero_extra, extra), skip=zerospeed_missing)
+
+
+def untrimmed(c: Contender) -> Contender:
+    """``c`` with the engine's heap trimming off (``ZEROSPEED_TRIM_HEAP=0`` in its ranks), for a paired before/after."""
+
+    def make(model: Any, spec: BenchSpec) -> Any:
+        import os
+
+        os.environ["ZEROSPEED_TRIM_HEAP"] = "0"  # a forked rank's own environment
+        return c.make(model, spec)
+
+    return Contender(f"{c.name}, no heap trim", make, c.world_size, c.threads, c.skip)
 
 
 def world_of(contender: Contender, spec: BenchSpec) -> int:

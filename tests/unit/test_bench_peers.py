@@ -39,3 +39,17 @@ def test_mfu_flops_count() -> None:
     n = _count(small)
     assert model_flops_per_step(small, n, 128) == 6 * (n - 64 * 64) * 128 + 12 * 3 * 64 * 64 * 128
     assert 1.0e9 < _count(config(20)) < 1.2e9  # the "~1B" model of the MFU check
+
+
+def test_gas1_contenders_separate_the_adam_kernel_and_the_heap_trim() -> None:
+    """The fused-AdamW DDP row (zerospeed's default kernel on host parameters) is there on CPU; --trim-pairs adds
+    stages 2 and 3 with the trim off; every size of the sweep is a preset with its own schedule."""
+    from benchmarks.bench_peers import SWEEP, contenders
+    from zerospeed.models import PRESETS
+
+    names = [c.name for c in contenders("gas1", "cpu")]
+    assert "torch DDP, fused AdamW" in names and not any("no heap trim" in n for n in names)
+    assert "torch DDP, fused AdamW" not in [c.name for c in contenders("gas1", "cuda")]
+    paired = [c.name for c in contenders("gas1", "cpu", trim_pairs=True)]
+    assert [n for n in paired if n not in names] == ["zerospeed stage 2, no heap trim", "zerospeed stage 3, no heap trim"]
+    assert set(SWEEP) <= set(PRESETS) and all(len(v) == 3 and min(v) >= 1 for v in SWEEP.values())

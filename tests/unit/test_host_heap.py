@@ -46,6 +46,9 @@ def test_trim_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert heap_trim_setting(3) is None and HeapTrimmer.for_device(torch.device("cpu"), 3) is None
     monkeypatch.delenv("ZEROSPEED_TRIM_HEAP")  # auto: the start-of-backward trim at stages 2-3 (measured there)
     assert heap_trim_setting(3) == heap_trim_setting(2) == "start"
+    # from FULL_TRIM_PARAMS parameters stage 3 trims during backward too (a 354M GPT's peak needs it); stage 2 not
+    assert heap_trim_setting(3, 354_000_000) == "full" and heap_trim_setting(3, 27_000_000) == "start"
+    assert heap_trim_setting(2, 354_000_000) == "start" and heap_trim_setting(1, 354_000_000) is None
     assert not any(heap_trim_setting(s) for s in (0, 1))
     trimmer = HeapTrimmer.for_device(torch.device("cpu"), 3)
     if trimmer is not None:  # glibc: a start-only trimmer never trims during backward
@@ -56,6 +59,7 @@ def test_trim_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(heap_trim_setting(s) == "full" for s in (0, 1, 2, 3))
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "start")
     assert all(heap_trim_setting(s) == "start" for s in (0, 1, 2, 3))
+    assert heap_trim_setting(3, 354_000_000) == "start"  # an explicit mode wins over the size rule
     monkeypatch.setenv("ZEROSPEED_TRIM_HEAP", "yes")
     with pytest.raises(ValueError, match="ZEROSPEED_TRIM_HEAP"):
         heap_trim_setting()

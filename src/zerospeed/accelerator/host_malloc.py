@@ -80,21 +80,28 @@ TRIM_MIN_BYTES = 128 << 20  # in backward: trim once this much more heap is free
 
 
 TRIM_STAGES = frozenset({2, 3})  # ``auto``: the stages chosen for their memory (measured: docs/benchmarks.md)
+FULL_TRIM_STAGES, FULL_TRIM_PARAMS = frozenset({3}), 100_000_000  # ``auto``: the full trim there from this size
 
 
-def heap_trim_setting(zero_stage: int | None = None) -> str | None:
-    """``ZEROSPEED_TRIM_HEAP``: how a host engine at ``zero_stage`` gives freed heap back, or None (never).
+def heap_trim_setting(zero_stage: int | None = None, num_params: int | None = None) -> str | None:
+    """``ZEROSPEED_TRIM_HEAP``: how a host engine at ``zero_stage`` (training a model of ``num_params``) gives
+    freed heap back, or None (never).
 
-    * ``auto`` (default): ``"start"`` at ZeRO stages 2 and 3. The trim when backward starts takes the forward's
-      freed temporaries out of the peak for about a quarter of the full trim's CPU cost (27M GPT, world 2,
-      stage 3, paired: peak RSS -100 to -130 MiB per rank for +2.3-2.5 % CPU; the full trim -142 to -196 MiB
-      for +5-10 %; docs/benchmarks.md, issue 38);
+    * ``auto`` (default): at ZeRO stage 3 with at least ``FULL_TRIM_PARAMS`` parameters ``"full"``, else
+      ``"start"`` at stages 2 and 3. The trim when backward starts takes the forward's freed temporaries out of
+      the peak for about a quarter of the full trim's CPU cost (27M GPT, world 2, stage 3, paired: peak RSS
+      -100 to -130 MiB per rank for +2.3-2.5 % CPU; the full trim -142 to -196 MiB for +5-10 %). On a 354M GPT
+      the start-only trim left stage 3's peak above FSDP2's (6320 against 5183 MiB per rank) and the full trim
+      put it below (5006 against 5208) at 1.00x DDP's CPU time (FSDP2 1.36x), so large models trim fully
+      (docs/benchmarks.md, issue 38's sweep);
     * ``start``: that trim at every stage; ``1`` / ``full``: also during backward (the freed activations,
       checked at each bucket launch), at every stage; ``0``: never."""
     raw = os.environ.get("ZEROSPEED_TRIM_HEAP", "auto")
     if raw not in ("0", "1", "auto", "start", "full"):
         raise ValueError(f"ZEROSPEED_TRIM_HEAP must be 0, 1, auto, start or full, got {raw!r}")
     if raw == "auto":
+        if zero_stage in FULL_TRIM_STAGES and num_params is not None and num_params >= FULL_TRIM_PARAMS:
+            return "full"
         return "start" if zero_stage in TRIM_STAGES else None
     return {"0": None, "1": "full"}.get(raw, raw)
 
@@ -126,10 +133,11 @@ class HeapTrimmer:
         self.trims = 0
 
     @classmethod
-    def for_device(cls, device: object, zero_stage: int | None = None, min_bytes: int = TRIM_MIN_BYTES
-                   ) -> HeapTrimmer | None:
-        """A trimmer for an engine on ``device`` at ``zero_stage`` (see ``heap_trim_setting``), or None."""
-        mode = heap_trim_setting(zero_stage)
+    def for_device(cls, device: object, zero_stage: int | None = None, min_bytes: int = TRIM_MIN_BYTES,
+                   num_params: int | None = None) -> HeapTrimmer | None:
+        """A trimmer for an engine on ``device`` at ``zero_stage`` training ``num_params`` parameters (see
+        ``heap_trim_setting``), or None."""
+        mode = heap_trim_setting(zero_stage, num_params)
         if getattr(device, "type", str(device)) != "cpu" or mode is None or heap_free_bytes() is None:
             return None
         try:

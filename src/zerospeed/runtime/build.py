@@ -15,6 +15,7 @@ from torch import nn
 from .. import checkpointing, comm
 from ..accelerator import get_accelerator
 from ..accelerator.host_malloc import HeapTrimmer, limit_heap_retention
+from ..profiling.flops_profiler.report import module_params
 from ..compression.runtime import compression_runtime
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.hints import log_accepted_hints
@@ -184,7 +185,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     fp8_modules = fp8_linears(cfg, model, device)
     stage3 = place_model(plan, cfg, model, policy.compute, device, grids.dp_group, grids.dp_rank, grids.moe)
     raw_groups = optimizer_groups(cfg, model, model_parameters, optimizer, grids.moe)
-    trimmer = HeapTrimmer.for_device(device, cfg.zero_stage)  # host: freed heap back in backward
+    trimmer = HeapTrimmer.for_device(device, cfg.zero_stage, num_params=module_params(model))  # host: heap back
     zero_opt, base = optimizer_stack(plan, cfg, grids, stage3, policy, model, raw_groups, optimizer, trimmer, autocast)
     scheduler = build_scheduler(cfg, lr_scheduler, base)
     loader = training_loader(cfg, training_data, cfg.batch(grids.data_size), grids, collate_fn, zero_opt)
