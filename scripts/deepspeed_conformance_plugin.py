@@ -9,7 +9,8 @@ Loaded with ``-p deepspeed_conformance_plugin`` before DeepSpeed's conftest. Env
 The harness patch touches DeepSpeed's ``DistributedExec`` only, never a test body, and is the same in
 both modes: ranks are forked (warm imports, and the rename hook is inherited), and on a failing or hung
 rank the pool is terminated and the test fails, instead of a destroy barrier that waits on the stuck
-rank until Gloo's 30-minute timeout, or ``pytest.exit`` ending the whole run.
+rank until Gloo's 30-minute timeout, or ``pytest.exit`` ending the whole run. A rank that fails through
+``pytest.fail`` / ``pytest.raises`` fails its test at once with the message (``_run_rank``), not as a hang.
 
 Under DeepSpeed the C++ ops its tests JIT-build on first use (``deepspeed_shm_comm`` in every
 ``init_distributed`` on CPU, ``fused_adam`` for ``"type": "Adam"``) are built once here, before any test
@@ -59,6 +60,23 @@ class _ForkMultiprocessing:
         return getattr(self._real, name)
 
 
+class RankFailure(Exception):
+    """A pytest outcome raised inside a rank, carried back to the parent as an ordinary exception."""
+
+
+def _run_rank(run: Any, *args: Any) -> Any:
+    """One rank of a distributed test. ``pytest.fail`` and ``pytest.raises``' "DID NOT RAISE" raise
+    ``Failed``, a ``BaseException``: the pool's worker catches only ``Exception``, so the worker process died
+    and its task never answered, and the test read as hung until the timeout (DeepSpeed's own harness waits
+    forever there). Converted, the failure and its message come back at once."""
+    try:
+        return run(*args)
+    except Exception:
+        raise
+    except BaseException as exc:  # noqa: B036  (pytest's outcomes, KeyboardInterrupt, SystemExit)
+        raise RankFailure(f"{type(exc).__name__}: {exc}") from None
+
+
 def _launch_daemonic_procs(self: Any, num_procs: int, init_method: str) -> None:
     """DeepSpeed's pool launch, with a failing or hung rank ending only its own test."""
     common = _common()
@@ -69,8 +87,8 @@ def _launch_daemonic_procs(self: Any, num_procs: int, init_method: str) -> None:
         pool, master_port = self._pool_cache[num_procs], common.get_master_port()
     else:
         pool, master_port = mp.Pool(processes=num_procs), common.get_master_port()
-    args = [(rank, num_procs, master_port, init_method) for rank in range(num_procs)]
-    pending = pool.starmap_async(self._dist_run, args)
+    args = [(self._dist_run, rank, num_procs, master_port, init_method) for rank in range(num_procs)]
+    pending = pool.starmap_async(_run_rank, args)
     try:
         skip_msgs = pending.get(min(self.exec_timeout, TIMEOUT))
     except BaseException as exc:
@@ -79,6 +97,8 @@ def _launch_daemonic_procs(self: Any, num_procs: int, init_method: str) -> None:
         self._pool_cache.pop(num_procs, None)
         if isinstance(exc, mp.TimeoutError):
             pytest.fail(f"distributed test hung (> {min(self.exec_timeout, TIMEOUT):.0f} s)", pytrace=False)
+        if isinstance(exc, RankFailure):
+            pytest.fail(f"a rank failed: {exc}", pytrace=False)
         raise
     self._close_pool(pool, num_procs)
     if any(skip_msgs):

@@ -108,3 +108,35 @@ def test_record_with_a_selection_keeps_the_rest_of_the_area(tmp_path):
                                           "unit/utils/test_b.py::t"]
     conformance.record({"unit/comm/test_a.py::t9": "passed"}, ["comm"], path=path)  # a whole-area run replaces it
     assert conformance.read_ids(path) == ["unit/comm/test_a.py::t9", "unit/utils/test_b.py::t"]
+
+
+class _FakeExec:
+    """What the harness patch reads of DeepSpeed's ``DistributedExec``: one rank whose test body fails the way
+    ``pytest.raises`` does when nothing is raised (``Failed``, a ``BaseException``)."""
+
+    reuse_dist_env = False
+    exec_timeout = 10
+    _pool_cache: dict = {}
+
+    def _dist_run(self, rank: int, num_procs: int, master_port: int, init_method: str) -> None:
+        pytest.fail("DID NOT RAISE NotImplementedError")
+
+    def _close_pool(self, pool, num_procs) -> None:
+        pool.close()
+        pool.join()
+
+
+def test_a_rank_failing_through_pytest_fails_at_once_not_as_a_hang(hook, monkeypatch):
+    """The pool's worker died on pytest's BaseException and never answered: the test read as hung after the
+    timeout (DeepSpeed's TestOptimizerImplementation stage-0 cases). Now the failure comes back with its reason."""
+    import multiprocessing
+    import time
+    import types
+
+    plugin = importlib.import_module("deepspeed_conformance_plugin")
+    common = types.SimpleNamespace(mp=multiprocessing.get_context("fork"), get_master_port=lambda: 29999)
+    monkeypatch.setitem(sys.modules, "unit.common", common)
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE NotImplementedError"):
+        plugin._launch_daemonic_procs(_FakeExec(), 1, "tcp://127.0.0.1:29999")
+    assert time.monotonic() - start < 8

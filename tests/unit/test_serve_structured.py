@@ -81,3 +81,53 @@ def test_byte_level_bpe_vocabulary(monkeypatch):
         assert i in guide.get_tokens()
         guide.advance(i)
     assert guide.is_finished() and eos in guide.get_tokens()
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-style SentencePiece BPE built here (no download): ``<0xNN>`` byte fallback for all 256 bytes, ``▁``
+    for a space, and text pieces holding non-ASCII characters ("é", "ü": UTF-8, not GPT-2's byte alphabet)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", "a", "c", "f", "é", "!", "ü", "ca", "\u2581a", "\u2581ca", "\u2581caf", "\u2581café", "é!"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("\u2581", "a"), ("c", "a"), ("\u2581", "ca"), ("\u2581ca", "f"), ("\u2581caf", "é"), ("é", "!")]
+    sp = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+
+
+def test_sentencepiece_byte_fallback_vocabulary(monkeypatch):
+    """Every token's bytes are what the tokenizer decodes it to, and constrained decoding walked over those bytes
+    (merged pieces, "é" as a piece and as two <0xNN> bytes, a 3-byte character only as bytes) decodes to exactly
+    the text the structure allows."""
+    import torch
+
+    monkeypatch.setenv("ZEROSPEED_STRUCTURED_CACHE", "")
+    tok = _sentencepiece_tokenizer()
+    eos = tok.convert_tokens_to_ids("</s>")
+    so = StructuredOutput(tok, len(tok), (eos,))
+    by_id = {i: b for b, ids in so._token_bytes().items() for i in ids}
+    anchor = tok.convert_tokens_to_ids("a")  # decoded after an anchor: the leading-space strip does not apply
+    for i, b in by_id.items():
+        if len(b) > 1 or b[0] < 0x80:  # a lone byte of a multi-byte character decodes to U+FFFD
+            assert tok.decode([anchor, i]).encode() == b"a" + b, (tok.convert_ids_to_tokens(i), b)
+    assert by_id[tok.convert_tokens_to_ids("é")] == "é".encode() and by_id[tok.convert_tokens_to_ids("ü")] == b"\xc3\xbc"
+    assert by_id[tok.convert_tokens_to_ids("<0xC3>")] == b"\xc3" and by_id[tok.convert_tokens_to_ids("\u2581")] == b" "
+    allowed = ["café é! ü ☃", "ca é", "aa ü!"]
+    spec = so.spec(structured.regex_for("choice", allowed))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(12):  # random walks through the mask: the decoded text is always one of the choices, exactly
+        guide, ids = spec.new(), []
+        while options := [t for t in guide.get_tokens() if t != eos]:
+            ids.append(options[int(torch.randint(len(options), (1,), generator=gen))])
+            guide.advance(ids[-1])
+        assert spec.finished(guide)
+        text = b"".join(by_id[i] for i in ids)
+        assert text.decode() in allowed
+        assert tok.decode([anchor, *ids]) == "a" + text.decode()

@@ -9,7 +9,8 @@ request ends ("stop") when the guide is finished. ``json_object`` is any object 
 ``JSON_OBJECT_DEPTH`` levels (a bounded-depth regex; outlines-core compiles it in seconds, so compiled indexes
 are also kept on disk per vocabulary, see ``index_cache_dir``). The vocabulary is the tokens' bytes: the byte tokenizer's
 256 bytes, or a Hugging Face tokenizer's tokens decoded from byte-level BPE (GPT-2, Llama 3) or SentencePiece
-(``▁`` = space, ``<0xNN>`` byte fallback). Why outlines-core: it installs here as a wheel, is maintained, and is
+(``▁`` = space, ``<0xNN>`` byte fallback, every other piece UTF-8 text; a vocabulary with either marker is read
+as SentencePiece, never through GPT-2's byte alphabet, which would read "é" as the single byte 0xE9). Why outlines-core: it installs here as a wheel, is maintained, and is
 what vLLM and TGI use for this; xgrammar also exists but needs a tokenizer-info build we do not have for the
 byte tokenizer.
 """
@@ -123,13 +124,16 @@ class StructuredOutput:
             return {bytes([i]): [i] for i in range(min(256, self.vocab_size))}
         inv = {c: b for b, c in _bytes_to_unicode().items()}
         special = set(getattr(self.tokenizer, "all_special_ids", ()))
-        for i, t in enumerate(self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))):
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        # SentencePiece pieces are text (UTF-8, "▁" for a space): "é" is two bytes, not GPT-2's byte 0xE9
+        pieces = any(t is not None and ("\u2581" in t or _SPECIAL_BYTE.fullmatch(t)) for t in tokens)
+        for i, t in enumerate(tokens):
             if t is None or i in special or i == self.eos:
                 continue
-            m = _SPECIAL_BYTE.fullmatch(t)
+            m = _SPECIAL_BYTE.fullmatch(t) if pieces else None
             if m:
                 b = bytes([int(m.group(1), 16)])
-            elif all(ch in inv for ch in t):
+            elif not pieces and all(ch in inv for ch in t):
                 b = bytes(inv[ch] for ch in t)
             else:
                 b = t.replace("\u2581", " ").encode()

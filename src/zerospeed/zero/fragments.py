@@ -75,6 +75,15 @@ def fragment_of(param: nn.Parameter) -> Fragment | None:
     return getattr(param, _ATTR, None)
 
 
+def reload_master(param: nn.Parameter) -> None:
+    """``param``'s model value was replaced outside training (pretrained weights loaded after ``initialize``):
+    reload this rank's master elements from it, so that the next step and ``save_checkpoint`` see the new
+    value. No collective; nothing to do for a parameter no optimizer owns or one that is its own master."""
+    fr = fragment_of(param)
+    if fr is not None:
+        fr.group.refresh_master(fr.index)
+
+
 # --- shard <-> full ------------------------------------------------------------------------------
 def _local(fr: Fragment, flat_shard: torch.Tensor) -> torch.Tensor:
     """This rank's owned elements out of a slot-sized flat shard (or the whole flat parameter)."""

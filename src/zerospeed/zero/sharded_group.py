@@ -157,16 +157,22 @@ class ShardedGroup:
     @torch.no_grad()
     def load_master_from_params(self) -> None:
         """Copy this rank's shards of the model parameters into the fp32 master partition."""
+        for i in range(len(self.params)):
+            self.refresh_master(i)
+
+    @torch.no_grad()
+    def refresh_master(self, i: int) -> None:
+        """Parameter i's model value is new (loaded, or set outside training): copy this rank's elements of it
+        into its master slot (nothing to do when the model parameter is itself the master)."""
         if self.master is None:
             return
-        for i, p in enumerate(self.params):
-            slot = self.plan.slots[i]
-            lo, hi = slot.owned_range(self.rank)
-            start, _ = self.slot_range(i)
-            view = torch.zeros(slot.shard, dtype=self.master.dtype, device=self.master.device)
-            if hi > lo:
-                view[: hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
-            self.write_master_range(start, view)
+        slot = self.plan.slots[i]
+        lo, hi = slot.owned_range(self.rank)
+        start, _ = self.slot_range(i)
+        view = torch.zeros(slot.shard, dtype=self.master.dtype, device=self.master.device)
+        if hi > lo:
+            view[: hi - lo].copy_(self.params[i].detach().reshape(-1)[lo:hi])
+        self.write_master_range(start, view)
 
     def attach_grads(self, part_grad: torch.Tensor | None) -> None:
         """Point every master parameter's ``.grad`` at its slice of the fp32 gradient partition."""

@@ -47,8 +47,11 @@ def _master_values(optimizer: Any, group: comm.Group | None, keep: bool) -> dict
         n = grp.num_partitions
         for bucket in grp.plan.buckets:
             send = grp.master_range(bucket.partition_offset, bucket.partition_offset + bucket.shard_numel)
-            buf = torch.empty(n * bucket.shard_numel, dtype=torch.float32, device=send.device)
-            comm.all_gather(buf, send, group=group)
+            if n == 1:  # not partitioned (stage 0 with a separate master): this rank holds it whole
+                buf = send.to(torch.float32)
+            else:
+                buf = torch.empty(n * bucket.shard_numel, dtype=torch.float32, device=send.device)
+                comm.all_gather(buf, send, group=group)
             buf2d = buf.view(n, bucket.shard_numel)
             for i in bucket.params:
                 slot = grp.plan.slots[i]

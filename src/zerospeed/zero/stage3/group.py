@@ -49,7 +49,7 @@ class Stage3Group(ShardedGroup):
                          device=self.shards[0].device if self.shards else None, defer_master=defer_master,
                          separate_master=separate_master, comm_dtypes=comm_dtypes)
         for i, s in enumerate(self.shards):
-            s.on_modified.append(lambda i=i: self._refresh_master(i))
+            s.on_modified.append(lambda i=i: self.refresh_master(i))
         self._alias_fp32_shards()
 
     def _alias_fp32_shards(self) -> None:
@@ -83,8 +83,9 @@ class Stage3Group(ShardedGroup):
                 s.local = s.local.clone()
 
     @torch.no_grad()
-    def _refresh_master(self, i: int) -> None:
-        """Parameter i's value changed (GatheredParameters with a modifier): reload its master slot."""
+    def refresh_master(self, i: int) -> None:
+        """Parameter i's value changed (GatheredParameters with a modifier, pretrained weights loaded): reload
+        its master slot from the local shard (or, persistent, from the whole value)."""
         if self.master is None:
             return
         s = self.shards[i]
@@ -98,11 +99,6 @@ class Stage3Group(ShardedGroup):
         if hi > lo:
             view[: hi - lo].copy_(s.param.detach().reshape(-1)[lo:hi])
         self.write_master_range(start, view)
-
-    @torch.no_grad()
-    def load_master_from_params(self) -> None:
-        for i in range(len(self.params)):
-            self._refresh_master(i)
 
     @torch.no_grad()
     def copy_master_to_params(self) -> None:

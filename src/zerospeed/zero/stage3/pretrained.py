@@ -2,7 +2,11 @@
 
 The model is built under ``zero.Init`` (already partitioned). For each parameter this rank reads from the
 safetensors file(s) just the rows covering its owned flat range, and writes that range into its shard (or
-the shard's offload home); persistent (whole) parameters and buffers are read whole. No rank ever holds a
+the shard's offload home); persistent (whole) parameters and buffers are read whole. Called after
+``initialize`` (any ZeRO stage), each written parameter's fp32 master elements are reloaded from its new value
+(``fragments.reload_master``): the master is a separate tensor under parameter offload, optimizer offload and
+16-bit compute, and it is what the next step and ``save_checkpoint`` read. A gathered value kept for reuse is
+released first (the next gather brings the new one). No rank ever holds a
 full copy of the model, and no collective runs (a ``quantized_initialization`` weight is read whole and
 encoded: its packed bytes are cut, not its elements). A tensor missing from the files, an unexpected one (with
 ``strict``), or a shape mismatch is an error naming it.
@@ -18,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .param_store import shard_of
+from ..fragments import reload_master
+from .param_store import ParamShard, ShardState, shard_of
 
 
 @dataclass
@@ -61,6 +66,16 @@ def _read_range(handle: Any, name: str, lo: int, hi: int) -> torch.Tensor:
     return rows[lo - first * row: hi - first * row]
 
 
+def _settle(name: str, shard: ParamShard) -> None:
+    """Before writing a cut shard: no gather in flight or gathered value may keep serving the old value."""
+    if shard.state is ShardState.GATHERING and shard.pending is not None:
+        shard.pending.finish()  # a prefetch started before the load
+    if shard.holders:
+        raise RuntimeError(f"{name}: cannot load pretrained weights into a ZeRO-3 parameter that is held gathered "
+                           "(inside a forward, backward or GatheredParameters block); load outside it")
+    shard.release()
+
+
 @torch.no_grad()
 def load_pretrained_shards(module: nn.Module, path: str, strict: bool = True) -> LoadStats:
     """Fill ``module`` (built under ``zero.Init``, or not partitioned at all) from safetensors at ``path``."""
@@ -92,6 +107,8 @@ def load_pretrained_shards(module: nn.Module, path: str, strict: bool = True) ->
             file_shape = tuple(h.get_slice(name).get_shape())
             if file_shape != full_shape:
                 raise ValueError(f"{name}: the file holds shape {file_shape}, the model {full_shape}")
+            if shard is not None and not shard.persistent:
+                _settle(name, shard)
             if shard is not None and shard.codec is not None:  # quantized_initialization: encode the whole value
                 value = h.get_tensor(name)
                 shard.write_full(value)
@@ -108,6 +125,7 @@ def load_pretrained_shards(module: nn.Module, path: str, strict: bool = True) ->
                     values[: hi - lo].copy_(part.to(shard.dtype))
                     stats.elements_read += part.numel()
                 shard.write_local(values)
+            reload_master(t)  # type: ignore[arg-type]  # after initialize: the optimizer's copy too
             stats.tensors += 1
     finally:
         for h in handles.values():
