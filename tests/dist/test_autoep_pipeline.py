@@ -19,7 +19,7 @@ from zerospeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zerospeed.testing import run_distributed
 
 from .moe_fixtures import CFG, NUM_EXPERTS
-from .test_moe_pipeline import CLIP, LR, MICRO, SEED, STEPS, EmbedAux, Norm, _data, head, loss_fn
+from .test_moe_pipeline import CLIP, LR, MICRO, SEED, STEPS, EmbedAux, Norm, _data, _reference, head, loss_fn
 
 EP = 2
 
@@ -65,39 +65,10 @@ def _train(gas: int) -> dict:
             "rank": comm.get_rank()}
 
 
-def _reference(count: int) -> list[float]:
-    modules: list[Any] = []
-    embed = None
-    for idx, spec in enumerate(_layers()):
-        torch.manual_seed(SEED + idx)
-        if isinstance(spec, TiedLayerSpec):
-            embed = embed or spec.build()
-            modules.append(embed if spec.forward_fn is None else (lambda x, m=embed, f=spec.forward_fn: f(m, x)))
-        else:
-            modules.append(spec.build())
-    params = list(dict.fromkeys(p for m in modules if isinstance(m, nn.Module) for p in m.parameters()))
-    opt = torch.optim.SGD(params, lr=LR)
-    data, out = _data(count), []
-    for s in range(STEPS):
-        total = 0.0
-        for j in range(count):  # each micro-batch on its own, as on its rank
-            x: Any = data[s, j][:, :-1]
-            for m in modules:
-                x = m(x)
-            loss = loss_fn(x, data[s, j][:, 1:])
-            (loss / count).backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad()
-        out.append(total / count)
-    return out
-
-
 def test_autoep_in_a_pipeline_matches_one_process() -> None:
     gas = 2
     results = run_distributed(_train, 4, gas, timeout=180)
-    expected = _reference(gas * 2)
+    expected = _reference(gas * 2, _layers())
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-5), r
         assert r["experts"] and set(r["experts"]) == {NUM_EXPERTS // EP} and r["first"] == r["dp_rank"] % EP * (NUM_EXPERTS // EP), r
