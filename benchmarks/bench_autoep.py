@@ -8,10 +8,11 @@ second per rank, peak RSS per rank, last loss.
 
 Part ``hybrid`` (world 2, ZeRO-3): rollout tokens per second of ``engine.generate`` (hybrid engine: weights
 gathered once per phase, static KV cache) against Hugging Face ``generate`` on the same ZeRO-3 module under
-``GatheredParameters``, alternating; then, in fresh ranks and on a wider GPT-2 (512 wide, 8 layers, 26M parameters: 50 MiB of fp32 weights per
-rank when gathered), the peak RSS (``measure_memory``: the kernel's
-high-water mark reset at the start) across a rollout phase (2 ``generate`` calls) and a training step, and the
-RSS after the rollouts, with and without ``release_inference_cache``.
+``GatheredParameters``, alternating; then, in fresh ranks and on a wider GPT-2 (768 wide, 8 layers, 58M
+parameters: 220 MiB of fp32 weights per rank when gathered), the peak RSS (``measure_memory``: the kernel's
+high-water mark reset at the start) of DeepSpeed-Chat's experience phase (2 ``generate`` calls, then the actor
+and a frozen ZeRO-3 reference score the rollouts) and of the training step after it, and the RSS after the
+``generate`` calls, with and without ``release_inference_cache`` (alternating, fresh ranks each).
 
     python benchmarks/bench_autoep.py [--part autoep|hybrid|all] [--steps 4] [--rounds 2] [--json]
 """
@@ -35,6 +36,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForC
 import zerospeed  # noqa: E402
 from zerospeed import comm  # noqa: E402
 from zerospeed.profiling.memory import measure_memory, peak_rss_bytes, rss_bytes  # noqa: E402
+from zerospeed.profiling.memory_timeline import malloc_trim  # noqa: E402
 from zerospeed.testing import run_distributed  # noqa: E402
 
 MiB = 1024 * 1024
@@ -131,22 +133,34 @@ def _rollout_speed(calls: int, new: int) -> dict[str, Any]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _rollout_memory(release: bool, new: int) -> dict[str, Any]:
-    engine = zerospeed.initialize(model=_gpt2(512, 8), config=_hybrid_config(release))[0]  # 26M parameters
-    with measure_memory() as m:
+def _rollout_memory(release: bool, new: int, width: int, layers: int) -> dict[str, Any]:
+    """DeepSpeed-Chat's experience step, then a training step: the actor generates twice, then the actor and a
+    frozen ZeRO-3 reference score the rollouts in the same phase (weights gathered per layer), then it trains."""
+    engine = zerospeed.initialize(model=_gpt2(width, layers), config=_hybrid_config(release))[0]
+    ref = zerospeed.initialize(model=_gpt2(width, layers), config={"train_micro_batch_size_per_gpu": MB,
+                               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})[0]
+    ref.eval()
+    malloc_trim()  # the whole models built before partitioning: their freed heap must not hide the gathers
+    start = rss_bytes()
+    with measure_memory() as phase:
         engine.eval()
-        for call in range(2):
-            engine.generate(_prompts(call), max_new_tokens=new, do_sample=False)
-        after_rollout = rss_bytes()
+        seqs = [engine.generate(_prompts(call), max_new_tokens=new, do_sample=False) for call in range(2)]
+        after_generate = rss_bytes()
+        with torch.no_grad():
+            for seq in seqs:  # log-probs of the actor and the reference on the rollouts
+                engine(input_ids=seq).logits.log_softmax(-1)
+                ref(input_ids=seq).logits.log_softmax(-1)
+    with measure_memory() as step:
         engine.train()
         ids = _prompts(9)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-    return {"start": m.start_bytes, "peak": m.peak_bytes, "after_rollout": after_rollout}
+    return {"start": start, "phase_peak": phase.peak_bytes, "step_peak": step.peak_bytes,
+            "after_generate": after_generate}
 
 
-def hybrid_part(calls: int, rounds: int, new: int = 48) -> list[dict[str, Any]]:
+def hybrid_part(calls: int, rounds: int, new: int = 48, width: int = 768, layers: int = 8) -> list[dict[str, Any]]:
     speed: dict[str, list[float]] = {"hybrid": [], "hf_gathered": []}
     for _ in range(rounds):
         for r in run_distributed(_rollout_speed, 2, calls, new, timeout=1800):
@@ -154,13 +168,15 @@ def hybrid_part(calls: int, rounds: int, new: int = 48) -> list[dict[str, Any]]:
                 speed[k].append(v)
     rows = [{"part": "hybrid", "contender": "engine.generate (hybrid engine)" if k == "hybrid" else
              "HF generate under GatheredParameters", "s_per_rollout": statistics.median(v),
-             "tokens_per_s_per_rank": MB * new / statistics.median(v)} for k, v in speed.items()]
-    for release in (False, True, False, True):
-        per_rank = run_distributed(_rollout_memory, 2, release, new, timeout=1800)
-        rows.append({"part": "hybrid_rss", "release_inference_cache": release,
-                     "peak_over_start_mib": max((r["peak"] - r["start"]) / MiB for r in per_rank),
-                     "after_rollout_over_start_mib": max((r["after_rollout"] - r["start"]) / MiB for r in per_rank),
-                     "peak_rss_mib": max(r["peak"] / MiB for r in per_rank)})
+             "tokens_per_s_per_rank": MB * new / statistics.median(v), "s_per_rollout_all": [round(x, 3) for x in v]}
+            for k, v in speed.items()]
+    for _ in range(rounds):
+        for release in (False, True):
+            per_rank = run_distributed(_rollout_memory, 2, release, new, width, layers, timeout=1800)
+            rows.append({"part": "hybrid_rss", "release_inference_cache": release,
+                         **{f"{k}_over_start_mib": [round((r[k] - r["start"]) / MiB) for r in per_rank]
+                            for k in ("phase_peak", "step_peak", "after_generate")},
+                         "peak_rss_mib": max(max(r["phase_peak"], r["step_peak"]) / MiB for r in per_rank)})
     return rows
 
 

@@ -134,10 +134,12 @@ def _train(pp: int, ep: int, stage: int, gas: int) -> dict:
     return {"losses": losses, "norm": engine.get_global_grad_norm(), "a2a": groups.ep_size > 1}
 
 
-def _reference(count: int) -> list[float]:
+def _reference(count: int, specs: list[Any] | None = None) -> list[float]:
+    """One process running the unsplit layers (``specs``; default this file's at ep 1) in sequence, each
+    micro-batch on its own, SGD with clipping: what every pipelined run must equal."""
     modules: list[Any] = []
     tied: dict[str, nn.Module] = {}
-    for idx, spec in enumerate(layers(1, 0)):
+    for idx, spec in enumerate(layers(1, 0) if specs is None else specs):
         torch.manual_seed(SEED + idx)
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in tied:

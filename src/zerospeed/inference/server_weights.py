@@ -3,7 +3,8 @@
 Body ``{"path": "<file>.safetensors"}``: a file this server can read (safetensors only: no pickled code runs),
 in the served model's ``state_dict`` names, e.g. written by a training engine's ``save_16bit_model`` through
 ``zerospeed.runtime.weight_sync.push_weights``. The tensors are copied into the model in place between engine
-steps (``ServingEngine.update_weights``; the prefix cache is emptied); the reply is ``{"updated": <tensors>,
+steps (``ServingEngine.update_weights``; under tensor parallelism each rank keeps its shard; the prefix cache
+is emptied); the reply is ``{"updated": <tensors>,
 "version": <updates so far>}``. With requests in flight it is 409 (their KV came from the old weights: push
 between rollouts); a file that does not fit the model is 400 and changes nothing. The route exists only when the
 server is started with ``--enable-weight-updates`` (``ServeOptions.allow_weight_updates``): otherwise 403, since
@@ -50,8 +51,6 @@ def add_weights_route(app: FastAPI, srv: Any, enabled: bool) -> None:
         state = _load(body.get("path") if isinstance(body, dict) else None)
         try:
             n = srv.engine.update_weights(state)
-        except NotImplementedError as exc:  # before RuntimeError, its base class: not a conflict
-            raise ApiError(501, str(exc), None, "not_implemented", "not_supported") from None
         except RuntimeError as exc:
             raise ApiError(409, str(exc), None, "conflict", "requests_in_flight") from None
         except ValueError as exc:

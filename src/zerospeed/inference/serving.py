@@ -43,7 +43,8 @@ from .structured import mask_logits
 from .speculative_step import spec_step
 from .sampling import SamplingParams, sample_next
 from .scheduler import Limits, Scheduler, Work
-from .serving_tp import FORWARD, STOP, PlanChannel
+from .serving_tp import FORWARD, STOP, WEIGHTS, PlanChannel
+from .serving_weights import copy_weights, fit_weights, receive_weights, send_weights
 
 __all__ = ["QueueFullError", "Request", "ServingEngine", "TokenEvent"]
 
@@ -179,27 +180,21 @@ class ServingEngine:
 
     @torch.no_grad()
     def update_weights(self, state: dict[str, torch.Tensor]) -> int:
-        """Copy new weights (the served model's ``state_dict`` names) into the model in place, between requests;
-        how many tensors were copied. RL weight sync (``zerospeed.runtime.weight_sync.push_weights``, the server's
-        ``POST /v1/weights``). In place, so fused and compiled regions see them; the prefix cache (KV of the old
-        weights) is emptied. Refused while requests are in flight (their KV came from the old weights)."""
+        """Copy new weights (the unsplit model's ``state_dict`` names and shapes) into the model in place, between
+        requests; how many tensors were given. RL weight sync (``zerospeed.runtime.weight_sync.push_weights``, the
+        server's ``POST /v1/weights``). In place, so fused and compiled regions see them; the prefix cache (KV of
+        the old weights) is emptied. Under tensor parallelism rank 0 broadcasts the tensors and each rank keeps
+        its shard (the workers take them inside ``run_worker``; see ``serving_weights``). Refused while requests
+        are in flight (their KV came from the old weights)."""
         self._rank0("update_weights")
-        if self.tp_size > 1:
-            raise NotImplementedError("update_weights with tensor parallelism is not supported yet by zerospeed")
         if self.has_work:
             raise RuntimeError(f"update_weights: {len(self.requests)} requests in flight (their KV cache holds the "
                                "old weights' keys and values); push weights between rollouts")
-        own = self.model.state_dict(keep_vars=True)
-        unknown = sorted(set(state) - set(own))
-        covered = {id(own[k]) for k in state if k in own}
-        missing = sorted(k for k, t in own.items() if id(t) not in covered)  # a tied alias counts as covered
-        shapes = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state
-                  if k in own and state[k].shape != own[k].shape]
-        if unknown or missing or shapes:
-            raise ValueError(f"update_weights: the weights do not fit the served model (unknown: {unknown[:5]}, "
-                             f"missing: {missing[:5]}, shapes: {shapes[:5]}); nothing was changed")
-        for k, v in state.items():
-            own[k].data.copy_(v)
+        plan = fit_weights(self.model, state)  # ValueError before anything changes
+        if self.channel is not None:
+            send_weights(self.channel, self.model, plan)
+        else:
+            copy_weights(self.model, plan)
         alloc = self.scheduler.allocator
         if isinstance(alloc, PrefixCachingAllocator):
             self.scheduler = Scheduler(self.limits, PrefixCachingAllocator(alloc.num_blocks), self.scheduler.block_size)
@@ -355,8 +350,12 @@ class ServingEngine:
             kind, batch = self.channel.receive()
             if kind == STOP:
                 return self.forwards
+            if kind == WEIGHTS:
+                assert isinstance(batch, list)
+                receive_weights(self.channel, self.model, batch)
+                self.weights_version += 1
             if kind == FORWARD:
-                assert batch is not None
+                assert isinstance(batch, RaggedBatch)
                 ids = batch.token_ids.to(self.adapter.device)
                 self.adapter.hidden(ids, batch.positions.to(ids.device), self.cache.attention(batch))
                 self.forwards += 1

@@ -7,7 +7,9 @@ Every rank, rank 0 included, then runs the same ragged forward over its own head
 cache (same block ids on every rank; each rank's blocks hold its ``kv_heads / tp`` heads); the row-parallel
 layers all-reduce their partial sums through ``comm``. Only rank 0 applies the (whole, replicated) LM head
 and samples. The other ranks loop in ``run_worker`` until rank 0 sends ``stop``; an idle rank 0 sends a
-heartbeat now and then so the workers' blocking broadcast never reaches the collective timeout.
+heartbeat now and then so the workers' blocking broadcast never reaches the collective timeout. A ``WEIGHTS``
+message (``update_weights`` between requests) carries the indices of the parameters whose full tensors rank 0
+broadcasts next (see ``serving_weights``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from zerospeed import comm
 
 from .kv_cache import RaggedBatch, SeqChunk
 
-__all__ = ["PlanChannel", "STOP", "HEARTBEAT", "FORWARD"]
+__all__ = ["PlanChannel", "STOP", "HEARTBEAT", "FORWARD", "WEIGHTS"]
 
-STOP, FORWARD, HEARTBEAT = 0, 1, 2
+STOP, FORWARD, HEARTBEAT, WEIGHTS = 0, 1, 2, 3
 
 
 class PlanChannel:
@@ -53,21 +55,29 @@ class PlanChannel:
     def heartbeat(self) -> None:
         self._send(HEARTBEAT, [])
 
+    def send_weights(self, indices: list[int]) -> None:
+        """Announce a weight update: the ``state_dict`` indices whose full tensors are broadcast next."""
+        self._send(WEIGHTS, list(indices), (len(indices), 0))
+
     def stop(self) -> None:
         if not self.closed:
             self._send(STOP, [])
             self.closed = True
 
-    def receive(self) -> tuple[int, RaggedBatch | None]:
-        """The next message on a worker rank: ``(kind, batch)`` (batch only for ``FORWARD``)."""
+    def receive(self) -> tuple[int, RaggedBatch | list[int] | None]:
+        """The next message on a worker rank: ``(kind, batch)`` for ``FORWARD``, ``(kind, indices)`` for
+        ``WEIGHTS``, ``(kind, None)`` otherwise."""
         head = torch.empty(4, dtype=torch.long, device=self.device)
         comm.broadcast(head, self.src, self.group)
         kind, n, num_ids, num_chunks = head.tolist()
-        if kind != FORWARD:
+        if kind not in (FORWARD, WEIGHTS):
             return kind, None
         payload = torch.empty(n, dtype=torch.long, device=self.device)
-        comm.broadcast(payload, self.src, self.group)
+        if n:
+            comm.broadcast(payload, self.src, self.group)
         flat = payload.tolist()
+        if kind == WEIGHTS:
+            return kind, flat
         chunks, at = [], num_ids
         for _ in range(num_chunks):
             start, length, nb = flat[at:at + 3]

@@ -8,7 +8,8 @@ Inside a phase, with ``pin_parameters`` (DeepSpeed's default), the ZeRO-3 weight
 first ``generate()`` starts, and held (``GatheredParameters``) until the phase ends: no per-token gathers.
 The KV cache is a static cache of ``max_out_tokens`` positions per batch size, allocated on first use in the
 phase and reset between calls. ``release_inference_cache`` gives both back after every ``generate()``; the
-end of the phase always does. Generation runs under ``no_grad`` and in eval mode and leaves every training
+end of the phase always does; on the host the freed heap is then trimmed (``malloc_trim``: glibc would otherwise keep
+the released pages resident, and RSS would not fall). Generation runs under ``no_grad`` and in eval mode and leaves every training
 state alone (parameters, optimizer, counters, RNG of the training step), so a step after a rollout equals one
 without it. Under stages 0-2 the weights are whole already and only the cache is managed. With
 ``inference_tp_size`` > 1 the phase generates tensor-parallel over groups of that many ranks from a split copy
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..accelerator import get_accelerator
 from ..config.hybrid_engine import HybridEngineConfig
+from ..profiling.memory_timeline import malloc_trim
 from ..zero.stage3 import GatheredParameters
 
 
@@ -42,6 +44,7 @@ class HybridEngine:
         self.caches: dict[int, Any] = {}
         self.gathers = 0  # how many times the weights were gathered for generation (a count for tests and logs)
         self.tp = None
+        self._on_host = all(p.device.type == "cpu" for p in module.parameters())
         if section.inference_tp_size > 1:
             from .hybrid_tp import TensorParallelRollout
 
@@ -87,6 +90,8 @@ class HybridEngine:
             self.tp.release()
         gc.collect()
         get_accelerator().empty_cache()
+        if self._on_host:  # glibc keeps freed heap resident: hand the released weights and cache back to the OS
+            malloc_trim()
 
     def _check_length(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         ids = inputs[0] if inputs else kwargs.get("input_ids", kwargs.get("inputs"))
