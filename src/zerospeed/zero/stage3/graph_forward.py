@@ -39,6 +39,22 @@ GRAPH_BREAK_HINT = (
     "not supported yet under DeepCompile: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the "
     "model, or compile without compile.deepcompile (stage 3's hooks are then graph breaks)")
 
+HF_WARNING_ONCE_HINT = (
+    "The break is Hugging Face's logger.warning_once (an lru_cache, which dynamo cannot trace), called on every "
+    "step by two model habits: a model class whose loss_type HF does not recognise (GPT2LMHeadModel: set "
+    "model.loss_type = \"ForCausalLM\", the loss HF falls back to anyway), and use_cache=True with activation "
+    "checkpointing (set model.config.use_cache = False)")
+
+
+def graph_break_notes(exc: BaseException) -> list[str]:
+    """The notes DeepCompile adds to a graph-break error: what fullgraph means here, and a known model-side
+    cause when the message names one."""
+    notes = [GRAPH_BREAK_HINT]
+    text = str(exc)
+    if "warning_once" in text or ("lru_cache" in text and "transformers" in text):
+        notes.append(HF_WARNING_ONCE_HINT)
+    return [n for n in notes if n not in getattr(exc, "__notes__", [])]
+
 
 def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Gathers are recomputed in backward, but for the units selective gather keeps; so are views (free to
@@ -94,11 +110,12 @@ class GraphForward:
         except Exception as exc:
             from torch._dynamo.exc import Unsupported  # loaded: the compiled call raised
 
-            if isinstance(exc, Unsupported) and GRAPH_BREAK_HINT not in getattr(exc, "__notes__", []):
-                exc.add_note(GRAPH_BREAK_HINT)
+            if isinstance(exc, Unsupported):
+                for note in graph_break_notes(exc):
+                    exc.add_note(note)
             raise
 
     run = forward  # replaced by the compiled forward (runtime/compile.py)
 
 
-__all__ = ["GraphForward"]
+__all__ = ["GraphForward", "graph_break_notes"]
