@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .graph_free import defer_zero_grads
 from .graph_ops import GraphUnits
 from .param_store import shard_of
 
@@ -67,9 +68,13 @@ def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) 
 class GraphForward:
     """Callable standing for ``module.__call__`` (installed as its ``_compiled_call_impl``)."""
 
-    def __init__(self, module: nn.Module, graph: GraphUnits, keep: frozenset[int] = frozenset()) -> None:
-        """``keep``: units kept gathered from forward to backward (the selective gather pass)."""
+    def __init__(self, module: nn.Module, graph: GraphUnits, keep: frozenset[int] = frozenset(),
+                 lazy_tangents: bool = False) -> None:
+        """``keep``: units kept gathered from forward to backward (the selective gather pass);
+        ``lazy_tangents``: the compiled backward takes None for an output given no gradient
+        (``graph_free.defer_zero_grads``; zerospeed's ``aot_eager`` runner)."""
         self.module = module
+        self.lazy_tangents = lazy_tangents
         self.graph = graph
         self.keep = keep
         self._contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, keep))
@@ -106,7 +111,7 @@ class GraphForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.anchor.grad = None  # its gradient is a token (zero); do not let it pile up
         try:
-            return self.run(*args, **kwargs)
+            out = self.run(*args, **kwargs)
         except Exception as exc:
             from torch._dynamo.exc import Unsupported  # loaded: the compiled call raised
 
@@ -114,6 +119,9 @@ class GraphForward:
                 for note in graph_break_notes(exc):
                     exc.add_note(note)
             raise
+        if self.lazy_tangents:
+            defer_zero_grads(out)
+        return out
 
     run = forward  # replaced by the compiled forward (runtime/compile.py)
 
