@@ -2,7 +2,10 @@
 
     .venv/bin/python benchmarks/bench_compile.py [--preset demo] [--micro-batch 8] [--steps 5] [--repeat 1]
         [--stages 0 3] [--backend inductor] [--deepcompile] [--fsdp2] [--free-activation] [--no-plain]
-        [--max-reuse N] [--json]
+        [--max-reuse N] [--device cpu|cuda] [--json]
+
+``--device cuda`` (``scripts/gpu-check``): NCCL, one rank per device (at most 2; one GPU runs world 1), and
+"peak dev GiB" is each rank's ``torch.cuda.max_memory_allocated``.
 
 ``--deepcompile`` adds a third mode at stages 1-3: ``compile.deepcompile: true`` (ZeRO inside the graph,
 docs/compile.md) with the same backend (``--free-activation``: with ``compile.free_activation``, threshold 0).
@@ -82,6 +85,9 @@ class _Fsdp2:
 
         import torch.distributed as dist
 
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            model.cuda()
+
         for block in model.blocks:  # type: ignore[attr-defined]
             fully_shard(block)
         fully_shard(model)
@@ -128,8 +134,12 @@ def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | 
             engine.compile(backend=backend)
     calls = _count_collectives()
     gen = torch.Generator().manual_seed(engine.global_rank)
+    cuda = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
     batches = [torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size + 1), generator=gen)
                for _ in range(steps + 1)]
+    if cuda:
+        batches = [b.cuda() for b in batches]
+        torch.cuda.reset_peak_memory_stats()
     walls, cpus, losses = [], [], []
     for i, b in enumerate(batches):
         calls[0] = 0
@@ -137,6 +147,8 @@ def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | 
         _, loss = engine(b[:, :-1], b[:, 1:])
         engine.backward(loss)
         engine.step()
+        if cuda:
+            torch.cuda.synchronize()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
         losses.append(float(loss.detach()))
@@ -145,14 +157,16 @@ def _rank(preset: str, micro_batch: int, steps: int, stage: int, backend: str | 
     counts = compiled_graph_count() if backend is not None else {"graphs": 0, "graph_breaks": 0}
     return {"first_s": walls[0], "wall_s": sum(walls[1:]) / steps, "cpu_s": sum(cpus[1:]) / steps,
             "losses": losses, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
-            "steady_gib": _vm_hwm_gib(), "colls": calls[0], "comm_mb": engine.last_step_comm_volume / 1e6, **counts}
+            "steady_gib": _vm_hwm_gib(), "dev_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
+            "colls": calls[0], "comm_mb": engine.last_step_comm_volume / 1e6, **counts}
 
 
-_MEANS = ("first_s", "wall_s", "cpu_s", "rss_gib", "steady_gib", "comm_mb")
+_MEANS = ("first_s", "wall_s", "cpu_s", "rss_gib", "steady_gib", "dev_gib", "comm_mb")
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
+    world = 2 if args.device == "cpu" else min(2, torch.cuda.device_count())
     for _ in range(args.repeat):
         for stage in args.stages:
             modes = [(None, False, False)] + ([] if args.no_plain else [(args.backend, False, False)]) + \
@@ -161,8 +175,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             for backend, deep, fsdp2 in modes:
                 with tempfile.TemporaryDirectory(prefix="bench_compile_inductor_") as cache:
                     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold compile, as on a fresh machine
-                    ranks = run_distributed(_rank, 2, args.preset, args.micro_batch, args.steps, stage, backend,
-                                            deep, args.max_reuse, fsdp2, args.free_activation, timeout=3600)
+                    ranks = run_distributed(_rank, world, args.preset, args.micro_batch, args.steps, stage, backend,
+                                            deep, args.max_reuse, fsdp2, args.free_activation, timeout=3600,
+                                            backend="nccl" if args.device == "cuda" else "gloo")
                 mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in _MEANS}
                 mode = ("eager" if backend is None else f"fsdp2 + torch.compile {backend}" if fsdp2
                         else f"deepcompile {backend}" if deep else backend)
@@ -207,22 +222,27 @@ def main() -> None:
     parser.add_argument("--free-activation", action="store_true", help="DeepCompile with compile.free_activation")
     parser.add_argument("--no-plain", action="store_true", help="skip plain engine.compile()")
     parser.add_argument("--max-reuse", type=int, default=None, help="zero_optimization.stage3_max_reuse_distance")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_compile: --device cuda, but no CUDA device here; nothing to measure")
+        return
     summary = summarize(measure(args))
     if args.json:
         for row in summary:
             print(json.dumps(row))
         return
-    print(f"GPT {args.preset}, world 2 (Gloo, CPU), micro-batch {args.micro_batch}, {args.steps} steps, "
+    where = "world 2 (Gloo, CPU)" if args.device == "cpu" else f"{torch.cuda.get_device_name(0)}, NCCL"
+    print(f"GPT {args.preset}, {where}, micro-batch {args.micro_batch}, {args.steps} steps, "
           f"repeat {args.repeat}, torch {torch.__version__}, {os.cpu_count()} cores")
     print("| stage | mode | first step s | compile s | wall s/step | CPU s/step | wall vs eager | CPU vs eager "
-          "| peak RSS GiB | steady RSS GiB | comm MB/step | colls/step | graphs | breaks | max loss diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak RSS GiB | steady RSS GiB | peak dev GiB | comm MB/step | colls/step | graphs | breaks | max loss diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         print(f"| {r['stage']} | {r['mode']} | {r['first_s']:.2f} | {r['compile_s']:.1f} | {r['wall_s']:.3f} | "
               f"{r['cpu_s']:.3f} | {r['wall_ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['rss_gib']:.2f} | "
-              f"{r['steady_gib']:.2f} | {r['comm_mb']:.1f} | {r['colls']} | {r['graphs']} | "
+              f"{r['steady_gib']:.2f} | {r['dev_gib']:.2f} | {r['comm_mb']:.1f} | {r['colls']} | {r['graphs']} | "
               f"{r['graph_breaks']} | {r['max_loss_diff']:.1e} |")
     sys.stdout.flush()
 

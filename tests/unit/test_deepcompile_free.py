@@ -73,3 +73,48 @@ def test_free_activation_keys() -> None:
         load_config({"train_batch_size": 2, "compile": {"free_activation": True}})
     with pytest.raises(Exception, match="free_activation_threshold"):
         load_config({"train_batch_size": 2, "compile": {"deepcompile": True, "free_activation_threshold": -1}})
+
+
+def test_an_output_given_no_gradient_costs_no_full_zero_in_the_compiled_backward() -> None:
+    """The model returns (logits, loss) and only the loss is backpropagated: autograd would hand the compiled
+    backward a full zero for the logits (196 MiB on GPT-2 small); with defer_zero_grads it hands None, which the
+    boxed runner turns into a one-element zero. Gradients are unchanged."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from zerospeed.zero.stage3.graph_free import defer_zero_grads
+
+    seen: list[tuple[int, ...]] = []
+
+    def bw_compiler(gm: fx.GraphModule, example_inputs: object) -> object:
+        run = boxed(gm, lazy_tangents=True)
+        tangents = [i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                    if n.name.startswith("tangents")]
+
+        def probe(args: list) -> object:  # what autograd hands the compiled backward
+            seen.extend(tuple(args[i].stride()) if args[i] is not None else (-1,) for i in tangents)
+            return run(args)
+
+        probe._boxed_call = True  # type: ignore[attr-defined]
+        return probe
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: boxed(gm), bw_compiler=bw_compiler,
+                           partition_fn=min_cut_rematerialization_partition)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x @ w
+        return logits, logits.logsumexp(-1).mean()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    x = torch.randn(3, 4)
+    w_ref = torch.randn(4, 5, requires_grad=True)
+    w = w_ref.detach().clone().requires_grad_(True)
+    f(x, w_ref)[1].backward()
+    out = compiled(x, w)
+    assert defer_zero_grads(out) == 1  # one backward node for both outputs
+    out[1].backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    # autograd handed None for the logits (no full zero; the runner made a stride-0 one), the loss's scalar as is
+    assert seen == [(-1,), ()], seen
+    torch._dynamo.reset()

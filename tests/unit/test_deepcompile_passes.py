@@ -144,3 +144,17 @@ def test_sync_keys_synchronise_at_their_points() -> None:
     for point in ("before_allgather", "after_allgather", "before_reduce", "after_reduce"):
         g.sync(point)
     assert len(calls) == 2
+
+
+def test_graph_break_notes_name_hugging_face_warning_once_and_are_added_once() -> None:
+    from zerospeed.zero.stage3.graph_forward import GRAPH_BREAK_HINT, HF_WARNING_ONCE_HINT, graph_break_notes
+
+    plain = RuntimeError("Attempted to call function marked as skipped: print")
+    assert graph_break_notes(plain) == [GRAPH_BREAK_HINT]
+    hf = RuntimeError("lru_cache ... from user code: File \"transformers/modeling_utils.py\", in loss_function\n"
+                      "    logger.warning_once(")
+    assert graph_break_notes(hf) == [GRAPH_BREAK_HINT, HF_WARNING_ONCE_HINT]
+    assert "loss_type" in HF_WARNING_ONCE_HINT and "use_cache" in HF_WARNING_ONCE_HINT
+    for note in graph_break_notes(hf):
+        hf.add_note(note)
+    assert graph_break_notes(hf) == []  # a re-raised error is not annotated twice

@@ -101,7 +101,7 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
                 freed.extend(mine)
                 _log.info("DeepCompile free_activation: %d saved activations of >= %d bytes freed after their "
                           "last use in backward", sum(map(len, mine)), cfg.free_activation_threshold)
-            return boxed(gm)
+            return boxed(gm, lazy_tangents=True)  # an output given no gradient costs no full zero (graph_free.py)
 
         # as torch's own aot_eager (the default partitioner fails on persistent parameters inside the checkpoint)
         return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True,
@@ -158,7 +158,7 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     fetcher = zero3.fetcher
     keep = frozenset(selective_units(numel_of, min(fetcher.max_live_numel, fetcher.max_reuse_numel))
                      if "selective_gather" in names else ())
-    forward = GraphForward(module, graph, keep)
+    forward = GraphForward(module, graph, keep, lazy_tangents=backend == "aot_eager")
     freed: list[list[str]] = []
     compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg, freed)
     zero3.remove_module_hooks()

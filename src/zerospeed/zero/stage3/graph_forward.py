@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .graph_free import defer_zero_grads
 from .graph_ops import GraphUnits
 from .param_store import shard_of
 
@@ -38,6 +39,22 @@ GRAPH_BREAK_HINT = (
     "code that breaks the graph is an error here. zerospeed.checkpointing regions run eagerly by design and are "
     "not supported yet under DeepCompile: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the "
     "model, or compile without compile.deepcompile (stage 3's hooks are then graph breaks)")
+
+HF_WARNING_ONCE_HINT = (
+    "The break is Hugging Face's logger.warning_once (an lru_cache, which dynamo cannot trace), called on every "
+    "step by two model habits: a model class whose loss_type HF does not recognise (GPT2LMHeadModel: set "
+    "model.loss_type = \"ForCausalLM\", the loss HF falls back to anyway), and use_cache=True with activation "
+    "checkpointing (set model.config.use_cache = False)")
+
+
+def graph_break_notes(exc: BaseException) -> list[str]:
+    """The notes DeepCompile adds to a graph-break error: what fullgraph means here, and a known model-side
+    cause when the message names one."""
+    notes = [GRAPH_BREAK_HINT]
+    text = str(exc)
+    if "warning_once" in text or ("lru_cache" in text and "transformers" in text):
+        notes.append(HF_WARNING_ONCE_HINT)
+    return [n for n in notes if n not in getattr(exc, "__notes__", [])]
 
 
 def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -51,9 +68,13 @@ def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) 
 class GraphForward:
     """Callable standing for ``module.__call__`` (installed as its ``_compiled_call_impl``)."""
 
-    def __init__(self, module: nn.Module, graph: GraphUnits, keep: frozenset[int] = frozenset()) -> None:
-        """``keep``: units kept gathered from forward to backward (the selective gather pass)."""
+    def __init__(self, module: nn.Module, graph: GraphUnits, keep: frozenset[int] = frozenset(),
+                 lazy_tangents: bool = False) -> None:
+        """``keep``: units kept gathered from forward to backward (the selective gather pass);
+        ``lazy_tangents``: the compiled backward takes None for an output given no gradient
+        (``graph_free.defer_zero_grads``; zerospeed's ``aot_eager`` runner)."""
         self.module = module
+        self.lazy_tangents = lazy_tangents
         self.graph = graph
         self.keep = keep
         self._contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, keep))
@@ -90,15 +111,19 @@ class GraphForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.anchor.grad = None  # its gradient is a token (zero); do not let it pile up
         try:
-            return self.run(*args, **kwargs)
+            out = self.run(*args, **kwargs)
         except Exception as exc:
             from torch._dynamo.exc import Unsupported  # loaded: the compiled call raised
 
-            if isinstance(exc, Unsupported) and GRAPH_BREAK_HINT not in getattr(exc, "__notes__", []):
-                exc.add_note(GRAPH_BREAK_HINT)
+            if isinstance(exc, Unsupported):
+                for note in graph_break_notes(exc):
+                    exc.add_note(note)
             raise
+        if self.lazy_tangents:
+            defer_zero_grads(out)
+        return out
 
     run = forward  # replaced by the compiled forward (runtime/compile.py)
 
 
-__all__ = ["GraphForward"]
+__all__ = ["GraphForward", "graph_break_notes"]
