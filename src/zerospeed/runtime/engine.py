@@ -334,6 +334,11 @@ class Engine(nn.Module):
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas else loss
 
+    def _backward_epilogue(self) -> None:
+        """DeepSpeed's: after ``loss.backward()`` through ``engine.module`` (runtime/torch_backward.py), take the
+        gradients it left in ``p.grad`` as one micro-step."""
+        self.torch_backward.take_left_grads()
+
     def coalesce_grad_reduction(self) -> Any:
         """DeepSpeed's context manager: the backward calls inside are reduced once, at its exit."""
         return self.torch_backward.coalesce()
@@ -364,8 +369,9 @@ class Engine(nn.Module):
         self.observer.step_start()
         if boundary and self.backwards_in_window == 0 and any(p.grad is not None for p in self.module.parameters()):
             raise RuntimeError("engine.step() found gradients in p.grad but engine.backward() was not called in "
-                               "this step: call engine.backward(loss) instead of loss.backward() (gradients from "
-                               "another engine's backward stay in p.grad; clear them with zero_grad())")
+                               "this step: call engine.backward(loss), or engine._backward_epilogue() after a loss.backward() "
+                               "that bypassed engine(...) (gradients from another engine's backward stay in "
+                               "p.grad; clear them with zero_grad())")
         if boundary:
             self.backwards_in_window = 0
             if self.data_efficiency is not None:
