@@ -28,6 +28,7 @@ from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
 from ..precision.cast import cast_inputs_half
 from .lockstep import MicroStepCheck
+from .no_sync import check_step as check_no_sync_step, no_sync_block
 from .observer import StepObserver
 from .parts import EngineParts
 from .torch_backward import TorchBackward
@@ -189,23 +190,9 @@ class Engine(nn.Module):
                                "accumulation: false (the caller owns the boundary by calling step())")
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally without communicating (stages 0 and 1).
-
-        The next backward outside the block, on an accumulation boundary, reduces everything accumulated.
-        Stages 2 and 3 keep no full-size gradient, so they cannot defer the reduction (as in DeepSpeed).
-        """
-        if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: gradients "
-                               "are partitioned as they are produced. Use gradient_accumulation_steps instead.")
-        if self._inside_no_sync:
-            raise RuntimeError("no_sync() cannot be nested")
-        self._inside_no_sync = True
-        try:
-            yield
-        finally:
-            self._inside_no_sync = False
+    def no_sync(self) -> Any:
+        """Backward passes inside accumulate gradients locally without communicating (stages 0-1; no_sync.py)."""
+        return no_sync_block(self)
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated so far (the optimizer step does this by itself), and, as DeepSpeed
@@ -348,9 +335,7 @@ class Engine(nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: set 'optimizer' in the config or pass one")
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self._inside_no_sync:
-            raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
-                               "were never reduced: leave the no_sync() block for the last backward before step()")
+        check_no_sync_step(self)
         if self.parts.hybrid is not None:  # weights held for rollouts go back to their shards before they change
             self.parts.hybrid.end_phase()
         self.torch_backward.check_step()
