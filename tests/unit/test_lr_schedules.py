@@ -203,12 +203,13 @@ def test_per_group_lists():
         build_scheduler("WarmupLR", {"warmup_max_lr": [1.0, 0.5, 0.2]}, opt)
 
 
-def test_tensor_lr_stays_tensor():
-    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor(0.1))
+def test_tensor_lr_stays_the_same_tensor():
+    given = torch.full((1,), 0.1, dtype=torch.float64)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=given)
     s = build_scheduler("WarmupLR", {"warmup_max_lr": 0.1, "warmup_min_lr": 0.05}, opt)
-    lr = opt.param_groups[0]["lr"]
-    assert isinstance(lr, torch.Tensor) and float(lr) == pytest.approx(0.05)
-    s.step()
+    s.step(10)
+    lr = opt.param_groups[0]["lr"]  # written in place: the optimizer's (and the caller's) tensor, dtype and shape
+    assert lr is given and lr.dtype == torch.float64 and lr.shape == (1,) and float(lr) > 0.05
 
 
 def test_state_dict_round_trip():
