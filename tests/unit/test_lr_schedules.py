@@ -260,3 +260,21 @@ def test_not_supported_yet():
         build_scheduler("StepLR", {"step_size": 2}, sgd())
     with pytest.raises(NotSupportedYetError, match="last_batch_iteration"):
         build_scheduler("WarmupLR", {"last_batch_iteration": 5}, sgd())
+
+
+def test_one_cycle_per_group_values_and_a_climb_only_cycle():
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+                            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}])
+    s = build_scheduler("OneCycle", {"cycle_min_lr": [0.001, 0.002], "cycle_max_lr": [0.01, 0.02],
+                                     "cycle_min_mom": [0.8, 0.85], "cycle_max_mom": [0.9, 0.95],
+                                     "cycle_first_step_size": 5}, opt)
+    s.step(4)  # the peak: each group at its own max lr and min momentum
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01, 0.02])
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.85])
+    with pytest.raises(ConfigError, match="cycle_max_mom.*2 values"):
+        build_scheduler("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_max_mom": [0.9]}, opt)
+    climb = build_scheduler("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4,
+                                         "cycle_second_step_size": 0}, opt)
+    assert climb.step_ratio == 1.0
+    climb.step(2)
+    assert climb.get_lr() == pytest.approx([0.1 + 0.9 * 3 / 4] * 2)

@@ -148,6 +148,10 @@ class WarmupCosineLR(LRSchedule):
         cosine = (1.0 + math.cos(math.pi * min(1.0, progress))) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
+    def get_lr_ratio(self) -> float:
+        """DeepSpeed's name: the ratio at ``last_batch_iteration`` (0 before the first step)."""
+        return self.lr_ratio(self.last_batch_iteration)
+
     def lrs_at(self, iteration: int) -> list[float]:
         ratio = self.lr_ratio(iteration)
         return [lr * ratio for lr in self.org_lrs]
