@@ -278,3 +278,20 @@ def test_one_cycle_per_group_values_and_a_climb_only_cycle():
     assert climb.step_ratio == 1.0
     climb.step(2)
     assert climb.get_lr() == pytest.approx([0.1 + 0.9 * 3 / 4] * 2)
+
+
+def test_warmup_lr_without_max_warms_each_group_to_its_own_lr():
+    opt = sgd(groups=2)
+    for group, lr in zip(opt.param_groups, (0.1, 0.2)):
+        group["lr"] = lr
+    s = build_scheduler("WarmupLR", {"warmup_num_steps": 4}, opt)
+    s.step(4)
+    assert s.get_last_lr() == pytest.approx([0.1, 0.2])
+
+
+def test_call_to_str_is_an_instructions_text():
+    from zerospeed.runtime.utils import call_to_str
+    from zerospeed.runtime.pipe.schedule import ForwardPass
+
+    assert call_to_str("f", 3, "x", val=1) == "f(3, 'x', val=1)" and call_to_str("g") == "g()"
+    assert repr(ForwardPass(buffer_id=2)) == "ForwardPass(buffer_id=2)"
