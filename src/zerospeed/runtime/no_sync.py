@@ -25,10 +25,9 @@ class NoSyncError(RuntimeError, AssertionError):
 @contextmanager
 def no_sync_block(engine: Any) -> Iterator[None]:
     """The block ``engine.no_sync()`` returns; ``engine._inside_no_sync`` is what the backward reads."""
-    stage = engine.zero_optimization_stage()
-    if stage >= 2:
+    if engine.zero_optimization_stage() >= 2:  # the engine's accessor, as the block read it in engine.py
         raise NoSyncError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage "
-                          f"{stage}: stages 2 and 3 partition gradients as they are produced, so they cannot "
+                          f"{engine.zero_optimization_stage()}: stages 2 and 3 partition gradients as they are produced, so they cannot "
                           "defer the reduction. Use gradient_accumulation_steps instead")
     if engine._inside_no_sync:
         raise NoSyncError("no_sync context manager reentry is unsupported: engine.no_sync() is already open")

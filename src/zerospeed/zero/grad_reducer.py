@@ -8,17 +8,15 @@ a single partition (or without ``reduce_scatter``), else a reduce-scatter whose 
 destination (``grad_dest.py``: the gradient partition, or the offload sink); the compressor
 (``grad_compressor.py``: top-k) may take the bucket instead. At most ``MAX_IN_FLIGHT`` are in flight.
 What the stage changes is the choice of parts (``reducer_parts.py``); unused parameters: ``late_grads.py``.
-Gradients from outside this reducer's micro-step (another engine's backward) stay in ``p.grad``, as in
-plain PyTorch (stage 3 raises, unless its ``adopter`` opens a micro-step for them: a backward no engine
-owns, ``runtime/torch_backward.py``). Consumers use ``owned_tensors()``, ``grad_block(p)``,
-``partition_buffer(g)``, ``full_buffer(g)`` and the phase events (``events.subscribe``).
+Gradients from outside this reducer's micro-step (another engine's backward) stay in ``p.grad``, as in plain
+PyTorch (stage 3 raises, unless its ``adopter`` opens a micro-step: runtime/torch_backward.py). Consumers use
+``owned_tensors()``, ``grad_block(p)``, ``partition_buffer(g)``, ``full_buffer(g)`` and ``events.subscribe``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-
 import torch
 from torch import nn
 
@@ -50,9 +48,8 @@ class GradReducer:
         self.pending: list[InFlight] = []
         self.communicate = self.boundary = True
         self.active = False  # inside this engine's backward (begin_micro_step .. end_micro_step)
-        # A gradient arriving outside a micro-step may open one (stage 3, a backward no engine owns: the engine's
-        # adopter says whether it did); ``grad_scale`` multiplies each p.grad taken (an adopted backward's loss
-        # factor), ``scope`` wraps taking it (the engine's comms logger).
+        # adopter: may open a micro-step for a gradient arriving outside one (stage 3, runtime/torch_backward.py);
+        # grad_scale multiplies each p.grad taken (its loss factor); scope wraps the take (the engine's comms logger)
         self.adopter: Callable[[], bool] | None = None
         self.grad_scale = 1.0
         self.scope: Callable[[], AbstractContextManager[None]] = nullcontext
@@ -106,21 +103,17 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        g, i = self.where[p]  # type: ignore[index]
         if p.grad is None:
             return
         if not self.active and not (self.adopter is not None and self.adopter()):
-            self._outside_backward(g, i)
-            return
+            return self._outside_backward(*self.where[p])  # type: ignore[index]
         with self.scope():
             self.take_p_grad(p)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def take_p_grad(self, p: nn.Parameter) -> None:
-        """Inside a micro-step: take ``p.grad`` (times ``grad_scale``) into its bucket and free it, as its hook
-        does (also for gradients a backward left in ``p.grad`` outside any micro-step: ``_backward_epilogue``)."""
-        g, i = self.where[p]
-        grad = p.grad
+        """Inside a micro-step: take ``p.grad`` (times ``grad_scale``) into its bucket and free it, as its hook does."""
+        g, i, grad = *self.where[p], p.grad
         assert self.active and grad is not None
         with self.events.span(None, "grad_buckets"):
             self._take(g, i, grad if self.grad_scale == 1.0 else grad.mul_(self.grad_scale))
