@@ -114,6 +114,9 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
     "zerospeed.monitor.csv_monitor": "zerospeed.profiling.monitor.csv",
     "zerospeed.monitor.config": "zerospeed.compat.monitor_config",
     "zerospeed.utils.timer": ("zerospeed.profiling.timers", "zerospeed.profiling.throughput"),
+    "zerospeed.runtime.tensor_parallel": "zerospeed.parallel.tensor",
+    "zerospeed.runtime.tensor_parallel.config": ("zerospeed.config.tensor_parallel",
+                                                 "zerospeed.parallel.tensor.hf_tp_plan"),  # _get_hf_tp_plan
 }
 
 # --- names DeepSpeed's example scripts reach (issue 29 part B): more targets for an alias above ---

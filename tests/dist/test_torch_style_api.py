@@ -1,7 +1,8 @@
 """DeepSpeed's 2026 training API (issue 32 item 1), world 2 against one process, stages 0-3.
 
-``loss.backward()`` on the engine's output, ``coalesce_grad_reduction()`` (one reduction for several
-backward calls), ``managed_gradient_accumulation: false`` (the caller's boundary is ``step()``, also with
+``loss.backward()`` on the engine's output, ``loss.backward()`` on one loss summed over two engines' modules
+called directly (``_backward_epilogue()``; stage 3 takes the gradients as they arrive), ``coalesce_grad_reduction()``
+(one reduction for several backward calls), ``managed_gradient_accumulation: false`` (the caller's boundary is ``step()``, also with
 offload) and ``gradient_allreduce_op``: each trains as the single-process reference does.
 """
 
@@ -71,11 +72,44 @@ def _train(stage: int, mode: str) -> dict[str, Any]:
     return {"losses": losses, "norm0": norms[0], "state": state, "steps": engine.global_steps, "samples": engine.global_samples}
 
 
+def _train_shared(stage: int) -> list[dict[str, Any]]:
+    """Two engines over equal models, one loss summed over their modules called directly (the engines' forwards
+    bypassed), ``loss.backward()``, then each engine's ``_backward_epilogue()`` and ``step()``: each one trains as
+    the reference does (gradients divided by the accumulation steps, as ``engine.backward`` divides the loss);
+    the second one's first gradient norm is a third of the reference's."""
+    from zerospeed import comm
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    engines = [_engine(stage, {}), _engine(stage, {})]
+    losses, norms, second_norms = [], [], []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for m in range(GAS):
+            x, y = micro_batch(step, m, rank, world, MB, GAS)
+            first, second = (e.module(x, y) for e in engines)
+            (first + second / 3).backward()  # the second engine's gradients: a third of the first's
+            for e in engines:
+                e._backward_epilogue()
+                e.step()
+            total += first.detach() / GAS
+        comm.all_reduce(total)
+        losses.append(float(total) / world)
+        norms.append(engines[0].get_global_grad_norm())
+        second_norms.append(engines[1].get_global_grad_norm())
+    from zerospeed.zero import full_state_dict
+
+    state = {k: v.float() for k, v in full_state_dict(engines[0].module, rank0_only=False).items()}
+    first_run = {"losses": losses, "norm0": norms[0], "state": state, "steps": engines[0].global_steps,
+                 "samples": engines[0].global_samples}
+    return [first_run, {"norm0": second_norms[0], "steps": engines[1].global_steps}]
+
+
 def _all_modes() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for stage in (0, 1, 2, 3):
         for mode in ("direct", "coalesce", "unmanaged"):
             out[f"{mode}{stage}"] = _train(stage, mode)
+        out[f"shared{stage}"], out[f"shared{stage}_second"] = _train_shared(stage)
     out["unmanaged_offload2"] = _train(2, "unmanaged_offload")
     # gradient_allreduce_op: the sum over the ranks is `world` times their mean (one step, same batch)
     norms = {}
@@ -132,6 +166,9 @@ def test_training_api_matches_one_process() -> None:
     for r in run_distributed(_all_modes, 2, timeout=240):
         for name, got in r.items():
             if name in ("norms", "func", "misuse"):
+                continue
+            if name.endswith("_second"):
+                assert abs(3 * got["norm0"] - ref_norm) < 1e-5 * ref_norm and got["steps"] == STEPS, (name, got)
                 continue
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                        msg=name)

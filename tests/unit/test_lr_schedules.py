@@ -203,12 +203,13 @@ def test_per_group_lists():
         build_scheduler("WarmupLR", {"warmup_max_lr": [1.0, 0.5, 0.2]}, opt)
 
 
-def test_tensor_lr_stays_tensor():
-    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor(0.1))
+def test_tensor_lr_stays_the_same_tensor():
+    given = torch.full((1,), 0.1, dtype=torch.float64)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=given)
     s = build_scheduler("WarmupLR", {"warmup_max_lr": 0.1, "warmup_min_lr": 0.05}, opt)
-    lr = opt.param_groups[0]["lr"]
-    assert isinstance(lr, torch.Tensor) and float(lr) == pytest.approx(0.05)
-    s.step()
+    s.step(10)
+    lr = opt.param_groups[0]["lr"]  # written in place: the optimizer's (and the caller's) tensor, dtype and shape
+    assert lr is given and lr.dtype == torch.float64 and lr.shape == (1,) and float(lr) > 0.05
 
 
 def test_state_dict_round_trip():
@@ -259,3 +260,38 @@ def test_not_supported_yet():
         build_scheduler("StepLR", {"step_size": 2}, sgd())
     with pytest.raises(NotSupportedYetError, match="last_batch_iteration"):
         build_scheduler("WarmupLR", {"last_batch_iteration": 5}, sgd())
+
+
+def test_one_cycle_per_group_values_and_a_climb_only_cycle():
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+                            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}])
+    s = build_scheduler("OneCycle", {"cycle_min_lr": [0.001, 0.002], "cycle_max_lr": [0.01, 0.02],
+                                     "cycle_min_mom": [0.8, 0.85], "cycle_max_mom": [0.9, 0.95],
+                                     "cycle_first_step_size": 5}, opt)
+    s.step(4)  # the peak: each group at its own max lr and min momentum
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01, 0.02])
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.85])
+    with pytest.raises(ConfigError, match="cycle_max_mom.*2 values"):
+        build_scheduler("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_max_mom": [0.9]}, opt)
+    climb = build_scheduler("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4,
+                                         "cycle_second_step_size": 0}, opt)
+    assert climb.step_ratio == 1.0
+    climb.step(2)
+    assert climb.get_lr() == pytest.approx([0.1 + 0.9 * 3 / 4] * 2)
+
+
+def test_warmup_lr_without_max_warms_each_group_to_its_own_lr():
+    opt = sgd(groups=2)
+    for group, lr in zip(opt.param_groups, (0.1, 0.2)):
+        group["lr"] = lr
+    s = build_scheduler("WarmupLR", {"warmup_num_steps": 4}, opt)
+    s.step(4)
+    assert s.get_last_lr() == pytest.approx([0.1, 0.2])
+
+
+def test_call_to_str_is_an_instructions_text():
+    from zerospeed.runtime.utils import call_to_str
+    from zerospeed.runtime.pipe.schedule import ForwardPass
+
+    assert call_to_str("f", 3, "x", val=1) == "f(3, 'x', val=1)" and call_to_str("g") == "g()"
+    assert repr(ForwardPass(buffer_id=2)) == "ForwardPass(buffer_id=2)"

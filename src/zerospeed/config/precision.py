@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .data_types import DTYPE_NAMES
@@ -20,18 +20,38 @@ class Fp16Config(Section):
     dicts) to fp16, as DeepSpeed does. ``raise_error_at_min_scale`` (zerospeed's key for DeepSpeed's
     ``DynamicLossScaler`` argument of that name, which DeepSpeed's config does not expose): an overflow with the
     scale already at ``min_loss_scale`` raises instead of skipping every later step.
+
+    As in DeepSpeed: ``loss_scale`` must be a finite number >= 0 (not a bool, a list...); ``loss_scale_window``
+    and ``min_loss_scale`` must be positive only where they are used (fp16 enabled, dynamic scaling), and never
+    a bool (a bool would pass as 1).
     """
 
     enabled: bool = False
     auto_cast: bool = False
     loss_scale: float = Field(0.0, ge=0, le=2.0**32, allow_inf_nan=False)  # above 2^32 every fp16 step overflows
     initial_scale_power: int = Field(16, ge=0, le=64)
-    loss_scale_window: int = Field(1000, ge=1)
+    loss_scale_window: int = 1000
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+    min_loss_scale: float = Field(1.0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = False
     raise_error_at_min_scale: bool = True
+
+    @field_validator("loss_scale", "loss_scale_window", "min_loss_scale", mode="before")
+    @classmethod
+    def _a_number(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError(f"{info.field_name} must be a number, got {type(v).__name__} {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_positive(self) -> "Fp16Config":
+        if self.enabled and self.loss_scale == 0:
+            for name in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name} must be positive with dynamic loss scaling (loss_scale 0), "
+                                     f"got {getattr(self, name)}")
+        return self
 
 
 class Bf16Config(Section):

@@ -28,6 +28,7 @@ from ..config import ZeroSpeedConfig
 from ..config.batch import BatchSizes
 from ..precision.cast import cast_inputs_half
 from .lockstep import MicroStepCheck
+from .no_sync import check_step as check_no_sync_step, no_sync_block
 from .observer import StepObserver
 from .parts import EngineParts
 from .torch_backward import TorchBackward
@@ -189,23 +190,9 @@ class Engine(nn.Module):
                                "accumulation: false (the caller owns the boundary by calling step())")
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally without communicating (stages 0 and 1).
-
-        The next backward outside the block, on an accumulation boundary, reduces everything accumulated.
-        Stages 2 and 3 keep no full-size gradient, so they cannot defer the reduction (as in DeepSpeed).
-        """
-        if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: gradients "
-                               "are partitioned as they are produced. Use gradient_accumulation_steps instead.")
-        if self._inside_no_sync:
-            raise RuntimeError("no_sync() cannot be nested")
-        self._inside_no_sync = True
-        try:
-            yield
-        finally:
-            self._inside_no_sync = False
+    def no_sync(self) -> Any:
+        """Backward passes inside accumulate gradients locally without communicating (stages 0-1; no_sync.py)."""
+        return no_sync_block(self)
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated so far (the optimizer step does this by itself), and, as DeepSpeed
@@ -334,6 +321,11 @@ class Engine(nn.Module):
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas else loss
 
+    def _backward_epilogue(self) -> None:
+        """DeepSpeed's: after ``loss.backward()`` through ``engine.module`` (runtime/torch_backward.py), take the
+        gradients it left in ``p.grad`` as one micro-step."""
+        self.torch_backward.take_left_grads()
+
     def coalesce_grad_reduction(self) -> Any:
         """DeepSpeed's context manager: the backward calls inside are reduced once, at its exit."""
         return self.torch_backward.coalesce()
@@ -343,9 +335,7 @@ class Engine(nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: set 'optimizer' in the config or pass one")
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self._inside_no_sync:
-            raise RuntimeError("engine.step() on an accumulation boundary inside no_sync() would apply gradients that "
-                               "were never reduced: leave the no_sync() block for the last backward before step()")
+        check_no_sync_step(self)
         if self.parts.hybrid is not None:  # weights held for rollouts go back to their shards before they change
             self.parts.hybrid.end_phase()
         self.torch_backward.check_step()
@@ -364,8 +354,9 @@ class Engine(nn.Module):
         self.observer.step_start()
         if boundary and self.backwards_in_window == 0 and any(p.grad is not None for p in self.module.parameters()):
             raise RuntimeError("engine.step() found gradients in p.grad but engine.backward() was not called in "
-                               "this step: call engine.backward(loss) instead of loss.backward() (gradients from "
-                               "another engine's backward stay in p.grad; clear them with zero_grad())")
+                               "this step: call engine.backward(loss), or engine._backward_epilogue() after a loss.backward() "
+                               "that bypassed engine(...) (gradients from another engine's backward stay in "
+                               "p.grad; clear them with zero_grad())")
         if boundary:
             self.backwards_in_window = 0
             if self.data_efficiency is not None:

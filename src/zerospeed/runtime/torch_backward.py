@@ -11,6 +11,14 @@
   engine opened first: the GAN pattern, a generator's loss through the discriminator) the hooks step aside,
   so those gradients stay in ``p.grad`` as before; under ``torch.func`` transforms too (as in DeepSpeed: the
   transform computes gradients functionally, outside the engine's reduction).
+* A backward the engine did not see: ``loss.backward()`` on what ``engine.module(...)`` returned (the engine's
+  forward, and so its output hooks, bypassed), e.g. one loss summed over several engines' modules (DeepSpeed's
+  shared-loss pattern). Stages 0-2 leave its gradients in ``p.grad``; ``engine._backward_epilogue()``
+  (DeepSpeed's name) then takes them as one micro-step, times the factor ``engine.backward`` puts on the loss.
+  Stage 3 cannot keep a full gradient beside a partitioned weight: when no engine owns the pass, the first
+  gradient to reach the engine's parameters opens its micro-step there (each engine whose parameters the pass
+  reaches opens its own), each gradient is taken times that factor, and the micro-step closes at the end of
+  autograd's graph task; ``_backward_epilogue()`` then finds nothing left.
 * ``coalesce_grad_reduction()``: several backward calls, one reduction. The reducer's store holds the
   gradients locally (stages 2-3: a full-size buffer for the time being) and the block's exit reduces once.
 * ``managed_gradient_accumulation: false``: the caller owns the boundary. Every backward accumulates
@@ -21,7 +29,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -60,6 +68,10 @@ class TorchBackward:
         self.coalescing = False
         self.backwards = 0  # backward calls since the last step() (unmanaged: the samples counted)
         self._recording: Any = None
+        self.adopted = False  # the open micro-step is a backward no engine owns (stage 3, see the docstring)
+        reducer = None if engine.optimizer is None else engine.optimizer.reducer
+        if reducer is not None and not reducer.parts.keeps_foreign_grads:
+            reducer.adopter, reducer.scope = self._adopt, lambda: comm.recording(engine.comms)
 
     # --- one micro-step (engine.backward, or loss.backward() on the outputs) ------------------------
     def loss_factor(self, scale_wrt_gas: bool = True) -> float:
@@ -138,20 +150,69 @@ class TorchBackward:
 
     def _close(self) -> None:
         self.open = False
-        _ENGINE_TASKS.discard(self.task)
+        if not self.adopted:  # an adopted pass is no engine's: its task was never entered
+            _ENGINE_TASKS.discard(self.task)
         try:
-            self.end()
+            with comm.recording(self.engine.comms) if self.adopted else nullcontext():
+                self.end()
         except Exception as exc:
             self._fail(exc)
             raise
         finally:
             self._stop_recording()
+            self._end_adoption()
 
     def _fail(self, exc: Exception) -> None:
         self.open = False
-        _ENGINE_TASKS.discard(self.task)
+        if not self.adopted:
+            _ENGINE_TASKS.discard(self.task)
         self._stop_recording()
+        self._end_adoption()
         self.engine._abandon_step("backward", exc)
+
+    # --- a backward the engine did not see ---------------------------------------------------------
+    def _adopt(self) -> bool:
+        """The reducer's adopter (stage 3): a gradient arrived outside a micro-step. In a backward no engine
+        owns, open this engine's micro-step (closed at the end of the graph task) and say so."""
+        if _ENGINE_TASKS or self.open or _functorch_active():
+            return False  # another engine's pass (the GAN pattern): the reducer refuses the gradient
+        self.open, self.task, self.adopted = True, torch._C._current_graph_task_id(), True
+        try:
+            with comm.recording(self.engine.comms):
+                self.begin(None)
+        except Exception as exc:
+            self._fail(exc)
+            raise
+        self.engine.optimizer.reducer.grad_scale = self.loss_factor()
+        torch.autograd.Variable._execution_engine.queue_callback(self._close)
+        return True
+
+    def _end_adoption(self) -> None:
+        if self.adopted:
+            self.adopted = False
+            self.engine.optimizer.reducer.grad_scale = 1.0
+
+    def take_left_grads(self) -> None:
+        """``engine._backward_epilogue()``: the gradients a backward the engine did not see left in ``p.grad``
+        (stages 0-2), taken as one micro-step, each times the loss factor (nothing left: nothing done)."""
+        eng = self.engine
+        if eng.optimizer is None:
+            raise RuntimeError("engine._backward_epilogue() needs an optimizer")
+        reducer = eng.optimizer.reducer
+        if self.open or reducer.active:
+            raise RuntimeError("engine._backward_epilogue() inside a backward pass: call it after loss.backward()")
+        left = [p for p in reversed(list(reducer.where)) if p.grad is not None]
+        if not left:
+            return
+        with eng._guarded("backward"):
+            self.begin(None)
+            reducer.grad_scale = self.loss_factor()
+            try:
+                for p in left:
+                    reducer.take_p_grad(p)
+            finally:
+                reducer.grad_scale = 1.0
+            self.end()
 
     def _stop_recording(self) -> None:
         if self._recording is not None:

@@ -8,14 +8,15 @@ a single partition (or without ``reduce_scatter``), else a reduce-scatter whose 
 destination (``grad_dest.py``: the gradient partition, or the offload sink); the compressor
 (``grad_compressor.py``: top-k) may take the bucket instead. At most ``MAX_IN_FLIGHT`` are in flight.
 What the stage changes is the choice of parts (``reducer_parts.py``); unused parameters: ``late_grads.py``.
-Gradients from outside this reducer's micro-step (another engine's backward) stay in ``p.grad``, as in
-plain PyTorch (stage 3 raises). Consumers use ``owned_tensors()``, ``grad_block(p)``,
-``partition_buffer(g)``, ``full_buffer(g)`` and the phase events (``events.subscribe``).
+Gradients from outside this reducer's micro-step (another engine's backward) stay in ``p.grad``, as in plain
+PyTorch (stage 3 raises, unless its ``adopter`` opens a micro-step: runtime/torch_backward.py). Consumers use
+``owned_tensors()``, ``grad_block(p)``, ``partition_buffer(g)``, ``full_buffer(g)`` and ``events.subscribe``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
@@ -47,6 +48,11 @@ class GradReducer:
         self.pending: list[InFlight] = []
         self.communicate = self.boundary = True
         self.active = False  # inside this engine's backward (begin_micro_step .. end_micro_step)
+        # adopter: may open a micro-step for a gradient arriving outside one (stage 3, runtime/torch_backward.py);
+        # grad_scale multiplies each p.grad taken (its loss factor); scope wraps the take (the engine's comms logger)
+        self.adopter: Callable[[], bool] | None = None
+        self.grad_scale = 1.0
+        self.scope: Callable[[], AbstractContextManager[None]] = nullcontext
         self.where: dict[nn.Parameter, tuple[int, int]] = {}
         self.hooks = []
         for g, grp in enumerate(groups):
@@ -97,14 +103,20 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        g, i = self.where[p]  # type: ignore[index]
         if p.grad is None:
             return
-        if not self.active:
-            self._outside_backward(g, i)
-            return
+        if not self.active and not (self.adopter is not None and self.adopter()):
+            return self._outside_backward(*self.where[p])  # type: ignore[index]
+        with self.scope():
+            self.take_p_grad(p)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def take_p_grad(self, p: nn.Parameter) -> None:
+        """Inside a micro-step: take ``p.grad`` (times ``grad_scale``) into its bucket and free it, as its hook does."""
+        g, i, grad = *self.where[p], p.grad
+        assert self.active and grad is not None
         with self.events.span(None, "grad_buckets"):
-            self._take(g, i, p.grad)
+            self._take(g, i, grad if self.grad_scale == 1.0 else grad.mul_(self.grad_scale))
             p.grad = None
             self._arrived(g, i)
 

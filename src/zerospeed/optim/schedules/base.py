@@ -24,10 +24,12 @@ def param_groups_of(optimizer: Any) -> list[dict[str, Any]]:
 
 
 def write_lrs(groups: list[dict[str, Any]], lrs: list[float]) -> list[float]:
-    """Set each group's lr (keeping a tensor lr a tensor, as fused/capturable optimizers need)."""
+    """Set each group's lr; a tensor lr (fused/capturable optimizers) is written in place, so it stays the same
+    tensor, with its dtype and shape, as in DeepSpeed."""
     for group, lr in zip(groups, lrs, strict=True):
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.full_like(group["lr"], lr)
+            with torch.no_grad():
+                group["lr"].fill_(lr)
         else:
             group["lr"] = lr
     return [float(lr) for lr in lrs]

@@ -46,17 +46,17 @@ class WarmupCosineLRParams(Section):
 
 
 class OneCycleParams(Section):
-    cycle_min_lr: float = Field(ge=0)
-    cycle_max_lr: float = Field(ge=0)
+    cycle_min_lr: PerGroup
+    cycle_max_lr: PerGroup
     decay_lr_rate: float = 0.0
     cycle_first_step_size: int = Field(2000, gt=0)
-    cycle_second_step_size: int | None = Field(None, gt=0)
+    cycle_second_step_size: int | None = Field(None, ge=0)  # 0: the lr only climbs (DeepSpeed's step_ratio 1)
     cycle_first_stair_count: int = Field(0, ge=0)
     cycle_second_stair_count: int | None = Field(None, ge=0)
     decay_step_size: int = Field(0, ge=0)
     cycle_momentum: bool = True
-    cycle_min_mom: float = 0.8
-    cycle_max_mom: float = 0.9
+    cycle_min_mom: PerGroup = 0.8
+    cycle_max_mom: PerGroup = 0.9
     decay_mom_rate: float = 0.0
 
 

@@ -19,7 +19,10 @@ import math
 import warnings
 from typing import Any
 
+from ..validate import per_group
 from .base import LRSchedule
+
+PATH = "scheduler.params"
 
 BETA2_WHEN_CYCLING = 0.99  # DeepSpeed pins beta2 to this value while it cycles beta1
 
@@ -30,8 +33,8 @@ class OneCycle(LRSchedule):
     def __init__(
         self,
         optimizer: Any,
-        cycle_min_lr: float,
-        cycle_max_lr: float,
+        cycle_min_lr: float | list[float],
+        cycle_max_lr: float | list[float],
         decay_lr_rate: float = 0.0,
         cycle_first_step_size: int = 2000,
         cycle_second_step_size: int | None = None,
@@ -39,24 +42,29 @@ class OneCycle(LRSchedule):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | list[float] = 0.8,
+        cycle_max_mom: float | list[float] = 0.9,
         decay_mom_rate: float = 0.0,
     ) -> None:
         super().__init__(optimizer)
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = float(cycle_second_step_size or cycle_first_step_size)
-        if self.first_step_size <= 0 or self.second_step_size <= 0:
-            raise ValueError("cycle_first_step_size and cycle_second_step_size must be positive")
+        self.second_step_size = float(cycle_first_step_size if cycle_second_step_size is None
+                                      else cycle_second_step_size)
+        if self.first_step_size <= 0 or self.second_step_size < 0:  # a zero second half: the lr only climbs
+            raise ValueError("cycle_first_step_size must be positive and cycle_second_step_size not negative")
         self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size  # DeepSpeed's attribute
         self.first_stair_count = int(cycle_first_stair_count)
         self.second_stair_count = int(
             cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
         )
         self.decay_step_size = float(decay_step_size)
-        self.min_lr, self.max_lr = float(cycle_min_lr), float(cycle_max_lr)
+        n = len(self.param_groups)  # each of the four: one value, or one per parameter group
+        self.min_lrs = per_group(cycle_min_lr, n, f"{PATH}.cycle_min_lr")
+        self.max_lrs = per_group(cycle_max_lr, n, f"{PATH}.cycle_max_lr")
         self.decay_lr_rate = float(decay_lr_rate)
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.min_moms = per_group(cycle_min_mom, n, f"{PATH}.cycle_min_mom")
+        self.max_moms = per_group(cycle_max_mom, n, f"{PATH}.cycle_max_mom")
         self.decay_mom_rate = float(decay_mom_rate)
         no_decay = math.isclose(self.decay_step_size, 0.0)
         self.skip_lr_decay = no_decay or math.isclose(self.decay_lr_rate, 0.0)
@@ -91,33 +99,31 @@ class OneCycle(LRSchedule):
         return (iteration - self.total_size + 1) / self.decay_step_size
 
     def lrs_at(self, iteration: int) -> list[float]:
-        n = len(self.param_groups)
-        if iteration < 0:
-            return [self.min_lr] * n
+        if iteration < 0 or (iteration >= self.total_size and self.skip_lr_decay):
+            return list(self.min_lrs)
         if iteration < self.total_size:
-            return [self.min_lr + (self.max_lr - self.min_lr) * self.scale(iteration)] * n
-        if self.skip_lr_decay:
-            return [self.min_lr] * n
-        return [self.min_lr / (1.0 + self.decay_lr_rate * self._decay_steps(iteration))] * n
+            h = self.scale(iteration)
+            return [lo + (hi - lo) * h for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        return [lo / (1.0 + self.decay_lr_rate * self._decay_steps(iteration)) for lo in self.min_lrs]
 
     def moms_at(self, iteration: int) -> list[tuple[float, float]]:
         """The (beta1, beta2) pairs written at ``iteration``."""
-        n = len(self.param_groups)
         if iteration < 0:
-            beta1 = self.min_mom
+            beta1 = list(self.min_moms)
         elif iteration < self.total_size:
-            beta1 = self.max_mom - (self.max_mom - self.min_mom) * self.scale(iteration)
+            h = self.scale(iteration)
+            beta1 = [hi - (hi - lo) * h for lo, hi in zip(self.min_moms, self.max_moms)]
         elif self.skip_mom_decay:
-            beta1 = self.max_mom
+            beta1 = list(self.max_moms)
         else:
-            beta1 = self.max_mom * (1.0 + self.decay_mom_rate * self._decay_steps(iteration))
-        return [(beta1, BETA2_WHEN_CYCLING)] * n
+            beta1 = [hi * (1.0 + self.decay_mom_rate * self._decay_steps(iteration)) for hi in self.max_moms]
+        return [(b, BETA2_WHEN_CYCLING) for b in beta1]
 
     def get_mom(self) -> list[tuple[float, float]] | None:
         if not self.cycle_momentum:
             return None
         if self.last_batch_iteration < 0:  # DeepSpeed's formula at position 0, not what the constructor wrote
-            return [(self.max_mom, BETA2_WHEN_CYCLING)] * len(self.param_groups)
+            return [(hi, BETA2_WHEN_CYCLING) for hi in self.max_moms]
         return self.moms_at(self.last_batch_iteration)
 
     def _apply(self) -> None:

@@ -54,15 +54,8 @@ class WarmupLR(LRSchedule):
     ) -> None:
         super().__init__(optimizer)
         n = len(self.param_groups)
-        if warmup_max_lr is None:
-            group_lrs = {float(g["lr"]) for g in self.param_groups}
-            if len(group_lrs) > 1:
-                warnings.warn(
-                    "WarmupLR without warmup_max_lr uses the first parameter group's lr for every group "
-                    f"(as DeepSpeed does); the groups' lrs {sorted(group_lrs)} are overridden",
-                    stacklevel=2,
-                )
-            warmup_max_lr = float(self.param_groups[0]["lr"])
+        if warmup_max_lr is None:  # each group warms up to its own lr (DeepSpeed since 0.19.x)
+            warmup_max_lr = [float(g["lr"]) for g in self.param_groups]
         self.min_lrs = per_group(warmup_min_lr, n, f"{PATH}.warmup_min_lr")
         self.max_lrs = per_group(warmup_max_lr, n, f"{PATH}.warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
@@ -147,6 +140,10 @@ class WarmupCosineLR(LRSchedule):
         progress = (iteration - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
         cosine = (1.0 + math.cos(math.pi * min(1.0, progress))) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr_ratio(self) -> float:
+        """DeepSpeed's name: the ratio at ``last_batch_iteration`` (0 before the first step)."""
+        return self.lr_ratio(self.last_batch_iteration)
 
     def lrs_at(self, iteration: int) -> list[float]:
         ratio = self.lr_ratio(iteration)

@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def _call_to_str(name: str, kwargs: dict[str, Any]) -> str:
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+def call_to_str(name: str, *args: Any, **kwargs: Any) -> str:
+    """``name(arg, ..., key=value)`` with each value's repr (an instruction's text; DeepSpeed's ``runtime.utils`` name)."""
+    return f"{name}({', '.join([*(repr(a) for a in args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
 
 
 class PipeInstruction:
@@ -34,7 +35,7 @@ class PipeInstruction:
             setattr(self, key, value)
 
     def __repr__(self) -> str:
-        return _call_to_str(self.name, self.kwargs)
+        return call_to_str(self.name, **self.kwargs)
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.kwargs == other.kwargs  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ from torch import nn
 from ... import comm
 from ...config.tensor_parallel import TensorParallelConfig
 from .autotp_config import PartitionType, resolve_partition_config
+from .hf_tp_plan import plan_config
 from .policy import Placement, is_conv1d, plan_model
 
 REQUEST_ATTR = "_zerospeed_tp_request"
@@ -179,7 +180,7 @@ def autotp_shard(model: nn.Module, tp_group: Any, section: TensorParallelConfig 
         raise ValueError("tensor_parallel.vocab_parallel_lm_head: true is not supported yet by AutoTP in zerospeed")
     if dtype is not None:
         model.to(dtype=dtype)
-    config = resolve_partition_config(section.preset_model, section.partition_config, size)
+    config = resolve_partition_config(section.preset_model, section.partition_config, size) or plan_config(model, size)
     plan = plan_model(model, config)
     if size == 1:  # the rules are checked; nothing to split (the model keeps its own layers and layouts)
         state = TensorParallelModel(tp_group, 1, 0, plan)
