@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
+import weakref
 
 import torch
 
@@ -71,7 +72,11 @@ class TorchBackward:
         self.adopted = False  # the open micro-step is a backward no engine owns (stage 3, see the docstring)
         reducer = None if engine.optimizer is None else engine.optimizer.reducer
         if reducer is not None and not reducer.parts.keeps_foreign_grads:
-            reducer.adopter, reducer.scope = self._adopt, lambda: comm.recording(engine.comms)
+            # weakly: the reducer lives as long as the parameters' hooks, which the garbage collector cannot see
+            # through, so a strong reference back to the engine would keep every engine (and its swap files) alive
+            me, comms = weakref.ref(self), engine.comms
+            reducer.adopter = lambda: (tb := me()) is not None and tb._adopt()
+            reducer.scope = lambda: comm.recording(comms)
 
     # --- one micro-step (engine.backward, or loss.backward() on the outputs) ------------------------
     def loss_factor(self, scale_wrt_gas: bool = True) -> float:
