@@ -51,6 +51,7 @@ from .quantized import (QuantizedGather, dequantize_fp8, dequantize_int8, quant_
 from .sparse import row_sparse_all_reduce, sparse_all_reduce, topk_count, union_sparse_all_reduce
 from .p2p import P2P, P2PHandle, device_mesh, exchange, global_rank_of
 from .recoverable import RecoverableGroup, resolve
+from .packed import all_gather_packed
 from .deepspeed_names import (all_gather_into_tensor, configure, destroy_process_group, get_global_rank,
                               get_world_group, inference_all_reduce, log_summary, monitored_barrier,
                               reduce_scatter_tensor)
@@ -58,7 +59,7 @@ from .deepspeed_names import (all_gather_into_tensor, configure, destroy_process
 __all__ = [
     "COMMS_LOGGER", "DEFAULT_TIMEOUT", "recording", "CollectiveError", "CommsLogger", "Group", "Handle", "OpStats",
     "P2P", "P2PHandle", "device_mesh", "exchange", "global_rank_of",
-    "RecoverableGroup", "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_in_place", "gathers_in_place", "all_gather_object", "all_reduce", "all_reduce_flags", "all_reduce_max_flag", "all_to_all_single", "backend_name", "default_store",
+    "RecoverableGroup", "ReduceOp", "all_gather", "all_gather_by_broadcast", "all_gather_in_place", "all_gather_packed", "gathers_in_place", "all_gather_object", "all_reduce", "all_reduce_flags", "all_reduce_max_flag", "all_to_all_single", "backend_name", "default_store",
     "barrier", "broadcast", "broadcast_object", "destroy", "device_for_backend", "exchange_ints", "file_store", "get_local_rank",
     "get_local_world_size", "get_rank",
     "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter", "resolve", "set_timeout", "world_group",

@@ -190,8 +190,9 @@ class ShardedGroup:
 
     @torch.no_grad()
     def gather_in_place(self, group: comm.Group | None) -> None:
-        """Write-back without a buffer: this rank's master slices into its own shard of every parameter, then one
-        in-place all-gather of every (parameter, rank) shard, straight into the parameters."""
+        """Write-back without a full buffer: this rank's master slices into its own shard of every parameter, then
+        an in-place all-gather of every (parameter, rank) shard into the parameters, packed into a few
+        broadcasts per rank (``comm/packed.py``: on Gloo, one broadcast per shard costs more CPU than the copies)."""
         pieces: list[list[torch.Tensor]] = [[] for _ in range(self.num_partitions)]
         for i, p in enumerate(self.params):
             slot, flat = self.plan.slots[i], p.data.view(-1)
@@ -203,7 +204,7 @@ class ShardedGroup:
             if hi > lo:
                 start, _ = self.slot_range(i)
                 flat[lo:hi].copy_(self.master_range(start, start + hi - lo))
-        comm.all_gather_in_place(pieces, group)
+        comm.all_gather_packed(pieces, group)
 
     @torch.no_grad()
     def unpack_gathered(self, out: torch.Tensor, buckets: range) -> None:
