@@ -50,6 +50,9 @@ def test_trim_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert heap_trim_setting(3, 354_000_000) == "full" and heap_trim_setting(3, 27_000_000) == "start"
     assert heap_trim_setting(2, 354_000_000) == "start" and heap_trim_setting(1, 354_000_000) is None
     assert not any(heap_trim_setting(s) for s in (0, 1))
+    # below START_TRIM_PARAMS stage 2 does not trim (its cost there put it above 1.02x DDP); stage 3 still does
+    assert heap_trim_setting(2, 7_600_000) is None and heap_trim_setting(2, 27_000_000) == "start"
+    assert heap_trim_setting(3, 7_600_000) == "start"
     trimmer = HeapTrimmer.for_device(torch.device("cpu"), 3)
     if trimmer is not None:  # glibc: a start-only trimmer never trims during backward
         assert not trimmer.during and not trimmer.trim_if_freed()

@@ -80,6 +80,9 @@ TRIM_MIN_BYTES = 128 << 20  # in backward: trim once this much more heap is free
 
 
 TRIM_STAGES = frozenset({2, 3})  # ``auto``: the stages chosen for their memory (measured: docs/benchmarks.md)
+# ``auto``: stage 2 trims from this size only (7.6M GPT: +2.7 % CPU for -76 MiB, which put stage 2 above 1.02x DDP;
+# 27.4M: +1.2 % for -94 MiB); stage 3's start trim is cheap at every size measured (7.6M: +0.4 % for -91 MiB)
+START_TRIM_PARAMS = {2: 20_000_000, 3: 0}
 FULL_TRIM_STAGES, FULL_TRIM_PARAMS = frozenset({3}), 100_000_000  # ``auto``: the full trim there from this size
 
 
@@ -88,7 +91,7 @@ def heap_trim_setting(zero_stage: int | None = None, num_params: int | None = No
     freed heap back, or None (never).
 
     * ``auto`` (default): at ZeRO stage 3 with at least ``FULL_TRIM_PARAMS`` parameters ``"full"``, else
-      ``"start"`` at stages 2 and 3. The trim when backward starts takes the forward's freed temporaries out of
+      ``"start"`` at stage 3 and at stage 2 from ``START_TRIM_PARAMS`` parameters (unknown size: trim). The trim when backward starts takes the forward's freed temporaries out of
       the peak for about a quarter of the full trim's CPU cost (27M GPT, world 2, stage 3, paired: peak RSS
       -100 to -130 MiB per rank for +2.3-2.5 % CPU; the full trim -142 to -196 MiB for +5-10 %). On a 354M GPT
       the start-only trim left stage 3's peak above FSDP2's (6320 against 5183 MiB per rank) and the full trim
@@ -102,7 +105,10 @@ def heap_trim_setting(zero_stage: int | None = None, num_params: int | None = No
     if raw == "auto":
         if zero_stage in FULL_TRIM_STAGES and num_params is not None and num_params >= FULL_TRIM_PARAMS:
             return "full"
-        return "start" if zero_stage in TRIM_STAGES else None
+        if zero_stage not in TRIM_STAGES:
+            return None
+        small = num_params is not None and num_params < START_TRIM_PARAMS.get(zero_stage, 0)
+        return None if small else "start"
     return {"0": None, "1": "full"}.get(raw, raw)
 
 
