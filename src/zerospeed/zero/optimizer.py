@@ -135,13 +135,16 @@ class ZeroOptimizer:
         axes, sink = self.norm_axes, self._sink
         nvme = sink is not None and not sink.resident
         if not axes.multi_axis and not self.partitioned:  # every rank holds every gradient: no sum to take
+            if comm.get_world_size(self.dp_group) > 1:  # same value everywhere: only the commit point
+                comm.all_reduce_max_flag(False, group=self.dp_group)
+            if not nvme:  # torch's clip_grad_norm_ arithmetic: the norm of the per-parameter norms
+                norms = [torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32)
+                         for grp, g in zip(self.groups, grads) for i in range(len(grp.params))]
+                return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
             sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
             for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
                 sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-            if nvme:  # sums of squares recorded as they were written
-                sq += sink.sum_sq()
-            if comm.get_world_size(self.dp_group) > 1:  # same value everywhere: only the commit point
-                comm.all_reduce_max_flag(False, group=self.dp_group)
+            sq += sink.sum_sq()  # sums of squares recorded as they were written
             return math.sqrt(float(sq))
         if nvme and (axes.tp_group is not None or axes.replicated):
             raise ValueError("tensor or pipeline parallelism with NVMe optimizer offload of gradients is not "
@@ -180,8 +183,8 @@ class ZeroOptimizer:
         norm = self._global_norm(grads) / scale
         self.global_grad_norm = norm
         mult = 1.0 / scale
-        if self.clip > 0:
-            coef = self.clip / (norm + 1e-6)
+        if self.clip > 0:  # the coefficient rounded as torch's clip_grad_norm_ rounds it (fp32 arithmetic)
+            coef = float(torch.tensor(self.clip, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6))
             if coef < 1.0:
                 mult *= coef
         self.updating = True
