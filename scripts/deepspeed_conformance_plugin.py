@@ -12,6 +12,13 @@ rank the pool is terminated and the test fails, instead of a destroy barrier tha
 rank until Gloo's 30-minute timeout, or ``pytest.exit`` ending the whole run. A rank that fails through
 ``pytest.fail`` / ``pytest.raises`` fails its test at once with the message (``_run_rank``), not as a hang.
 
+Every wait of the harness is bounded: the ranks' run (``ZS_CONFORMANCE_TIMEOUT``), the destroy barrier and the
+pool's close after a test that passed (``_close_pool``: DeepSpeed waits on both without a limit, so a rank
+that never reaches the barrier, or a worker that does not exit, held the whole area until its
+``--area-timeout``), tearing a pool down (workers are killed, the pool's own ``terminate`` is given
+``CLOSE_TIMEOUT``), and, as a last resort, the whole test (``pytest_runtest_call``: a SIGALRM at
+``TEST_DEADLINE`` kills the test's ranks and fails it with the time).
+
 Under DeepSpeed the C++ ops its tests JIT-build on first use (``deepspeed_shm_comm`` in every
 ``init_distributed`` on CPU, ``fused_adam`` for ``"type": "Adam"``) are built once here, before any test
 (8 and 15 minutes on this loaded machine; cached in ``~/.cache/torch_extensions`` after that, a second
@@ -23,13 +30,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import pytest
 
 MODE = os.environ.get("ZS_CONFORMANCE_MODE", "zerospeed")
 TIMEOUT = float(os.environ.get("ZS_CONFORMANCE_TIMEOUT", "180"))
+CLOSE_TIMEOUT = 30.0  # the destroy barrier and the pool's exit after a test
+TEST_DEADLINE = 2 * TIMEOUT + 2 * CLOSE_TIMEOUT  # any test, whatever it waits on (last resort)
 
 if MODE == "zerospeed":
     from zerospeed.testing import ds_rename
@@ -87,13 +98,13 @@ def _launch_daemonic_procs(self: Any, num_procs: int, init_method: str) -> None:
         pool, master_port = self._pool_cache[num_procs], common.get_master_port()
     else:
         pool, master_port = mp.Pool(processes=num_procs), common.get_master_port()
+    _LIVE.append(pool)
     args = [(self._dist_run, rank, num_procs, master_port, init_method) for rank in range(num_procs)]
     pending = pool.starmap_async(_run_rank, args)
     try:
         skip_msgs = pending.get(min(self.exec_timeout, TIMEOUT))
     except BaseException as exc:
-        pool.terminate()
-        pool.join()
+        _abandon(pool)
         self._pool_cache.pop(num_procs, None)
         if isinstance(exc, mp.TimeoutError):
             pytest.fail(f"distributed test hung (> {min(self.exec_timeout, TIMEOUT):.0f} s)", pytrace=False)
@@ -103,6 +114,72 @@ def _launch_daemonic_procs(self: Any, num_procs: int, init_method: str) -> None:
     self._close_pool(pool, num_procs)
     if any(skip_msgs):
         pytest.skip(skip_msgs[0])
+
+
+def _abandon(pool: Any) -> None:
+    """Tear the pool down, bounded: its own ``terminate`` (SIGTERM to the workers, then joins), and SIGKILL for
+    any worker still alive after a few seconds (a rank stuck in C code, or one that ignores SIGTERM), which
+    also releases ``terminate``'s join. (Killing first would not do: an idle worker holds the task queue's
+    lock while it waits, and ``terminate`` takes that lock.)"""
+    workers = list(getattr(pool, "_pool", []))
+    tidy = threading.Thread(target=lambda: (pool.terminate(), pool.join()), daemon=True)
+    tidy.start()
+    tidy.join(min(5.0, CLOSE_TIMEOUT))
+    for proc in workers:
+        if proc.pid is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    tidy.join(CLOSE_TIMEOUT)
+
+
+def _close_pool(self: Any, pool: Any, num_procs: int, force: bool = False) -> None:
+    """DeepSpeed's close (the ranks' destroy barrier, then the pool's exit), each step bounded."""
+    if not (force or not self.reuse_dist_env):
+        return
+    destroy = pool.starmap_async(self._dist_destroy, [() for _ in range(num_procs)])
+    try:
+        destroy.get(CLOSE_TIMEOUT)
+    except BaseException as exc:
+        _abandon(pool)
+        if isinstance(exc, _common().mp.TimeoutError):
+            pytest.fail(f"the ranks hung in the harness's destroy barrier after the test (> {CLOSE_TIMEOUT:.0f} s)",
+                        pytrace=False)
+        raise
+    pool.close()
+    exited = threading.Thread(target=pool.join, daemon=True)
+    exited.start()
+    exited.join(CLOSE_TIMEOUT)
+    if exited.is_alive():
+        _abandon(pool)
+        pytest.fail(f"a rank's worker did not exit after the test (> {CLOSE_TIMEOUT:.0f} s; a non-daemon thread "
+                    "left running?)", pytrace=False)
+
+
+_LIVE: list[Any] = []  # the pools of the test now running (for the last-resort deadline)
+
+
+class TestDeadlineExceeded(Exception):
+    """A test ran past TEST_DEADLINE."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: Any) -> Any:
+    """The last-resort bound on one test: SIGALRM at TEST_DEADLINE kills its ranks and fails it."""
+    def expired(signum: int, frame: Any) -> None:
+        for pool in _LIVE:
+            _abandon(pool)
+        raise TestDeadlineExceeded(f"the test ran past {TEST_DEADLINE:.0f} s (the conformance harness's bound)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEST_DEADLINE)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        _LIVE.clear()
 
 
 def _common() -> Any:
@@ -115,6 +192,7 @@ def patch_harness(common: Any) -> None:
         return
     common.mp = _ForkMultiprocessing(common.mp)
     common.DistributedExec._launch_daemonic_procs = _launch_daemonic_procs
+    common.DistributedExec._close_pool = _close_pool
     common._zs_patched = True
 
 

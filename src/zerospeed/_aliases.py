@@ -123,7 +123,8 @@ ALIASES: dict[str, str | tuple[str, ...]] = {
 ALIAS_ADDITIONS: dict[str, tuple[str, ...]] = {
     "zerospeed.runtime.utils": ("zerospeed.runtime.seed",  # set_random_seed (the pipeline example)
                                 "zerospeed.compat.runtime_utils",  # see_memory_usage
-                                "zerospeed.compat.partitioned_tensor"),  # PartitionedTensor, prefix_sum_inc
+                                "zerospeed.compat.partitioned_tensor",  # PartitionedTensor, prefix_sum_inc
+                                "zerospeed.compat.runtime_norms"),  # clip_grad_norm_, CheckOverflow...
     "zerospeed.compression.helper": ("zerospeed.compat.compression_helper",  # DS-Chat LoRA
                                      "zerospeed.compression.replace"),
     "zerospeed.utils": ("zerospeed.compat.on_device",),  # deepspeed.utils.OnDevice

@@ -125,6 +125,8 @@ STATE_ALLOWED = {
     "zero/stage3/graph_ops.py:_HANDLES": "DeepCompile: the counter that numbers those handles",
     "compat/op_builder.py:__compatible_ops__": "DeepSpeed's public table users and frameworks read and set "
                                                "(deepspeed.ops.__compatible_ops__)",
+    "compat/groups.py:_PROCESS": "the expert groups DeepSpeed's module-level deepspeed.utils.groups API makes "
+                                 "(_create_expert_and_data_parallel); the engine never reads them",
     "compat/git_version_info.py:installed_ops": "DeepSpeed's build facts (deepspeed.git_version_info), made once",
     "compat/git_version_info.py:compatible_ops": "ditto", "compat/git_version_info.py:torch_info": "ditto",
     "inference/logits_process.py:PLAIN": "a frozen default LogitsOptions (the fast path checks identity with it)",

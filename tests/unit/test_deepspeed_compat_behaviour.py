@@ -102,3 +102,15 @@ def test_partitioned_shape_and_multiple_gather_handles() -> None:
     handles = [Handle(), Handle()]
     pp.MultipleAllGatherHandles(handles).wait(handle_dependency=False)
     assert [h.got for h in handles] == [{"handle_dependency": False}] * 2
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {}}}, "ZenFlow"),  # before the zenflow section's own check
+    ({"zero_optimization": {"stage": 1}, "compile": {"deepcompile": True}}, "DeepCompile"),
+])
+def test_sum_allreduce_refused_where_deepspeed_refuses_it(extra: dict, why: str) -> None:
+    with pytest.raises(ConfigError, match=f"gradient_allreduce_op.*not supported with {why}"):
+        load_config({"train_batch_size": 4, "gradient_allreduce_op": "Sum", **extra})
+    assert load_config({"train_batch_size": 4, "gradient_allreduce_op": "sum",
+                        "zero_optimization": {"stage": 2}}).gradient_allreduce_op == "sum"

@@ -41,8 +41,13 @@ def test_groups_without_a_process_group() -> None:
     from zerospeed.utils import groups
 
     assert groups._get_data_parallel_world_size() == 1 and groups._get_data_parallel_rank() == 0
-    with pytest.raises(NotSupportedYetError, match="_create_expert_and_data_parallel"):
+    with pytest.raises(RuntimeError, match="_create_expert_and_data_parallel needs an initialized"):
         groups._create_expert_and_data_parallel(2)
+    with pytest.raises(NotSupportedYetError, match="_create_model_parallel"):
+        groups._create_model_parallel(2)
+    assert groups._get_max_expert_size() is None
+    with pytest.raises(AssertionError, match="ep_size_2.*_create_expert_and_data_parallel"):
+        groups._get_expert_parallel_group("ep_size_2")  # DeepSpeed asserts; zerospeed's is also a ValueError
 
 
 def test_get_optim_files_natural_order(tmp_path) -> None:

@@ -140,3 +140,60 @@ def test_a_rank_failing_through_pytest_fails_at_once_not_as_a_hang(hook, monkeyp
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE NotImplementedError"):
         plugin._launch_daemonic_procs(_FakeExec(), 1, "tcp://127.0.0.1:29999")
     assert time.monotonic() - start < 8
+
+
+class _StuckAfterTheTest(_FakeExec):
+    """A test that passed, then its rank never leaves the harness's destroy barrier, or its worker never exits."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def _dist_run(self, rank: int, num_procs: int, master_port: int, init_method: str) -> str:
+        if self.where == "exit":  # a non-daemon thread left running: the pool's worker cannot exit
+            import threading
+            import time
+
+            threading.Thread(target=time.sleep, args=(60,)).start()
+        return ""
+
+    def _dist_destroy(self) -> None:
+        if self.where == "barrier":
+            import time
+
+            time.sleep(60)
+
+
+@pytest.mark.parametrize("where", ["barrier", "exit"])
+def test_a_rank_stuck_after_its_test_fails_it_in_bounded_time(hook, monkeypatch, where):
+    """DeepSpeed's _close_pool waits on the destroy barrier and the pool's exit without a limit (the "hang"
+    of comm/test_dist.py::TestDistInitWithModel::test_no_init[True] in an earlier whole-tree run)."""
+    import multiprocessing
+    import time
+    import types
+
+    plugin = importlib.import_module("deepspeed_conformance_plugin")
+    monkeypatch.setattr(plugin, "CLOSE_TIMEOUT", 1.0)
+    common = types.SimpleNamespace(mp=multiprocessing.get_context("fork"), get_master_port=lambda: 29999)
+    monkeypatch.setitem(sys.modules, "unit.common", common)
+    stuck = _StuckAfterTheTest(where)
+    stuck._close_pool = types.MethodType(plugin._close_pool, stuck)
+    start = time.monotonic()
+    match = "destroy barrier" if where == "barrier" else "did not exit"
+    with pytest.raises(pytest.fail.Exception, match=match):
+        plugin._launch_daemonic_procs(stuck, 1, "tcp://127.0.0.1:29999")
+    assert time.monotonic() - start < 8
+
+
+def test_any_test_past_the_deadline_fails(monkeypatch):
+    import time
+
+    plugin = importlib.import_module("deepspeed_conformance_plugin")
+    monkeypatch.setattr(plugin, "TEST_DEADLINE", 0.5)
+    wrapper = plugin.pytest_runtest_call(None)
+    next(wrapper)
+    start = time.monotonic()
+    with pytest.raises(plugin.TestDeadlineExceeded, match="ran past 0 s|ran past 1 s"):
+        time.sleep(10)
+    assert time.monotonic() - start < 5
+    with pytest.raises(StopIteration):
+        next(wrapper)

@@ -122,8 +122,17 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group | Non
                 lambda: reduce_scatter_work(output, input, group, op, async_op, scratch))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, async_op: bool = False) -> Handle | None:
-    """``output`` receives every rank's ``input`` in rank order."""
+def all_gather(output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, group: Group | None = None,
+               async_op: bool = False) -> Handle | None:
+    """``output`` receives every rank's ``input`` in rank order: one flat tensor, or a list of one tensor per
+    rank (``torch.distributed.all_gather``'s and ``deepspeed.comm.all_gather``'s form; gathered through one
+    flat buffer, then copied out, so it is complete when this returns)."""
+    if isinstance(output, (list, tuple)):
+        flat = torch.empty(len(output) * input.numel(), dtype=input.dtype, device=input.device)
+        all_gather(flat, input.contiguous().reshape(-1), group=group)
+        for piece, part in zip(output, flat.chunk(len(output))):
+            piece.copy_(part.view_as(piece))
+        return Handle(None, "all_gather", group, 0.0) if async_op else None
     if get_world_size(group) == 1:
         output.copy_(input)
         return Handle(None, "all_gather", group, 0.0) if async_op else None

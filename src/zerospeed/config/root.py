@@ -21,6 +21,7 @@ from .compression_training import (
 )
 from .data_types import DataTypesConfig
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
+from .allreduce_rules import refuse_sum_combinations
 from .autotuning import AutotuningConfig
 from .batch import BatchSizes, resolve_batch
 from .checkpoint import CheckpointConfig, DataStatesConfig, NebulaConfig
@@ -298,6 +299,7 @@ def _read(config: str | Path | dict[str, Any]) -> dict[str, Any]:
 def _parse(raw: dict[str, Any]) -> ZeroSpeedConfig:
     """Validate; with ``zerospeed.unknown_keys: warn`` drop each unknown key with one logged warning."""
     options = ZerospeedOptions.parse_section(raw.get("zerospeed"), "zerospeed")
+    refuse_sum_combinations(raw)  # before the sections' own checks, as DeepSpeed (config/allreduce_rules.py)
     while True:
         try:
             return ZeroSpeedConfig.parse_section(raw, "")
