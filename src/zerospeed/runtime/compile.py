@@ -35,17 +35,18 @@ from ..accelerator import get_accelerator
 _log = logging.getLogger("zerospeed.compile")
 
 
-def compile_engine_module(module: nn.Module, cfg: Any, zero3: Any, reducer: Any, backend: Any,
+def compile_engine_module(module: nn.Module, cfg: Any, zero3: Any, optimizer: Any, backend: Any,
                           compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> Any:
     """``engine.compile()``: DeepCompile when ``cfg.deepcompile`` (returns its ``DeepCompiled``), else plain
-    ``torch.compile`` (returns None). ``cfg``: the ``compile`` section; ``zero3``: the stage-3 runtime or None."""
+    ``torch.compile`` (returns None). ``cfg``: the ``compile`` section; ``zero3``: the stage-3 runtime or None;
+    ``optimizer``: the engine's ZeRO optimizer or None."""
     if not cfg.deepcompile:
         compile_module(module, backend, compile_kwargs, schedule, compiled_autograd_enabled, partitioned=zero3 is not None)
         return None
     from .deepcompile import deep_compile
 
     check_compile_args(compile_kwargs, None, compiled_autograd_enabled)
-    return deep_compile(module, backend, compile_kwargs, cfg, zero3, reducer, schedule)
+    return deep_compile(module, backend, compile_kwargs, cfg, zero3, optimizer, schedule)
 
 
 def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
