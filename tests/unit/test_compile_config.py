@@ -27,7 +27,7 @@ def test_every_key_at_its_default_is_accepted() -> None:
     assert cfg["compile"] == DEFAULTS  # engine.config["compile"]: as written
 
 
-@pytest.mark.parametrize("key,value", [("autoep_non_moe", True), ("symmetric_memory", True)])
+@pytest.mark.parametrize("key,value", [("symmetric_memory", True)])
 def test_deepcompile_keys_away_from_default_are_refused_by_name(key: str, value: object) -> None:
     with pytest.raises(NotSupportedYetError, match=rf"compile\.{key}.*not supported yet") as info:
         load_config({**BASE, "compile": {key: value}})

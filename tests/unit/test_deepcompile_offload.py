@@ -1,5 +1,6 @@
 """DeepCompile's offload passes without processes: the activation plan, the graph rewrite on a real AOTAutograd
-partition, the optimizer-state round trip, and the refused combinations (runtime/plan.py)."""
+partition, the optimizer-state round trip, and the refused combinations (runtime/plan.py); and AutoEP regional
+compile's (``compile.autoep_non_moe``) refusals."""
 
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ def test_optimizer_states_go_to_host_and_come_back_for_the_step() -> None:
 def _refusal(compile_cfg: dict[str, Any], stage: int = 3, **zero: Any) -> str:
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                        "zero_optimization": {"stage": stage, **zero}, "compile": {"deepcompile": True, **compile_cfg}})
+    return _plan_refusal(cfg)
+
+
+def _plan_refusal(cfg: Any) -> str:
     try:
         plan_training(cfg, ModelFacts(optimizer=OptimizerFacts(client=False)))
     except ConfigError as e:
@@ -115,3 +120,21 @@ def test_offload_combinations_refused_as_deepspeed_does() -> None:
     assert _refusal({"offload_parameters": True, "offload_opt_states": True}).startswith("compile.offload_parameters")
     with pytest.warns(UserWarning, match=r"compile\.offload_opt_states has no effect without compile\.deepcompile"):
         load_config({"train_micro_batch_size_per_gpu": 1, "compile": {"offload_opt_states": True}})
+
+
+def test_autoep_regional_compile_refusals() -> None:
+    from zerospeed.runtime.compile import compile_autoep_regions
+
+    def cfg(stage: int, deep: bool = False, **zero: Any) -> Any:
+        return load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                            "zero_optimization": {"stage": stage, **zero},
+                            "compile": {"autoep_non_moe": True, "deepcompile": deep}})
+
+    assert _plan_refusal(cfg(1)) == "no error"
+    assert "cannot be combined with DeepCompile" in _plan_refusal(cfg(1, deep=True))
+    assert "ZeRO stage 3" in _plan_refusal(cfg(3))
+    assert "ZeRO offload" in _plan_refusal(cfg(2, offload_optimizer={"device": "cpu"}))
+    with pytest.raises(ValueError, match="at least one AutoEP MoE layer"):
+        compile_autoep_regions(torch.nn.Linear(2, 2), "eager", {}, None, False)
+    with pytest.raises(ValueError, match="fullgraph=False"):
+        compile_autoep_regions(torch.nn.Linear(2, 2), "eager", {"fullgraph": True}, None, False)

@@ -7,8 +7,9 @@ that schedule ZeRO's gathers, releases, reductions and offloads inside the compi
 ``free_activation(_threshold)``, the four ``sync_*`` keys and the three offload passes (``offload_opt_states``,
 ``offload_parameters``: ``runtime/deepcompile_offload.py``; ``offload_activation(_pin_memory)``:
 ``zero/stage3/graph_offload.py``) are read there, their combinations checked in ``runtime/plan.py``;
-``double_buffer`` and ``keep_*_input_tensors`` are accepted hints (``hints.py``); the symmetric-memory and AutoEP
-keys are refused away from their defaults (``unsupported.py``, ``DEEPCOMPILE_KEYS``). Set without ``deepcompile``, a key that DeepCompile reads
+``double_buffer`` and ``keep_*_input_tensors`` are accepted hints (``hints.py``); ``symmetric_memory`` is refused
+away from its default (``unsupported.py``, ``DEEPCOMPILE_KEYS``). ``autoep_non_moe`` is not a DeepCompile key: it
+is plain ``torch.compile`` of the parents of AutoEP's MoE blocks (``runtime/compile.py``). Set without ``deepcompile``, a key that DeepCompile reads
 draws a warning (it has no effect, as in DeepSpeed).
 """
 
@@ -28,7 +29,8 @@ class CompileConfig(Section):
     deepcompile: bool = False
     """DeepCompile: ``engine.compile()`` puts ZeRO's gathers and reductions inside the compiled graph."""
     autoep_non_moe: bool = False
-    """Compile the parents of AutoEP layers only (regional compile): not supported yet."""
+    """AutoEP regional compile (plain ``torch.compile``, not DeepCompile): each AutoEP MoE block stays eager and the
+    module calling it compiles (``runtime/compile.compile_autoep_regions``)."""
     free_activation: bool = False
     """Free each saved activation of at least ``free_activation_threshold`` bytes right after its last use in the
     compiled backward (``aot_eager``; inductor frees its buffers itself)."""

@@ -26,10 +26,10 @@ NOT_SUPPORTED_YET: dict[str, str] = {
 
 # The compile section's keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log,
 # free_activation(_threshold), the sync_* keys and the three offload passes are built: runtime/deepcompile.py,
-# runtime/deepcompile_offload.py, zero/stage3/graph_offload.py). Accepted at their defaults only.
-DEEPCOMPILE_KEYS = ("autoep_non_moe", "symmetric_memory")
+# runtime/deepcompile_offload.py, zero/stage3/graph_offload.py; autoep_non_moe: runtime/compile.py). Accepted at
+# its default only.
+DEEPCOMPILE_KEYS = ("symmetric_memory",)
 _DEEPCOMPILE_FEATURES = {
-    "autoep_non_moe": "AutoEP regional compile (compile.autoep_non_moe)",
     "symmetric_memory": "DeepCompile's symmetric_memory (CUDA symmetric-memory collectives, "
                         "torch.distributed._symmetric_memory over NCCL: CPU/Gloo has no symmetric memory, and "
                         "zerospeed's CUDA path does not build it either)",

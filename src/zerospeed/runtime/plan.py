@@ -134,6 +134,14 @@ def _deepcompile_offload_rules() -> tuple[Rule, ...]:
              "compile.offload_activation",
              _const("compile.offload_activation cannot be combined with offload_parameters or offload_opt_states "
                     "(as in DeepSpeed): choose one offloading target per run"), ConfigError),
+        Rule(lambda p, c, f: c.compile.autoep_non_moe and c.compile.deepcompile, "compile.autoep_non_moe",
+             _const("compile.autoep_non_moe uses plain torch.compile and cannot be combined with DeepCompile (as in "
+                    "DeepSpeed)"), ConfigError),
+        Rule(lambda p, c, f: c.compile.autoep_non_moe and (p.stage == 3 or p.offload_optimizer != "none"
+                                                            or p.offload_param or p.pipelined or p.folding
+                                                            or p.sequence), "compile.autoep_non_moe",
+             _const("compile.autoep_non_moe with ZeRO stage 3, ZeRO offload, a pipeline, AutoEP + AutoTP folding or "
+                    "sequence parallelism is not supported yet (by zerospeed, nor by DeepSpeed)")),
         Rule(lambda p, c, f: _dc_on(c, "offload_parameters") and _dc_on(c, "offload_opt_states"),
              "compile.offload_parameters",
              _const("compile.offload_parameters and offload_opt_states cannot be enabled together (as in DeepSpeed): "
