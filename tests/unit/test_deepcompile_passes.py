@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from zerospeed.config import load_config
+from zerospeed.config.compile import CompileConfig
 from zerospeed.config.errors import ConfigError, NotSupportedYetError
 from zerospeed.runtime.deepcompile import _passes, sync_points
 from zerospeed.zero.stage3.graph_ops import GraphUnits
@@ -100,9 +101,8 @@ def test_run_passes_composes_and_selective_gather_keeps_the_last_units() -> None
     assert selective_units([4, 4], 10 ** 9) == {0, 1}
 
 
-class _Cfg:
-    def __init__(self, passes: list[str] | None) -> None:
-        self.passes = passes
+def _Cfg(passes: list[str] | None, **keys: bool) -> CompileConfig:
+    return CompileConfig(deepcompile=True, passes=passes, **keys)  # type: ignore[arg-type]
 
 
 def test_pass_names_and_schedule() -> None:
@@ -116,6 +116,11 @@ def test_pass_names_and_schedule() -> None:
         _passes([(0, ["zero3_compile"]), (10, ["prefetch"])], _Cfg(None), True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown DeepCompile pass 'prefetch'.*zero1_compile"):
         _passes([(0, ["prefetch"])], _Cfg(None), False)  # type: ignore[arg-type]
+    # an offload pass runs in place of prefetch and selective gather (as in DeepSpeed), or after a given schedule
+    assert _passes(None, _Cfg(None, offload_opt_states=True), True) == ("zero3_compile", "offload_adam_states")
+    assert _passes(None, _Cfg(None, offload_activation=True), True) == ("zero3_compile", "offload_activation")
+    assert _passes([(0, ["zero3_compile", "prefetch"])], _Cfg(None, offload_parameters=True), True) == \
+        ("zero3_compile", "prefetch", "offload_parameters")
 
 
 def test_deepcompile_keys_read_hinted_or_refused() -> None:
@@ -127,8 +132,8 @@ def test_deepcompile_keys_read_hinted_or_refused() -> None:
         load_config({**BASE, "compile": {"debug_log": True}})
     with pytest.raises(NotSupportedYetError, match=r"symmetric_memory.*CPU/Gloo has no symmetric memory"):
         load_config({**BASE, "compile": {"deepcompile": True, "symmetric_memory": True}})
-    with pytest.raises(NotSupportedYetError, match=r"offload_parameters.*offload_param"):
-        load_config({**BASE, "compile": {"deepcompile": True, "offload_parameters": True}})
+    for key in ("offload_parameters", "offload_opt_states", "offload_activation"):  # read: deepcompile.py
+        assert getattr(load_config({**BASE, "compile": {"deepcompile": True, key: True}}).compile, key)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config({**BASE, "compile": {"deepcompile": True, "debug_log": True}})  # no warning with deepcompile

@@ -24,21 +24,15 @@ NOT_SUPPORTED_YET: dict[str, str] = {
                                        "so never on CPU; on CUDA zerospeed has no captured decode yet)",
 }
 
-# The compile section's DeepCompile keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log,
-# free_activation(_threshold) and the sync_* keys are built: runtime/deepcompile.py). Accepted at their defaults only, as DeepSpeed reads none
-# of them without deepcompile.
-DEEPCOMPILE_KEYS = ("autoep_non_moe", "offload_activation",
-                    "offload_activation_pin_memory", "offload_opt_states", "symmetric_memory", "offload_parameters")
+# The compile section's keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log,
+# free_activation(_threshold), the sync_* keys and the three offload passes are built: runtime/deepcompile.py,
+# runtime/deepcompile_offload.py, zero/stage3/graph_offload.py; autoep_non_moe: runtime/compile.py). Accepted at
+# its default only.
+DEEPCOMPILE_KEYS = ("symmetric_memory",)
 _DEEPCOMPILE_FEATURES = {
-    "autoep_non_moe": "AutoEP regional compile (compile.autoep_non_moe)",
-    "offload_activation": "DeepCompile's offload_activation pass (saved activations to host memory)",
-    "offload_activation_pin_memory": "DeepCompile's offload_activation pass (its pinned host buffers)",
-    "offload_opt_states": "DeepCompile's offload_adam_states pass (optimizer states to host during forward/"
-                          "backward; zero_optimization.offload_optimizer offloads them for the whole run)",
-    "symmetric_memory": "DeepCompile's symmetric_memory (CUDA symmetric-memory collectives; CPU/Gloo has no "
-                        "symmetric memory, and the CUDA path is not built either)",
-    "offload_parameters": "DeepCompile's offload_parameters pass (zero_optimization.offload_param offloads the "
-                          "shards, and DeepCompile's gathers read them from there)",
+    "symmetric_memory": "DeepCompile's symmetric_memory (CUDA symmetric-memory collectives, "
+                        "torch.distributed._symmetric_memory over NCCL: CPU/Gloo has no symmetric memory, and "
+                        "zerospeed's CUDA path does not build it either)",
 }
 for _k in DEEPCOMPILE_KEYS:
     NOT_SUPPORTED_YET[f"compile.{_k}"] = _DEEPCOMPILE_FEATURES[_k]
@@ -62,7 +56,6 @@ for _k in AUTOEP_ROUTING_KEYS:
 
 # Keys whose "off" is a value of their own: only these values (and null) are accepted.
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "compile.offload_activation_pin_memory": (None, True),
     **{f"expert_parallel.{k}": v for k, v in AUTOEP_ROUTING_KEYS.items()},
 }
 

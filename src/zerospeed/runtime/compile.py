@@ -17,7 +17,8 @@ forward is one graph. What stays eager, deliberately:
   saved tensors back by position, which only the same eager operations reproduce.
 
 With ``compile.deepcompile: true`` the engine runs ``runtime/deepcompile.py`` instead (ZeRO inside the graph,
-no breaks; docs/compile.md). Not built: compiled autograd (tracing the backward, which would trace the
+no breaks; docs/compile.md). With ``compile.autoep_non_moe: true`` only the parents of AutoEP's MoE blocks compile
+(:func:`compile_autoep_regions`, DeepSpeed's regional compile). Not built: compiled autograd (tracing the backward, which would trace the
 reducer's collectives).
 """
 
@@ -35,17 +36,21 @@ from ..accelerator import get_accelerator
 _log = logging.getLogger("zerospeed.compile")
 
 
-def compile_engine_module(module: nn.Module, cfg: Any, zero3: Any, reducer: Any, backend: Any,
+def compile_engine_module(module: nn.Module, cfg: Any, zero3: Any, optimizer: Any, backend: Any,
                           compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> Any:
     """``engine.compile()``: DeepCompile when ``cfg.deepcompile`` (returns its ``DeepCompiled``), else plain
-    ``torch.compile`` (returns None). ``cfg``: the ``compile`` section; ``zero3``: the stage-3 runtime or None."""
+    ``torch.compile`` (returns None). ``cfg``: the ``compile`` section; ``zero3``: the stage-3 runtime or None;
+    ``optimizer``: the engine's ZeRO optimizer or None."""
+    if cfg.autoep_non_moe:
+        compile_autoep_regions(module, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+        return None
     if not cfg.deepcompile:
         compile_module(module, backend, compile_kwargs, schedule, compiled_autograd_enabled, partitioned=zero3 is not None)
         return None
     from .deepcompile import deep_compile
 
     check_compile_args(compile_kwargs, None, compiled_autograd_enabled)
-    return deep_compile(module, backend, compile_kwargs, cfg, zero3, reducer, schedule)
+    return deep_compile(module, backend, compile_kwargs, cfg, zero3, optimizer, schedule)
 
 
 def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
@@ -61,6 +66,43 @@ def compile_module(module: nn.Module, backend: Any, compile_kwargs: dict[str, An
     backend = get_accelerator().get_compile_backend() if backend is None else backend
     _log.info("compiling the model with torch.compile (backend=%s)", backend)
     module.compile(**{**compile_kwargs, "backend": backend})
+
+
+def compile_autoep_regions(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], schedule: Any,
+                           compiled_autograd_enabled: bool) -> list[str]:
+    """``compile.autoep_non_moe`` (DeepSpeed's AutoEP regional compile): each MoE block that AutoEP rebuilt (the HF
+    block holding an ``AutoEPExperts``: router, token exchange, expert compute, all-to-alls) stays eager
+    (``torch.compiler.disable``), and the module that calls it (the decoder layer) compiles with
+    ``fullgraph=False, dynamic=False``: the block is a graph break of its own. Returns the compiled regions' names."""
+    from ..parallel.expert.auto.layer import AutoEPExperts
+
+    check_compile_args(compile_kwargs, schedule, compiled_autograd_enabled)
+    if compile_kwargs.get("fullgraph", False) is not False:
+        raise ValueError("compile.autoep_non_moe=True requires fullgraph=False: the AutoEP block is a graph break")
+    if compile_kwargs.get("dynamic", False) is not False:
+        raise ValueError("compile.autoep_non_moe=True requires dynamic=False (as in DeepSpeed)")
+    named = dict(module.named_modules())
+    blocks = [name.rpartition(".")[0] for name, m in named.items() if isinstance(m, AutoEPExperts)]
+    if not blocks:
+        raise ValueError("compile.autoep_non_moe=True needs at least one AutoEP MoE layer: enable expert_parallel "
+                         "and call engine.compile() after zerospeed.initialize()")
+    regions: dict[str, nn.Module] = {}
+    for block in blocks:
+        if not block:
+            raise ValueError("compile.autoep_non_moe=True cannot compile an AutoEP MoE block at the model root")
+        parent = block.rpartition(".")[0]
+        region = named[parent]
+        if type(region).forward is nn.Module.forward:
+            raise ValueError(f"AutoEP compile region '{parent}' has no forward: the MoE block must be a direct "
+                             "child of a module that calls it")
+        regions.setdefault(parent, region)
+    for block in blocks:
+        named[block].forward = torch.compiler.disable(named[block].forward)
+    backend = get_accelerator().get_compile_backend() if backend is None else backend
+    for name, region in regions.items():
+        region.compile(**{"fullgraph": False, "dynamic": False, **compile_kwargs, "backend": backend})
+        _log.info("AutoEP regional compile: compiled '%s' (backend=%s); its MoE block stays eager", name, backend)
+    return list(regions)
 
 
 def check_compile_args(compile_kwargs: dict[str, Any], schedule: Any, compiled_autograd_enabled: bool) -> None:
@@ -105,5 +147,5 @@ def disable(func: Any) -> Any:
     return torch.compiler.disable(func)
 
 
-__all__ = ["check_compile_args", "compile_engine_module", "compile_module", "compiled_graph_count", "disable",
+__all__ = ["check_compile_args", "compile_autoep_regions", "compile_engine_module", "compile_module", "compiled_graph_count", "disable",
            "is_compile_supported", "is_compiling"]

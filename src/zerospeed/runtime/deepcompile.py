@@ -7,7 +7,10 @@
   backward, so plain ``torch.compile`` already gives one graph with no break; DeepCompile compiles it with
   ``fullgraph=True`` too (a break raises).
 
-The backend is wrapped by the graph passes (``graph_passes.py``) named in ``compile.passes``.
+The backend is wrapped by the graph passes (``graph_passes.py``) named in ``compile.passes``. At ZeRO-3 the offload
+keys add DeepSpeed's offload passes in place of prefetch and selective gather (as in DeepSpeed):
+``offload_opt_states`` and ``offload_parameters`` (``deepcompile_offload.py``), ``offload_activation``
+(``zero/stage3/graph_offload.py``, ``aot_eager`` only).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accelerator import get_accelerator
+from ..accelerator import can_pin_memory, get_accelerator
 from ..config.compile import CompileConfig
 from ..config.errors import ConfigError, NotSupportedYetError
 
@@ -36,11 +39,18 @@ class DeepCompiled:
     passes: tuple[str, ...] = ()  # DeepSpeed's names of the passes that run
     kept: frozenset[int] = field(default_factory=frozenset)  # units selective gather keeps from forward to backward
     freed: list[list[str]] = field(default_factory=list)  # free_activation: saved activations freed, per free call
+    opt_offload: Any = None  # offload_opt_states: its deepcompile_offload.OptStateOffload
+    param_home: Any = None  # offload_parameters: the host home it gave the shards (None: they had one)
+    offloaded: list[dict[str, Any]] = field(default_factory=list)  # offload_activation: per graph, saved activations
+    # (name, bytes) "moved" to the host and "kept"
 
 
 # DeepSpeed's pass names (``engine.compile(schedule=[(0, [names])])``); the ZeRO pass of the stage always runs
 ZERO3_PASSES = ("zero3_compile", "prefetch", "selective_gather")
 ZERO12_PASSES = ("zero1_compile", "zero2_compile")
+# DeepSpeed's offload passes, by the key that turns each on; they run in place of prefetch and selective gather
+OFFLOAD_PASSES = {"offload_opt_states": "offload_adam_states", "offload_parameters": "offload_parameters",
+                  "offload_activation": "offload_activation"}
 
 
 def _passes(schedule: Any, cfg: CompileConfig, stage3: bool) -> tuple[str, ...]:
@@ -53,6 +63,9 @@ def _passes(schedule: Any, cfg: CompileConfig, stage3: bool) -> tuple[str, ...]:
         if cfg.passes != [wanted]:
             raise ConfigError("compile.passes", f"{cfg.passes} does not match the ZeRO stage: use [\"{wanted}\"] (or "
                               "leave it unset)")
+    offloads = tuple(name for key, name in OFFLOAD_PASSES.items() if getattr(cfg, key))
+    if schedule is None and offloads:
+        return ("zero3_compile", *offloads)
     if schedule is None:
         return ZERO3_PASSES if stage3 else ZERO12_PASSES
     known = ZERO3_PASSES if stage3 else ZERO12_PASSES
@@ -66,14 +79,15 @@ def _passes(schedule: Any, cfg: CompileConfig, stage3: bool) -> tuple[str, ...]:
     for n in names:
         if n not in known:
             raise ValueError(f"engine.compile(schedule=...): unknown DeepCompile pass {n!r} at this ZeRO stage "
-                             f"(known: {', '.join(known)})")
-    return names
+                             f"(known: {', '.join(known)}; the offload passes are turned on by compile.offload_*)")
+    return names + offloads
 
 
 def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], window: int,
-                  cfg: CompileConfig, freed: list[list[str]]) -> tuple[Any, dict[str, Any]]:
+                  cfg: CompileConfig, done: DeepCompiled) -> tuple[Any, dict[str, Any]]:
     """``backend`` with the ZeRO-3 graph passes on its forward and backward graphs; (backend, options).
-    ``freed`` receives the names of the activations ``free_activation`` frees in each backward graph."""
+    ``done.freed`` / ``done.offloaded`` receive the names of the activations ``free_activation`` frees in each
+    backward graph / ``offload_activation`` moves to the host in each graph."""
     from ..zero.stage3.graph_free import add_free_activations, boxed
     from ..zero.stage3.graph_passes import run_passes
 
@@ -98,14 +112,21 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
             apply(gm.graph)
             if cfg.free_activation:
                 mine = add_free_activations(gm.graph, cfg.free_activation_threshold)
-                freed.extend(mine)
+                done.freed.extend(mine)
                 _log.info("DeepCompile free_activation: %d saved activations of >= %d bytes freed after their "
                           "last use in backward", sum(map(len, mine)), cfg.free_activation_threshold)
             return boxed(gm, lazy_tangents=True)  # an output given no gradient costs no full zero (graph_free.py)
 
         # as torch's own aot_eager (the default partitioner fails on persistent parameters inside the checkpoint)
+        partition = min_cut_rematerialization_partition
+        if cfg.offload_activation:
+            partition = _activation_offload(partition, done, cfg)
         return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True,
-                            partition_fn=min_cut_rematerialization_partition), {}
+                            partition_fn=partition), {}
+    if cfg.offload_activation:
+        raise NotSupportedYetError("compile.offload_activation", f"DeepCompile's offload_activation pass with the "
+                                   f"{backend!r} backend is not supported yet by zerospeed (it rewrites the "
+                                   "partitioned graphs of zerospeed's 'aot_eager' path): use backend='aot_eager'")
     if backend == "inductor":
         if cfg.free_activation:  # as in DeepSpeed (free_activation is off under inductor)
             _log.info("DeepCompile free_activation: inductor frees each saved activation after its last use "
@@ -126,6 +147,32 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
     return backend, {}
 
 
+def _activation_offload(partition: Any, done: DeepCompiled, cfg: CompileConfig) -> Any:
+    """The partitioner followed by the offload_activation pass, planned against this rank's budget."""
+    from ..zero.stage3.graph_offload import activation_budget, offload_partition
+
+    acc = get_accelerator()
+    budget, floor = activation_budget(acc.total_memory(), acc.memory_allocated())
+    _log.info("DeepCompile offload_activation: budget %.3g bytes for saved activations, eligible from %d bytes",
+              budget, floor)
+    pin = cfg.offload_activation_pin_memory and can_pin_memory()  # pinned host copies exist on CUDA only
+    return offload_partition(partition, done.graph.handle, budget, floor, pin, done.offloaded)
+
+
+def _state_offloads(done: DeepCompiled, cfg: CompileConfig, zero3: Any, optimizer: Any) -> None:
+    """offload_opt_states and offload_parameters (``deepcompile_offload.py``), set up on ``done``."""
+    from .. import comm
+    from .deepcompile_offload import OptStateOffload, home_shards
+
+    if cfg.offload_opt_states:
+        done.opt_offload = OptStateOffload(optimizer.optimizer)
+        done.forward.before_forward.append(done.opt_offload.offload)
+    if cfg.offload_parameters:
+        done.param_home = home_shards(zero3.shards, comm.get_rank())
+        _log.info("DeepCompile offload_parameters: %s", "the shards moved to a host home" if done.param_home
+                  else "the shards already live in zero_optimization.offload_param's home")
+
+
 def sync_points(cfg: CompileConfig) -> frozenset[str]:
     """Where the graph ops synchronise the accelerator (``compile.sync_{before,after}_{allgather,reduce}``)."""
     points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
@@ -134,9 +181,9 @@ def sync_points(cfg: CompileConfig) -> frozenset[str]:
 
 
 def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any], cfg: CompileConfig,
-                 zero3: Any = None, reducer: Any = None, schedule: Any = None) -> DeepCompiled:
+                 zero3: Any = None, optimizer: Any = None, schedule: Any = None) -> DeepCompiled:
     """Compile ``module`` in place with DeepCompile; ``zero3``: its stage-3 runtime (None below stage 3),
-    ``reducer``: the gradient reducer the graph's gradient hand-offs feed."""
+    ``optimizer``: the ZeRO optimizer, whose reducer the graph's gradient hand-offs feed."""
     backend = get_accelerator().get_compile_backend() if backend is None else backend
     names = _passes(schedule, cfg, zero3 is not None)
     kwargs = {**compile_kwargs, "fullgraph": True}
@@ -144,6 +191,7 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
         _log.info("DeepCompile below stage 3: the model compiles as one graph (backend=%s)", backend)
         module.compile(**kwargs, backend=backend)
         return DeepCompiled(passes=names)
+    reducer = getattr(optimizer, "reducer", None)
     if reducer is None:
         raise ValueError("compile.deepcompile at ZeRO stage 3 needs an optimizer (its reducer takes the gradients)")
     from ..zero.stage3.graph_forward import GraphForward
@@ -159,14 +207,15 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     keep = frozenset(selective_units(numel_of, min(fetcher.max_live_numel, fetcher.max_reuse_numel))
                      if "selective_gather" in names else ())
     forward = GraphForward(module, graph, keep, lazy_tangents=backend == "aot_eager")
-    freed: list[list[str]] = []
-    compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg, freed)
+    done = DeepCompiled(graph, forward, names, keep)
+    compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg, done)
+    _state_offloads(done, cfg, zero3, optimizer)
     zero3.remove_module_hooks()
     forward.run = torch.compile(forward.forward, **kwargs, backend=compiled, **options)
     module._compiled_call_impl = forward  # nn.Module.__call__ runs it (as nn.Module.compile does)
     _log.info("DeepCompile at stage 3: %d units gathered in the graph, %d kept for backward, passes %s (backend=%s)",
               len(graph.units), len(keep), names, backend)
-    return DeepCompiled(graph, forward, names, keep, freed)
+    return done
 
 
 __all__ = ["DeepCompiled", "deep_compile", "sync_points"]

@@ -389,8 +389,7 @@ class Engine(nn.Module):
         self._ensure_usable()
         if self._is_compiled:
             return
-        reducer = self.optimizer.reducer if self.optimizer is not None else None
-        self.deepcompiled = compile_engine_module(self.module, self.config.compile, self.zero3, reducer, backend,
+        self.deepcompiled = compile_engine_module(self.module, self.config.compile, self.zero3, self.optimizer, backend,
                                                   {} if compile_kwargs is None else compile_kwargs, schedule,
                                                   compiled_autograd_enabled)
         self._is_compiled = True

@@ -110,6 +110,45 @@ def _master_rules(mode: str) -> tuple[Rule, Rule]:
     return stage0, lacking
 
 
+_DC_OFFLOADS = ("offload_opt_states", "offload_parameters", "offload_activation")
+
+
+def _dc_on(c: ZeroSpeedConfig, *keys: str) -> bool:
+    return c.compile.deepcompile and any(getattr(c.compile, k) for k in keys)
+
+
+def _deepcompile_offload_rules() -> tuple[Rule, ...]:
+    """DeepCompile's offload passes (``runtime/deepcompile_offload.py``, ``zero/stage3/graph_offload.py``): ZeRO-3
+    passes, one offload target per run, and optimizer states not under ZeRO-Offload too (DeepSpeed's rules)."""
+    return (
+        Rule(lambda p, c, f: _dc_on(c, *_DC_OFFLOADS) and p.stage != 3, "compile",
+             lambda p, c, f: f"compile.{next(k for k in _DC_OFFLOADS if getattr(c.compile, k))} is a pass of "
+                             f"DeepCompile's ZeRO-3 (as in DeepSpeed), got ZeRO stage {p.stage}: use stage 3 or "
+                             "drop it", ConfigError),
+        Rule(lambda p, c, f: _dc_on(c, "offload_opt_states") and p.offload_optimizer != "none",
+             "compile.offload_opt_states",
+             _const("compile.offload_opt_states cannot be combined with zero_optimization.offload_optimizer set to "
+                    "cpu or nvme (as in DeepSpeed): both manage the same optimizer state. Enable one of them"),
+             ConfigError),
+        Rule(lambda p, c, f: _dc_on(c, "offload_activation") and _dc_on(c, "offload_parameters", "offload_opt_states"),
+             "compile.offload_activation",
+             _const("compile.offload_activation cannot be combined with offload_parameters or offload_opt_states "
+                    "(as in DeepSpeed): choose one offloading target per run"), ConfigError),
+        Rule(lambda p, c, f: c.compile.autoep_non_moe and c.compile.deepcompile, "compile.autoep_non_moe",
+             _const("compile.autoep_non_moe uses plain torch.compile and cannot be combined with DeepCompile (as in "
+                    "DeepSpeed)"), ConfigError),
+        Rule(lambda p, c, f: c.compile.autoep_non_moe and (p.stage == 3 or p.offload_optimizer != "none"
+                                                            or p.offload_param or p.pipelined or p.folding
+                                                            or p.sequence), "compile.autoep_non_moe",
+             _const("compile.autoep_non_moe with ZeRO stage 3, ZeRO offload, a pipeline, AutoEP + AutoTP folding or "
+                    "sequence parallelism is not supported yet (by zerospeed, nor by DeepSpeed)")),
+        Rule(lambda p, c, f: _dc_on(c, "offload_parameters") and _dc_on(c, "offload_opt_states"),
+             "compile.offload_parameters",
+             _const("compile.offload_parameters and offload_opt_states cannot be enabled together (as in DeepSpeed): "
+                    "choose one offloading target per run"), ConfigError),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(lambda p, c, f: f.mpu_sequence_parallel is not None and "sequence_parallel_size" in c.model_fields_set
          and c.sequence_parallel_size != f.mpu_sequence_parallel, "sequence_parallel_size",
@@ -150,6 +189,7 @@ RULES: tuple[Rule, ...] = (
                                                   or c.zero_optimization.zero_quantized_nontrainable_weights),
          "fp8.allgather_fp8", _const("both fp8.allgather_fp8 and ZeRO++ zero_quantized_weights quantise the weight "
                                      "all-gather; keep one"), ConfigError),
+    *_deepcompile_offload_rules(),
     Rule(lambda p, c, f: p.offload_optimizer != "none" and p.stage == 0, "zero_optimization.offload_optimizer",
          _const("offload needs ZeRO stage 1, 2 or 3"), ConfigError),
     Rule(lambda p, c, f: c.zero_optimization.mics_shard_size > 0 and f.optimizer is not None

@@ -21,6 +21,7 @@ same operations. Graph passes (``runtime/graph_passes.py``) then place the gathe
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ class GraphForward:
         self.lazy_tangents = lazy_tangents
         self.graph = graph
         self.keep = keep
+        self.before_forward: list[Callable[[], None]] = []  # run before each training forward (offload_opt_states)
         self._contexts = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, keep))
         device = graph.units[0][0].device if graph.units else torch.device("cpu")
         self.anchor = torch.zeros(1, device=device, requires_grad=True)  # see graph_ops.py
@@ -110,6 +112,9 @@ class GraphForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.anchor.grad = None  # its gradient is a token (zero); do not let it pile up
+        if torch.is_grad_enabled():
+            for hook in self.before_forward:
+                hook()
         try:
             out = self.run(*args, **kwargs)
         except Exception as exc:

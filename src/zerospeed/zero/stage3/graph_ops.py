@@ -57,6 +57,10 @@ class GraphUnits:
         self.gathers = 0  # z3_gather calls that ran (forward and backward recomputation)
         self.prefetches = 0  # z3_prefetch calls that ran
         self.reduces = 0  # z3_reduce calls that ran
+        # offload_activation (graph_offload.py): activations copied to the host, read back, host bytes held now
+        self.act_offloads = 0
+        self.act_reloads = 0
+        self.act_host_bytes = 0
         self.log: list[tuple[str, int]] | None = None  # (op, unit) per call when debug_log is on
         # compile.sync_{before,after}_{allgather,reduce}: the accelerator is synchronised at those points
         self.sync_points: frozenset[str] = frozenset()
