@@ -1,7 +1,7 @@
 """The hybrid engine (DeepSpeed-Chat's step 3) on a tiny GPT-2 at world 2: greedy rollouts equal HF generate on the
 gathered weights at ZeRO 0-3; the stage-3 weights are gathered once per rollout phase (no all-gather while
-tokens are produced); a training step after a rollout equals one without; actor / critic / reference / reward
-engines live in one process with separate state."""
+tokens are produced; with ``pin_parameters: false``, gathered per forward instead); a training step after a rollout
+equals one without; actor / critic / reference / reward engines live in one process with separate state."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ def _gpt2(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def _config(stage: int, hybrid: bool = True, release: bool = False, optimizer: bool = True) -> dict:
+def _config(stage: int, hybrid: bool = True, release: bool = False, optimizer: bool = True, pin: bool = True) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
-           "hybrid_engine": {"enabled": hybrid, "max_out_tokens": 16, "release_inference_cache": release}}
+           "hybrid_engine": {"enabled": hybrid, "max_out_tokens": 16, "release_inference_cache": release,
+                             "pin_parameters": pin}}
     if optimizer:
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01}}
     return cfg
@@ -96,6 +97,24 @@ def test_rollouts_equal_hf_generate_and_leave_training_alone() -> None:
                 assert phase_gathers == 1 and gathers[0] > 0 and gathers[1] == 0, gathers
             else:
                 assert gathers == [0, 0] and phase_gathers == 0, (stage, gathers)
+
+
+def _unpinned() -> tuple:
+    """``pin_parameters: false`` at stage 3: no phase-long gather; every forward gathers per module, as training."""
+    engine = zerospeed.initialize(model=_gpt2(), config=_config(3, pin=False))[0]
+    _train_step(engine, 0)
+    oracle = _oracle(engine)
+    engine.eval()
+    prompt = _ids(50, comm.get_rank())
+    before = _gathers(engine)
+    out = engine.generate(prompt, max_new_tokens=8, do_sample=False)
+    equal = torch.equal(out, oracle.generate(prompt, max_new_tokens=8, do_sample=False))
+    return equal, engine.parts.hybrid.gathers, _gathers(engine) - before
+
+
+def test_pin_parameters_false_gathers_per_forward() -> None:
+    for equal, phase_gathers, gathers in run_distributed(_unpinned, 2, timeout=120):
+        assert equal and phase_gathers == 0 and gathers >= 8, gathers  # at least one gather per generated token
 
 
 def _four_engines() -> tuple:
