@@ -68,6 +68,50 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: fl
     return adv
 
 
+def ppo(iters: int = 40, batch: int = 16, prompt: int = 4, new: int = 8, target: int = 7, kl: float = 0.02,
+        lr: float = 3e-3, log_every: int = 5) -> list[float]:
+    """Train for ``iters`` PPO iterations; this rank's mean reward of each iteration's rollouts (rank 0 prints a
+    line every ``log_every`` iterations; 0: silent). Called in-process by ``tests/dist/test_ppo_example.py``."""
+    torch.manual_seed(0)
+    actor_model = GPT2LMHeadModel(gpt2_config())
+    ref_model = GPT2LMHeadModel(gpt2_config())
+    ref_model.load_state_dict(actor_model.state_dict())
+    actor, *_ = zerospeed.initialize(model=actor_model, config=ds_config(3, lr, True, batch))
+    ref, *_ = zerospeed.initialize(model=ref_model.requires_grad_(False), config=ds_config(3, None, False, batch))
+    critic, *_ = zerospeed.initialize(model=Critic(), config=ds_config(2, lr, False, batch))
+    rank, rewards = comm.get_rank(), []
+    torch.manual_seed(1 + rank)  # each rank samples its own prompts and rollouts
+    for it in range(iters):
+        prompts = torch.randint(1, VOCAB, (batch, prompt))
+        actor.eval()  # a rollout phase: ZeRO-3 weights gathered once, KV cache for the phase
+        seq = actor.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                             do_sample=True, top_k=0)
+        actor.train()
+        gen = seq[:, prompt:]
+        score = (gen == target).float().mean(1)  # the reward "model": a rule with a known optimum
+        with torch.no_grad():
+            old_logp = token_logprobs(actor(input_ids=seq).logits, seq)[:, prompt - 1:]
+            ref_logp = token_logprobs(ref(input_ids=seq).logits, seq)[:, prompt - 1:]
+            values = critic(seq)[:, prompt - 1:-1]
+        step_rewards = -kl * (old_logp - ref_logp)
+        step_rewards[:, -1] += score
+        adv = gae(step_rewards, values)
+        returns = adv + values
+        adv = (adv - adv.mean()) / (adv.std() + 1e-6)
+        logp = token_logprobs(actor(input_ids=seq).logits, seq)[:, prompt - 1:]
+        ratio = torch.exp(logp - old_logp)
+        actor_loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+        actor.backward(actor_loss)
+        actor.step()
+        critic_loss = ((critic(seq)[:, prompt - 1:-1] - returns) ** 2).mean()
+        critic.backward(critic_loss)
+        critic.step()
+        rewards.append(float(score.mean()))
+        if rank == 0 and log_every and (it % log_every == 0 or it == iters - 1):
+            print(f"iter {it:3d}  reward {rewards[-1]:.3f}  critic loss {critic_loss.item():.4f}", flush=True)
+    return rewards
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=40)
@@ -76,48 +120,14 @@ def main() -> None:
     p.add_argument("--new", type=int, default=8, help="tokens generated per rollout")
     p.add_argument("--target", type=int, default=7, help="the token the reward asks for")
     p.add_argument("--kl", type=float, default=0.02, help="KL penalty against the reference")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (actor and critic)")
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
-    torch.manual_seed(0)
-    actor_model = GPT2LMHeadModel(gpt2_config())
-    ref_model = GPT2LMHeadModel(gpt2_config())
-    ref_model.load_state_dict(actor_model.state_dict())
-    actor, *_ = zerospeed.initialize(model=actor_model, config=ds_config(3, 3e-3, True, args.batch))
-    ref, *_ = zerospeed.initialize(model=ref_model.requires_grad_(False), config=ds_config(3, None, False, args.batch))
-    critic, *_ = zerospeed.initialize(model=Critic(), config=ds_config(2, 3e-3, False, args.batch))
-    rank, start, first = comm.get_rank(), time.perf_counter(), None
-    torch.manual_seed(1 + rank)  # each rank samples its own prompts and rollouts
-    for it in range(args.iters):
-        prompts = torch.randint(1, VOCAB, (args.batch, args.prompt))
-        actor.eval()  # a rollout phase: ZeRO-3 weights gathered once, KV cache for the phase
-        seq = actor.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new,
-                             do_sample=True, top_k=0)
-        actor.train()
-        gen = seq[:, args.prompt:]
-        score = (gen == args.target).float().mean(1)  # the reward "model": a rule with a known optimum
-        with torch.no_grad():
-            old_logp = token_logprobs(actor(input_ids=seq).logits, seq)[:, args.prompt - 1:]
-            ref_logp = token_logprobs(ref(input_ids=seq).logits, seq)[:, args.prompt - 1:]
-            values = critic(seq)[:, args.prompt - 1:-1]
-        rewards = -args.kl * (old_logp - ref_logp)
-        rewards[:, -1] += score
-        adv = gae(rewards, values)
-        returns = adv + values
-        adv = (adv - adv.mean()) / (adv.std() + 1e-6)
-        logp = token_logprobs(actor(input_ids=seq).logits, seq)[:, args.prompt - 1:]
-        ratio = torch.exp(logp - old_logp)
-        actor_loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
-        actor.backward(actor_loss)
-        actor.step()
-        critic_loss = ((critic(seq)[:, args.prompt - 1:-1] - returns) ** 2).mean()
-        critic.backward(critic_loss)
-        critic.step()
-        mean = float(score.mean())
-        first = mean if first is None else first
-        if rank == 0 and (it % 5 == 0 or it == args.iters - 1):
-            print(f"iter {it:3d}  reward {mean:.3f}  critic loss {critic_loss.item():.4f}", flush=True)
-    if rank == 0:
-        print(f"reward {first:.3f} -> {mean:.3f} in {args.iters} iterations, {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
+    rewards = ppo(args.iters, args.batch, args.prompt, args.new, args.target, args.kl, args.lr)
+    if comm.get_rank() == 0:
+        print(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} in {args.iters} iterations, "
+              f"{time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The hybrid engine (DeepSpeed-Chat's step 3) on a tiny GPT-2 at world 2: greedy rollouts equal HF generate on the
 gathered weights at ZeRO 0-3; the stage-3 weights are gathered once per rollout phase (no all-gather while
-tokens are produced); a training step after a rollout equals one without; actor / critic / reference / reward
-engines live in one process with separate state."""
+tokens are produced; with ``pin_parameters: false``, gathered per forward instead); a training step after a rollout
+equals one without; actor / critic / reference / reward engines live in one process with separate state."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ def _gpt2(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def _config(stage: int, hybrid: bool = True, release: bool = False, optimizer: bool = True) -> dict:
+def _config(stage: int, hybrid: bool = True, release: bool = False, optimizer: bool = True, pin: bool = True) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
-           "hybrid_engine": {"enabled": hybrid, "max_out_tokens": 16, "release_inference_cache": release}}
+           "hybrid_engine": {"enabled": hybrid, "max_out_tokens": 16, "release_inference_cache": release,
+                             "pin_parameters": pin}}
     if optimizer:
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01}}
     return cfg
@@ -57,11 +58,11 @@ def _oracle(engine) -> GPT2LMHeadModel:
 
 
 def _rollouts(stage: int) -> tuple:
-    """One step, a rollout phase of two generate() calls, one more step; at stage 3 also the same engine without
-    rollouts beside it (training after a rollout must equal training without)."""
+    """One step, a rollout phase of two generate() calls, one more step; beside it the same engine without
+    rollouts (training after a rollout must equal training without)."""
     with_roll, _, _, _ = zerospeed.initialize(model=_gpt2(), config=_config(stage))
-    plain = zerospeed.initialize(model=_gpt2(), config=_config(stage, hybrid=False))[0] if stage == 3 else None
-    losses = [_train_step(e, 0) for e in (with_roll, plain) if e is not None]
+    plain = zerospeed.initialize(model=_gpt2(), config=_config(stage, hybrid=False))[0]
+    losses = [_train_step(e, 0) for e in (with_roll, plain)]
     oracle = _oracle(with_roll)
     with_roll.eval()
     gathers = []
@@ -74,12 +75,10 @@ def _rollouts(stage: int) -> tuple:
     assert with_roll.module.training is False
     with_roll.train()
     assert with_roll.module.training and not with_roll.parts.hybrid.in_phase
-    losses += [_train_step(e, 1) for e in (with_roll, plain) if e is not None]
-    same = True
-    if plain is not None:
-        both = list(with_roll.module.parameters()) + list(plain.module.parameters())
-        with zerospeed.zero.GatheredParameters(both):
-            same = all(torch.equal(a, b) for a, b in zip(with_roll.module.parameters(), plain.module.parameters()))
+    losses += [_train_step(e, 1) for e in (with_roll, plain)]
+    both = list(with_roll.module.parameters()) + list(plain.module.parameters())
+    with zerospeed.zero.GatheredParameters(both):
+        same = all(torch.equal(a, b) for a, b in zip(with_roll.module.parameters(), plain.module.parameters()))
     return losses, gathers, same, with_roll.parts.hybrid.gathers
 
 
@@ -90,12 +89,29 @@ def _all_stages() -> list:
 def test_rollouts_equal_hf_generate_and_leave_training_alone() -> None:
     for rank_result in run_distributed(_all_stages, 2, timeout=240):
         for stage, (losses, gathers, same, phase_gathers) in enumerate(rank_result):
-            if stage == 3:  # a rollout changes no training state
-                assert losses[0] == losses[1] and losses[2] == losses[3] and same, losses
-                # gathered once when the phase began, held for the second call: no gather at all
+            assert losses[0] == losses[1] and losses[2] == losses[3] and same, (stage, losses)  # no state changed
+            if stage == 3:  # gathered once when the phase began, held for the second call: no gather at all
                 assert phase_gathers == 1 and gathers[0] > 0 and gathers[1] == 0, gathers
             else:
                 assert gathers == [0, 0] and phase_gathers == 0, (stage, gathers)
+
+
+def _unpinned() -> tuple:
+    """``pin_parameters: false`` at stage 3: no phase-long gather; every forward gathers per module, as training."""
+    engine = zerospeed.initialize(model=_gpt2(), config=_config(3, pin=False))[0]
+    _train_step(engine, 0)
+    oracle = _oracle(engine)
+    engine.eval()
+    prompt = _ids(50, comm.get_rank())
+    before = _gathers(engine)
+    out = engine.generate(prompt, max_new_tokens=8, do_sample=False)
+    equal = torch.equal(out, oracle.generate(prompt, max_new_tokens=8, do_sample=False))
+    return equal, engine.parts.hybrid.gathers, _gathers(engine) - before
+
+
+def test_pin_parameters_false_gathers_per_forward() -> None:
+    for equal, phase_gathers, gathers in run_distributed(_unpinned, 2, timeout=120):
+        assert equal and phase_gathers == 0 and gathers >= 8, gathers  # at least one gather per generated token
 
 
 def _four_engines() -> tuple:

@@ -11,7 +11,7 @@ from zerospeed.config import ConfigError, load_config
 from zerospeed.config.errors import NotSupportedYetError
 from zerospeed.config.expert_parallel import ExpertParallelConfig
 from zerospeed.parallel.expert.auto import AutoEPExperts, autoep_model, find_moe_blocks
-from zerospeed.parallel.expert.auto.grouped import grouped_mm
+from zerospeed.parallel.expert.auto.grouped import grouped_available, grouped_mm
 
 from tests.dist.autoep_fixtures import batch, loss_of, tiny_moe
 
@@ -62,6 +62,7 @@ def test_grouped_matmul_equals_the_per_expert_loop() -> None:
     x = torch.randn(10, 8, generator=g, requires_grad=True)
     w = torch.randn(3, 4, 8, generator=g).transpose(1, 2).requires_grad_()
     counts = [3, 0, 7]
+    assert grouped_available(x, w)  # torch._grouped_mm runs here (else this would compare the loop with itself)
     fast = grouped_mm(x, w, counts)
     slow = torch.cat([x[:3] @ w[0], x[3:] @ w[2]])
     torch.testing.assert_close(fast, slow)
