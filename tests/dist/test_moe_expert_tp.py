@@ -148,7 +148,8 @@ def _without_flag() -> str:
 
 
 def test_tensor_parallel_mpu_without_expert_tensor_parallelism_fails_loudly() -> None:
-    assert all("not supported yet by zerospeed" in m for m in run_distributed(_without_flag, 2, timeout=60))
+    messages = run_distributed(_without_flag, 2, timeout=60)
+    assert all("not supported yet by zerospeed" in m for m in messages), messages
 
 
 def _save(path: str) -> str:
@@ -164,4 +165,5 @@ def _save(path: str) -> str:
 
 
 def test_checkpoint_of_tensor_parallel_experts_fails_loudly(tmp_path) -> None:
-    assert all("not supported yet by zerospeed" in m for m in run_distributed(_save, 2, str(tmp_path), timeout=60))
+    messages = run_distributed(_save, 2, str(tmp_path), timeout=60)
+    assert all("not supported yet by zerospeed" in m for m in messages), messages
