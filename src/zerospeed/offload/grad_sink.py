@@ -33,6 +33,7 @@ from .state_store import state_layout
 from .subgroups import SubGroup
 from .swapper import AsyncSwapper, Handle, OffloadIOError, aligned_empty
 from ..accelerator import can_pin_memory
+from ..zero.squares import sum_of_squares
 
 GRAD = "grad"
 MAX_WRITES = 2  # gradient writes in flight (each holds one sub-group buffer)
@@ -133,7 +134,7 @@ class SwappedGrads:
 
     def _flush(self, sg: SubGroup, buf: torch.Tensor) -> None:
         key = (sg.gi, sg.index)
-        self.sq[key] = torch.linalg.vector_norm(buf, dtype=torch.float32).square()
+        self.sq[key] = sum_of_squares(buf)
         self.finite[key] = bool(torch.isfinite(buf).all())
         self.ensure(sg)
         self.writes.append((self.swapper.write(sg.name, buf, offset=self.offset(sg)), buf))
@@ -169,7 +170,7 @@ class SwappedGrads:
         return all(self.finite.values())
 
     def sum_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float64)
         for v in self.sq.values():
             total += v
         return total

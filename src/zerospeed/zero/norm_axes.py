@@ -24,6 +24,7 @@ import torch
 
 from .. import comm
 from .sharded_group import ShardedGroup
+from .squares import sum_of_squares
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,18 @@ class NormAxes:
         return None if self.multi_axis else dp_group
 
     def owned_squares(self, groups: list[ShardedGroup], grads: list[torch.Tensor], dp_group: Any) -> torch.Tensor:
-        """The sum of squares of the gradient elements this rank owns (each element owned by one rank)."""
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        """The sum of squares (float64) of the gradient elements this rank owns (each element owned by one rank)."""
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
         tp_lead = self.tp_group is None or comm.get_rank(self.tp_group) == 0
         for gi, (grp, g) in enumerate(zip(groups, grads)):
             if not self.owns_group(gi, grp, dp_group):
                 continue
-            if tp_lead and not self.replicated:  # vector_norm makes no gradient-sized temporary
-                sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if tp_lead and not self.replicated:  # no gradient-sized temporary
+                sq += sum_of_squares(g)
                 continue
             for i, p in enumerate(grp.params):  # each slot on its own, so every rank rounds the same way
                 if id(p) not in self.replicated and (tp_lead or id(p) in self.split):
-                    sq += torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32).square()
+                    sq += sum_of_squares(grp.slot_view(g, i))
         return sq
 
     def owns_group(self, gi: int, grp: ShardedGroup, dp_group: Any) -> bool:

@@ -27,6 +27,7 @@ from .grad_reducer import GradReducer
 from .norm_axes import NormAxes
 from .partition import reduce_bucket_numel
 from .sharded_group import ShardedGroup
+from .squares import sum_of_squares
 
 
 class ZeroOptimizer:
@@ -141,9 +142,9 @@ class ZeroOptimizer:
                 norms = [torch.linalg.vector_norm(grp.slot_view(g, i), dtype=torch.float32)
                          for grp, g in zip(self.groups, grads) for i in range(len(grp.params))]
                 return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-            sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-            for g in grads:  # vector_norm makes no gradient-sized temporary (pow(2) would: 4 bytes/param)
-                sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+            for g in grads:  # no gradient-sized temporary (pow(2) would make one: 4 bytes/param)
+                sq += sum_of_squares(g)
             sq += sink.sum_sq()  # sums of squares recorded as they were written
             return math.sqrt(float(sq))
         if nvme and (axes.tp_group is not None or axes.replicated):
@@ -153,7 +154,7 @@ class ZeroOptimizer:
         if nvme:  # squares recorded per (group, sub-group) as they were written
             for (gi, _), v in sink.sq.items():
                 if axes.owns_group(gi, self.groups[gi], self.dp_group):
-                    sq = sq + v.to(sq.device)
+                    sq = sq + v.to(sq.device, torch.float64)
         union = axes.union(self.dp_group)
         sq = sq.to(comm.device_for_backend(union)).reshape(1)  # offloaded grads live on host; NCCL needs the device
         comm.all_reduce(sq, group=union)
