@@ -45,6 +45,12 @@ class BucketStore:
         # go at the end of the micro-step, so none is held through the next forward.
         self.spare: list[torch.Tensor] = []
         self.pads: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        # A partitioned group's full buffer is not zeroed after the step (a pass over the whole group that the
+        # next window's first gradients would overwrite): it is *stale* instead. Each parameter's first gradient
+        # of the window is copied in, and a bucket's other columns (no gradient yet, padding) are zeroed when
+        # the bucket is launched or its block is read (``zero_missing``, ``clean_block``).
+        self.stale = [False] * len(groups)
+        self.valued: set[tuple[int, int]] = set()  # stale-buffer blocks zeroed by clean_block this window
 
     @property
     def holds_window(self) -> bool:
@@ -87,6 +93,13 @@ class BucketStore:
     def is_transient(self, g: int) -> bool:
         return self.full[g] is None
 
+    def uninitialised(self, g: int, key: tuple[int, int], got: set[tuple[int, int]],
+                      window_got: set[tuple[int, int]]) -> bool:
+        """Whether parameter ``key``'s columns hold no value yet (its gradient is copied in, not added)."""
+        if key in got:
+            return False
+        return self.full[g] is None or (self.stale[g] and key not in window_got and key not in self.valued)
+
     def bucket(self, g: int, b: int) -> torch.Tensor:
         """Bucket (g, b)'s buffer (rank-major: ``view(num_partitions, shard_numel)``)."""
         grp = self.groups[g]
@@ -118,16 +131,32 @@ class BucketStore:
                                                       grp.num_partitions)
         return pads
 
-    def zero_missing(self, g: int, b: int, got: set[tuple[int, int]]) -> None:
-        """Before a transient bucket is reduced: zero the columns of parameters that sent no gradient."""
-        if self.full[g] is not None:
+    def zero_missing(self, g: int, b: int, got: set[tuple[int, int]],
+                     window_got: set[tuple[int, int]] = frozenset()) -> None:  # type: ignore[assignment]
+        """Before a bucket is reduced: zero the columns of parameters that sent no gradient (a transient bucket's
+        this micro-step; a stale full buffer's this window, and its padding)."""
+        if self.full[g] is not None and not self.stale[g]:
             return
         grp = self.groups[g]
         view = self.bucket(g, b).view(grp.num_partitions, grp.plan.buckets[b].shard_numel)
+        stale = self.full[g] is not None
         for i in grp.plan.buckets[b].params:
-            if (g, i) not in got:
+            if (g, i) not in got and not (stale and ((g, i) in window_got or (g, i) in self.valued)):
                 slot = grp.plan.slots[i]
                 view[:, slot.offset: slot.offset + slot.shard].zero_()
+        if stale:
+            for row, lo, hi in self._padding(g, b):
+                view[row:, lo:hi].zero_()
+
+    def clean_block(self, g: int, i: int, got: set[tuple[int, int]], window_got: set[tuple[int, int]]) -> None:
+        """Before parameter i's block of a stale full buffer is read or accumulated into: zeros if it has no
+        gradient this window."""
+        if self.full[g] is not None and self.uninitialised(g, (g, i), got, window_got):
+            grp = self.groups[g]
+            slot = grp.plan.slots[i]
+            width = grp.plan.buckets[slot.bucket].shard_numel
+            self.bucket(g, slot.bucket).view(grp.num_partitions, width)[:, slot.offset: slot.offset + slot.shard].zero_()
+            self.valued.add((g, i))  # now a value (zero): later gradients add to it
 
     def retire(self, g: int, b: int) -> None:
         """Bucket (g, b)'s transient buffer is spent: keep it for the next bucket of this micro-step."""
@@ -140,8 +169,13 @@ class BucketStore:
         self.spare.clear()
 
     def zero(self) -> None:
-        for full in self.full:
-            if full is not None:
+        self.valued.clear()
+        for g, full in enumerate(self.full):
+            if full is None:
+                continue
+            if self.groups[g].num_partitions > 1:
+                self.stale[g] = True  # see __init__: zeroed column by column as the next window needs
+            else:  # one partition: the buffer is the reduced gradient itself (partition_buffer), read whole
                 full.zero_()
         self.staging.clear()
         self.spare.clear()

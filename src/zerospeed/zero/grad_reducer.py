@@ -78,9 +78,9 @@ class GradReducer:
         """``p``'s columns of its bucket (``[num_partitions, shard]``): its accumulated gradient (None: frozen)."""
         if p not in self.where:
             return None
-        g, i = self.where[p]
-        grp = self.groups[g]
+        (g, i), grp = self.where[p], self.groups[self.where[p][0]]
         slot = grp.plan.slots[i]
+        self.store.clean_block(g, i, self.tracker.got, self.tracker.window_got)
         view = self.store.bucket(g, slot.bucket).view(grp.num_partitions, grp.plan.buckets[slot.bucket].shard_numel)
         return view[:, slot.offset:slot.offset + slot.shard]
 
@@ -143,7 +143,7 @@ class GradReducer:
         width = grp.plan.buckets[slot.bucket].shard_numel
         late = self.tracker.is_unused(key) and self.communicate and self.tracker.launched(key) and self.comm_of[g][1] > 1
         buf = self.late.buffer(self.tracker.bucket_of[key]) if late else self.store.bucket(g, slot.bucket)
-        first = not late and self.store.is_transient(g) and key not in self.tracker.got  # uninitialised columns
+        first = not late and self.store.uninitialised(g, key, self.tracker.got, self.tracker.window_got)
         grad = grad.to_dense() if grad.is_sparse else grad  # nn.Embedding(sparse=True)
         scatter_into(buf.view(grp.num_partitions, width), slot.offset, slot.shard, grad.reshape(-1), accumulate=not first)
 
@@ -178,7 +178,7 @@ class GradReducer:
                 self._complete(self.pending.pop(0))
             g, b = self.tracker.order[k]
             grp, (group, size) = self.groups[g], self.comm_of[g]
-            self.store.zero_missing(g, b, self.tracker.got)  # a transient bucket's unset columns
+            self.store.zero_missing(g, b, self.tracker.got, self.tracker.window_got)  # columns with no value
             buf = self.store.bucket(g, b)
             if size == 1 or (self.allreduce_gate is not None and not self.allreduce_gate()):
                 assert size == 1 or grp.num_partitions == 1, "local gradients need one partition (stage 0)"
