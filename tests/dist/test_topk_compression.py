@@ -46,7 +46,7 @@ def test_topk_sends_indices_and_values_only(stage: int) -> None:
     results = run_distributed(run, 2, stage, 3, {"type": "topk", "ratio": 0.05}, timeout=120)
     k = -(-4096 * 5 // 100)  # ceil(0.05 * 4096) entries of the one 4096-element bucket
     for s in results[0]["per_step"]:
-        assert s.get("all_reduce", 0) <= 4 and s.get("reduce_scatter", 0) == 0  # stage 1: the grad-norm scalar
+        assert s.get("all_reduce", 0) <= 8 and s.get("reduce_scatter", 0) == 0  # stage 1: the grad-norm scalar (float64: 8 bytes)
         assert s["all_gather"] >= 2 * 2 * k * 4  # indices + values from both ranks
         if stage == 0:
             assert s["all_gather"] == 2 * 2 * k * 4

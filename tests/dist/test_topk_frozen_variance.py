@@ -112,7 +112,7 @@ def test_frozen_variance_topk_equals_simulation(stage: int, momentum: bool, pre:
     for s in steps[:WARM]:  # dense warm-up: the gradient all-reduce (stage 1: reduce-scatter)
         assert s.get("all_reduce", 0) + s.get("reduce_scatter", 0) >= 4 * n // 2
     for t, s in enumerate(steps[WARM:], WARM):
-        assert s.get("all_reduce", 0) <= 4 and s.get("reduce_scatter", 0) == 0
+        assert s.get("all_reduce", 0) <= 8 and s.get("reduce_scatter", 0) == 0
         sparse = 2 * 2 * k * 4  # indices + values from both ranks
         rebuild = 4 * n if stage == 1 else 0  # stage 1 all-gathers the updated fp32 shards every step
         assert s["all_gather"] == sparse + rebuild, (t, s)
