@@ -78,19 +78,43 @@ def test_prefetch_skips_a_unit_larger_than_the_window() -> None:
     assert _names(g) == ["g0", "mm", "p2", "g1", "mm", "g2", "mm"]  # unit 1 (50) is gathered when needed
 
 
-def test_reduce_moves_right_after_its_last_gradient() -> None:
+def test_reduce_hands_each_gradient_right_after_its_producer() -> None:
+    """A unit's reduce is split: each gradient reaches the reducer as soon as it is final (a unit whose last
+    gradient comes at the end of backward does not hold back the others), and the parts' results are summed
+    into the anchor's gradient, so none is left without a user."""
     g = fx.Graph()
     g.placeholder("anchor")
     a, b = g.placeholder("a"), g.placeholder("b")
     grad_w = g.call_function(torch.ops.aten.mm.default, (a, b))
-    grad_b = g.call_function(torch.ops.aten.sum.default, (a,))
-    later = g.call_function(torch.ops.aten.mm.default, (b, b))  # more backward, independent of this unit
+    later = g.call_function(torch.ops.aten.mm.default, (b, b))  # more backward, independent of grad_w
+    grad_b = g.call_function(torch.ops.aten.sum.default, (later,))  # this unit's last gradient, late
     red = g.call_function(REDUCE, ([grad_w, None, grad_b], 7, 0))
     g.output((later, red))
-    assert reduce_early(g) == 1
+    assert reduce_early(g) == 2
     g.lint()
     order = list(g.nodes)
-    assert order.index(red) == order.index(grad_b) + 1 < order.index(later)
+    parts = [n for n in order if n.op == "call_function" and n.target is REDUCE]
+    assert [p.args[0] for p in parts] == [[grad_w, None, None], [None, None, grad_b]]
+    assert [p.args[1:] for p in parts] == [(7, 0), (7, 0)]
+    assert order.index(parts[0]) == order.index(grad_w) + 1 < order.index(later)  # before the rest of backward
+    assert order.index(parts[1]) == order.index(grad_b) + 1
+    total = order[-1].args[0][1]
+    assert total.target is torch.ops.aten.add.Tensor and set(total.args) == set(parts)
+    assert red not in order
+
+
+def test_a_single_gradient_reduce_moves_right_after_it() -> None:
+    g = fx.Graph()
+    g.placeholder("anchor")
+    a, b = g.placeholder("a"), g.placeholder("b")
+    grad_w = g.call_function(torch.ops.aten.mm.default, (a, b))
+    later = g.call_function(torch.ops.aten.mm.default, (b, b))
+    red = g.call_function(REDUCE, ([grad_w, None], 7, 0))
+    g.output((later, red))
+    assert reduce_early(g) == 1
+    order = list(g.nodes)
+    assert order.index(red) == order.index(grad_w) + 1 < order.index(later)
+    assert reduce_early(g) == 0  # already in place
 
 
 def test_run_passes_composes_and_selective_gather_keeps_the_last_units() -> None:

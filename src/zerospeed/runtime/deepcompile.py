@@ -173,6 +173,35 @@ def _state_offloads(done: DeepCompiled, cfg: CompileConfig, zero3: Any, optimize
                   else "the shards already live in zero_optimization.offload_param's home")
 
 
+def with_persistent(module: nn.Module, units: list[Any]) -> list[Any]:
+    """Stage 3's units with the persistent (small, never partitioned) parameters added, each to the unit of the
+    next module in ``named_modules()`` order that has one (else the last unit). Eager stage 3 leaves them out of
+    its units (nothing to gather), but then under DeepCompile they would be inputs of the compiled graph whose
+    gradients autograd delivers only after the whole backward: every norm and bias gradient at the end, and with
+    them the bucket each sits in. In a unit, the graph op hands out a copy of the value (no collective) and its
+    gradient goes to the reducer right after the node that makes it (``graph_passes.reduce_early``)."""
+    from ..zero.stage3.fetcher import Unit
+    from ..zero.stage3.param_store import shard_of
+
+    by_name = {u.name: u for u in units}
+    extra: dict[str, list[Any]] = {u.name: [] for u in units}
+    waiting: list[Any] = []
+    seen: set[int] = set()
+    for name, m in module.named_modules():
+        for p in m._parameters.values():
+            s = shard_of(p) if p is not None else None
+            if s is not None and s.persistent and id(s) not in seen:
+                seen.add(id(s))
+                waiting.append(s)
+        unit = by_name.get(name or "<root>")
+        if unit is not None and waiting:
+            extra[unit.name].extend(waiting)
+            waiting = []
+    if waiting and units:
+        extra[units[-1].name].extend(waiting)
+    return [Unit(u.index, u.name, [*u.shards, *extra[u.name]]) for u in units]
+
+
 def sync_points(cfg: CompileConfig) -> frozenset[str]:
     """Where the graph ops synchronise the accelerator (``compile.sync_{before,after}_{allgather,reduce}``)."""
     points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
@@ -198,7 +227,7 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     from ..zero.stage3.graph_ops import GraphUnits
     from ..zero.stage3.graph_passes import selective_units
 
-    graph = GraphUnits(zero3.units, reducer.take_grad)
+    graph = GraphUnits(with_persistent(module, zero3.units), reducer.take_grad)
     graph.log = [] if cfg.debug_log else None
     graph.sync_points = sync_points(cfg)
     graph.synchronize = get_accelerator().synchronize
@@ -218,4 +247,4 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     return done
 
 
-__all__ = ["DeepCompiled", "deep_compile", "sync_points"]
+__all__ = ["DeepCompiled", "deep_compile", "sync_points", "with_persistent"]

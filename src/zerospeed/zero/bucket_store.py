@@ -132,7 +132,7 @@ class BucketStore:
         return pads
 
     def zero_missing(self, g: int, b: int, got: set[tuple[int, int]],
-                     window_got: set[tuple[int, int]] = frozenset()) -> None:  # type: ignore[assignment]
+                     window_got: set[tuple[int, int]]) -> None:
         """Before a bucket is reduced: zero the columns of parameters that sent no gradient (a transient bucket's
         this micro-step; a stale full buffer's this window, and its padding)."""
         if self.full[g] is not None and not self.stale[g]:

@@ -31,10 +31,14 @@ from .layout import read_pointer
 
 # --- inert stand-ins for the DeepSpeed classes its checkpoints pickle -------------------------------
 class _Fields:
-    """Holds the fields a pickled DeepSpeed object carried; no behaviour."""
+    """Holds the fields a pickled DeepSpeed object carried, as a plain dict in ``fields``; no behaviour, and no
+    attribute is set from the file's keys."""
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+
+    def __setstate__(self, state: object) -> None:
+        self.fields = dict(state) if isinstance(state, dict) else {}
 
 
 class _LossScaler(_Fields):
@@ -183,7 +187,7 @@ def _read(path: str) -> DeepSpeedState:
         stage=stage, world_size=world, params=params, group_of=group_of, frozen=frozen,
         shared=dict(head.get("shared_params") or {}), optim=states, steps=steps,
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in pg],
-        loss_scaler=dict(scaler.__dict__) if scaler is not None else None,
+        loss_scaler=dict(getattr(scaler, "fields", {})) if isinstance(scaler, _Fields) else None,
         lr_scheduler=head.get("lr_scheduler"),
         counters={"global_steps": int(head.get("global_steps", 0)), "global_samples": int(head.get("global_samples", 0)),
                   "skipped_steps": int(head.get("skipped_steps", 0))},

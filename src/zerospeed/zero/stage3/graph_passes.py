@@ -11,10 +11,14 @@ nodes and the prefetch tokens:
 * :func:`prefetch`: before gather ``k``, a ``z3_prefetch`` of the same unit starts its all-gather
   asynchronously, placed just before the earliest gather ``j < k`` such that units ``j+1 .. k`` hold at most
   ``window`` elements (``stage3_prefetch_bucket_size``), and at least one gather ahead; the gather becomes
-  ``z3_gather_prefetched``, taking the prefetch's token as input, so no compiler may reorder the two. A planned schedule: every
-  rank compiles the same graph, so every rank issues the same collectives in the same order.
-* :func:`reduce_early`: each ``z3_reduce`` moves to just after the last node that produces one of its
-  gradients: a gradient goes to its reduce-scatter bucket as soon as it is final.
+  ``z3_gather_prefetched``, taking the prefetch's token as input, so no compiler may reorder the two. A planned
+  schedule: every rank compiles the same graph, so every rank issues the same collectives in the same order.
+* :func:`reduce_early`: each ``z3_reduce`` of a unit's gradients is split into one ``z3_reduce`` per gradient,
+  placed just after the node that produces it: a gradient goes to its reduce-scatter bucket as soon as it is
+  final, as eager stage 3's per-parameter hooks hand it, not when the unit's last gradient is (a unit also
+  holds the persistent parameters before its module, ``runtime/deepcompile.with_persistent``, whose gradients
+  come after the module's own). The parts' one-element results are summed into the anchor's gradient, so
+  every part has a user and no compiler drops it.
 
 Selective gather (keeping some units gathered from forward to backward) is decided before partitioning,
 by the checkpoint policy (``graph_forward.py``); :func:`selective_units` plans which.
@@ -92,18 +96,38 @@ def prefetch(graph: fx.Graph, numel_of: Sequence[int], window: int) -> int:
 
 
 def reduce_early(graph: fx.Graph) -> int:
-    """Move every gradient reduction to just after the last producer of its gradients; returns how many moved."""
+    """Hand every gradient to its reduction just after the node that produces it (one ``z3_reduce`` per
+    gradient); returns how many reductions moved or were made."""
     moved = 0
     for red in _calls(graph, REDUCE):
-        order = _index(graph)
-        producers = [g for g in red.args[0] if isinstance(g, fx.Node)]  # type: ignore[union-attr]
+        grads = list(red.args[0])  # type: ignore[arg-type]
+        producers = [g for g in grads if isinstance(g, fx.Node)]
         if not producers:
             continue
-        last = max(producers, key=order.__getitem__)
-        if order[red] == order[last] + 1:
+        if len(producers) == 1:
+            if _index(graph)[red] != _index(graph)[producers[0]] + 1:
+                producers[0].append(red)
+                moved += 1
             continue
-        last.append(red)
-        moved += 1
+        total: fx.Node | None = None
+        for j, g in enumerate(grads):
+            if not isinstance(g, fx.Node):
+                continue
+            with graph.inserting_after(g):
+                part = graph.call_function(REDUCE, ([g if k == j else None for k in range(len(grads))], *red.args[1:]),
+                                           dict(red.kwargs))
+            part.meta = dict(red.meta)
+            moved += 1
+            if total is None:
+                total = part
+                continue
+            later, earlier = (part, total) if _index(graph)[part] > _index(graph)[total] else (total, part)
+            with graph.inserting_after(later):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (earlier, later))
+            total.meta = dict(red.meta)
+        assert total is not None
+        red.replace_all_uses_with(total)
+        graph.erase_node(red)
     return moved
 
 
