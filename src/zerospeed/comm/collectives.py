@@ -28,9 +28,18 @@ class Handle:
         self._group = group
         self._t0 = t0
         self.done = work is None
+        self.released = False
         self._loggers = loggers()  # where its latency is booked: the loggers of the call that launched it
 
+    def release(self) -> None:
+        """Let go of the backend's work without waiting (its group is being dropped after a failure)."""
+        if not self.done:
+            self._work, self.released = None, True
+
     def wait(self) -> None:
+        if self.released:
+            raise CollectiveError(f"rank {get_rank()}: collective '{self._op}' on group {_group_name(self._group)} "
+                                  "was abandoned: its group was dropped after a failed step")
         if self.done:
             return
         try:
@@ -94,7 +103,10 @@ def _run(op: str, group: Group | None, nbytes: int, volume: int, async_op: bool,
     ranks = _ranks(group)
     for lg in loggers():
         lg.record(op, nbytes, volume, seconds, ranks=ranks)
-    return Handle(work, op, group, t0) if async_op else None
+    if not async_op:
+        return None
+    handle = Handle(work, op, group, t0)
+    return group.track(handle) if isinstance(group, RecoverableGroup) and not handle.done else handle
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -169,8 +181,12 @@ class _Works:
         self.works = works
 
     def wait(self) -> bool:
-        while self.works:
-            self.works.pop(0).wait()
+        try:
+            while self.works:
+                self.works.pop(0).wait()
+        except BaseException:
+            self.works.clear()  # the rest would keep the connections open from the traceback
+            raise
         return True
 
 

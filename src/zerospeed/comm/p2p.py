@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .backend import Group, get_rank
 from .collectives import CollectiveError
 from .logger import loggers
-from .recoverable import resolve
+from .recoverable import RecoverableGroup, resolve
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,25 @@ class P2PHandle:
         self._ops = ops
         self._t0 = t0
         self.done = not works
+        self.released = False
         self._loggers = loggers()
 
+    def release(self) -> None:
+        """Let go of the backend's work without waiting (its group is being dropped after a failure)."""
+        if not self.done:
+            self._works, self.released = [], True
+
     def wait(self) -> None:
+        if self.released:
+            raise CollectiveError(f"rank {get_rank()}: p2p {_describe(self._ops)} was abandoned: its group was "
+                                  "dropped after a failed step")
         if self.done:
             return
         try:
             for w in self._works:
                 w.wait()
         except RuntimeError as exc:
+            self._works = []  # the rest would keep the connections open from the traceback
             raise _fail(self._ops, exc) from exc
         self.done = True
         seconds = time.perf_counter() - self._t0
@@ -113,7 +123,8 @@ def exchange(ops: list[P2P], group: Group | None = None) -> P2PHandle:
         n = o.tensor.numel() * o.tensor.element_size()
         for lg in own:
             lg.record(o.kind, n, n)
-    return P2PHandle(list(works), ops, t0)
+    handle = P2PHandle(list(works), ops, t0)
+    return group.track(handle) if isinstance(group, RecoverableGroup) else handle
 
 
 def device_mesh(device_type: str, dims: list[int], names: list[str]) -> Any:

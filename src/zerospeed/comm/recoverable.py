@@ -16,6 +16,7 @@ world (``new_group`` numbering): every rank must do them in the same order.
 from __future__ import annotations
 
 import gc
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,10 @@ class RecoverableGroup:
         self.rank = dist.get_rank()
         self.generation = 0
         self._pg: Any = dist.new_group(self.ranks, timeout=self.timeout)
+        # Every handle launched on this group that may still be in flight: ``drop`` lets go of their work
+        # objects itself, so a handle some component (or an exception's traceback) still references does not
+        # keep the connections open until the peers time out.
+        self._in_flight: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @property
     def pg(self) -> Any:
@@ -52,10 +57,14 @@ class RecoverableGroup:
     def drop(self) -> None:
         """Destroy this rank's backend (closing its connections: peers' collectives fail at once).
 
-        Collectives this rank still has queued run first (peers that are behind complete them); every
-        in-flight handle must have been released by the caller, or the connections stay open until the
-        peers time out.
+        Collectives this rank still has queued run first (peers that are behind complete them). A backend
+        work object still referenced keeps the connections open (until the peers time out), so every handle
+        launched on this group and not yet completed is released here first: whoever still holds one gets an
+        error from its ``wait()``, not a hang.
         """
+        for handle in list(self._in_flight):
+            handle.release()
+        self._in_flight = weakref.WeakSet()
         pg, self._pg = self._pg, None
         if pg is None:
             return
@@ -65,6 +74,11 @@ class RecoverableGroup:
             pass
         del pg
         gc.collect(0)  # a young cycle may hold it; a full collection costs ~1 s with torch loaded
+
+    def track(self, handle: Any) -> Any:
+        """Remember an in-flight ``handle`` (anything with ``release()``) launched on this group; returns it."""
+        self._in_flight.add(handle)
+        return handle
 
     def rebuild(self) -> None:
         """New connections among the same ranks (every rank must call this; waits up to the timeout)."""
