@@ -144,11 +144,14 @@ def runnable_contenders(contenders: list[Contender]) -> list[Contender]:
 
 def run_all(spec: BenchSpec, contenders: list[Contender], baseline: str | None = None, repeat: int = 1,
             log: bool = True) -> list[Result]:
-    """Run every runnable contender ``repeat`` times interleaved; keep each one's median-wall round."""
+    """Run every runnable contender ``repeat`` times interleaved; keep each one's median-wall round.
+
+    Every other round runs the contenders in reverse order, so a machine that drifts within a round (it slows
+    down or speeds up) weighs on the first and the last contenders alike instead of always on the later ones."""
     runnable = runnable_contenders(contenders)
     rounds: dict[str, list[Result]] = {c.name: [] for c in runnable}
     for r in range(repeat):
-        for c in runnable:
+        for c in runnable if r % 2 == 0 else runnable[::-1]:
             res = run_contender(spec, c)
             rounds[c.name].append(res)
             if log:

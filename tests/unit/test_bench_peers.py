@@ -53,3 +53,27 @@ def test_gas1_contenders_separate_the_adam_kernel_and_the_heap_trim() -> None:
     paired = [c.name for c in contenders("gas1", "cpu", trim_pairs=True)]
     assert [n for n in paired if n not in names] == ["zerospeed stage 2, no heap trim", "zerospeed stage 3, no heap trim"]
     assert set(SWEEP) <= set(PRESETS) and all(len(v) == 3 and min(v) >= 1 for v in SWEEP.values())
+
+
+def test_rounds_alternate_the_contenders_order_and_pair_ratios_per_round(monkeypatch) -> None:
+    """A machine that slows down within a round must not always weigh on the same (later) contenders."""
+    from benchmarks import harness
+    from benchmarks.contenders import BenchSpec, Contender
+
+    calls: list[str] = []
+    clock = iter(range(1, 100))
+
+    def fake_run(spec: BenchSpec, c: Contender) -> harness.Result:  # each run slower than the one before: drift
+        calls.append(c.name)
+        t = float(next(clock))
+        return harness.Result(c.name, 2, 1, t, t, 1.0, 1.0, 1.0, 1.0, {}, 0.0)
+
+    monkeypatch.setattr(harness, "run_contender", fake_run)
+    names = ["base", "b", "c"]
+    results = harness.run_all(BenchSpec(), [Contender(n, lambda m, s: None) for n in names], baseline="base",
+                              repeat=2, log=False)
+    assert calls == ["base", "b", "c", "c", "b", "base"]
+    assert [r.contender for r in results] == names
+    # base ran at 1 and 6, c at 3 and 4: the paired ratios 3/1 and 4/6 have a median of about 1.83
+    by = {r.contender: r for r in results}
+    assert by["c"].cpu_ratio == pytest.approx((3 / 1 + 4 / 6) / 2)
