@@ -64,7 +64,7 @@ class RecoverableGroup:
         """
         for handle in list(self._in_flight):
             handle.release()
-        self._in_flight = weakref.WeakSet()
+        self._in_flight.clear()
         pg, self._pg = self._pg, None
         if pg is None:
             return
