@@ -41,7 +41,7 @@ def _names(g: fx.Graph) -> list[str]:
         if n.target in (GATHER, PREFETCHED):
             out.append(f"g{n.args[2]}")
         elif n.target is PREFETCH:
-            out.append(f"p{n.args[2]}")
+            out.append("p" + "+".join(map(str, n.args[2])))
         elif n.target is torch.ops.aten.mm.default:
             out.append("mm")
     return out
@@ -57,18 +57,19 @@ def test_sink_moves_each_gather_to_its_first_use() -> None:
 
 @pytest.mark.parametrize("window,expected", [
     (10, ["p1", "g0", "mm", "p2", "g1", "mm", "p3", "g2", "mm", "g3", "mm"]),  # one unit ahead
-    (20, ["p1", "p2", "g0", "mm", "p3", "g1", "mm", "g2", "mm", "g3", "mm"]),  # two units ahead
+    (20, ["p1+2", "g0", "mm", "p3", "g1", "mm", "g2", "mm", "g3", "mm"]),  # two ahead: the first window is one launch
+    (40, ["p1+2+3", "g0", "mm", "g1", "mm", "g2", "mm", "g3", "mm"]),  # the whole rest in one
     (0, ["g0", "mm", "g1", "mm", "g2", "mm", "g3", "mm"]),  # off
 ])
 def test_prefetch_starts_gathers_ahead_within_the_window(window: int, expected: list[str]) -> None:
     g = _forward_graph(4)
     sink_gathers(g)
-    prefetch(g, [10, 10, 10, 10], window)
+    assert prefetch(g, [10, 10, 10, 10], window) == sum(n.count("+") + 1 for n in expected if n.startswith("p"))
     g.lint()
     assert _names(g) == expected
-    for n in g.nodes:  # each prefetched gather waits on its own prefetch's token
+    for n in g.nodes:  # each prefetched gather waits on the token of the prefetch that starts its unit
         if n.target is PREFETCHED:
-            assert n.args[3].target is PREFETCH and n.args[3].args[2] == n.args[2]
+            assert n.args[3].target is PREFETCH and n.args[2] in n.args[3].args[2]
 
 
 def test_prefetch_skips_a_unit_larger_than_the_window() -> None:

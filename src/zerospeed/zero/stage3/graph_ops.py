@@ -14,9 +14,11 @@ shapes the compiler traces with), the gather with an autograd formula:
   gradient to the stage-3 reducer (``take_grad``: bucket, reduce-scatter, the same path as eager
   stage 3's gradient hooks) and returns the anchor's gradient (one fp32 zero: not empty, since inductor
   drops ops whose outputs have no elements).
-* ``zerospeed::z3_prefetch(anchor, graph, unit) -> Tensor``: starts the unit's all-gather asynchronously and
-  returns a token (one element); the prefetch pass (``graph_passes.py``) turns the unit's ``z3_gather`` into
-  ``z3_gather_prefetched(anchor, graph, unit, token)``, which waits for it (the token orders the two).
+* ``zerospeed::z3_prefetch(anchor, graph, units) -> Tensor``: starts the all-gather of every unit in ``units``
+  asynchronously, as one collective (and one lockstep check) where their shards share a dtype, device and
+  group, as eager stage 3's fetcher launches its window; returns a token (one element). The prefetch pass
+  (``graph_passes.py``) turns each of those units' ``z3_gather`` into ``z3_gather_prefetched(anchor, graph,
+  unit, token)``, which waits for it (the token orders the two).
 
 ``graph`` is the handle of a :class:`GraphUnits` (one per engine; the op arguments must be plain values).
 The fake gather reads only the static shapes of the handle's units.
@@ -55,7 +57,8 @@ class GraphUnits:
         self.sink = sink
         self.handle = next(_HANDLES)
         self.gathers = 0  # z3_gather calls that ran (forward and backward recomputation)
-        self.prefetches = 0  # z3_prefetch calls that ran
+        self.prefetches = 0  # units z3_prefetch started
+        self.prefetch_calls = 0  # z3_prefetch calls that ran (each starts one or more units)
         self.reduces = 0  # z3_reduce calls that ran
         # offload_activation (graph_offload.py): activations copied to the host, read back, host bytes held now
         self.act_offloads = 0
@@ -97,17 +100,20 @@ def _take_full(s: ParamShard) -> torch.Tensor:
 
 
 @torch.library.custom_op("zerospeed::z3_prefetch", mutates_args=())
-def z3_prefetch(anchor: torch.Tensor, graph: int, unit: int) -> torch.Tensor:
+def z3_prefetch(anchor: torch.Tensor, graph: int, units: list[int]) -> torch.Tensor:
     g = graph_units(graph)
-    g.prefetches += 1
-    g.note("prefetch", unit)
+    g.prefetch_calls += 1
+    g.prefetches += len(units)
+    for unit in units:
+        g.note("prefetch", unit)
     g.sync("before_allgather")
-    start_gather(g.units[unit], async_op=True, quantize=True)  # the shards' pending gathers; z3_gather waits
+    # the shards' pending gathers, launched together; each unit's z3_gather_prefetched waits
+    start_gather([s for unit in units for s in g.units[unit]], async_op=True, quantize=True)
     return torch.zeros(1, device=anchor.device)  # one element: inductor drops empty outputs
 
 
 @z3_prefetch.register_fake
-def _z3_prefetch_fake(anchor: torch.Tensor, graph: int, unit: int) -> torch.Tensor:
+def _z3_prefetch_fake(anchor: torch.Tensor, graph: int, units: list[int]) -> torch.Tensor:
     return torch.empty(1, device=anchor.device)
 
 

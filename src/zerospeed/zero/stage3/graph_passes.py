@@ -8,11 +8,13 @@ nodes and the prefetch tokens:
   before the first node that uses one of its values. Traced, every gather sits at the top of the forward;
   sunk, a unit is whole only from its first use, and the compiled code (FX's generated Python, inductor's
   buffers) frees each value after its last use: release after last use.
-* :func:`prefetch`: before gather ``k``, a ``z3_prefetch`` of the same unit starts its all-gather
-  asynchronously, placed just before the earliest gather ``j < k`` such that units ``j+1 .. k`` hold at most
-  ``window`` elements (``stage3_prefetch_bucket_size``), and at least one gather ahead; the gather becomes
-  ``z3_gather_prefetched``, taking the prefetch's token as input, so no compiler may reorder the two. A planned
-  schedule: every rank compiles the same graph, so every rank issues the same collectives in the same order.
+* :func:`prefetch`: the all-gather of gather ``k``'s unit starts asynchronously just before the earliest gather
+  ``j < k`` such that units ``j+1 .. k`` hold at most ``window`` elements (``stage3_prefetch_bucket_size``), and
+  at least one gather ahead. Every unit that starts before the same gather ``j`` goes into one ``z3_prefetch``
+  (one collective: the first window of a pass is one launch, not one per unit, as eager's fetcher launches it);
+  each of their gathers becomes ``z3_gather_prefetched``, taking that prefetch's token as input, so no compiler
+  may reorder the two. A planned schedule: every rank compiles the same graph, so every rank issues the same
+  collectives in the same order.
 * :func:`reduce_early`: each ``z3_reduce`` of a unit's gradients is split into one ``z3_reduce`` per gradient,
   placed just after the node that produces it: a gradient goes to its reduce-scatter bucket as soon as it is
   final, as eager stage 3's per-parameter hooks hand it, not when the unit's last gradient is (a unit also
@@ -68,31 +70,33 @@ def sink_gathers(graph: fx.Graph) -> int:
 
 
 def prefetch(graph: fx.Graph, numel_of: Sequence[int], window: int) -> int:
-    """Insert an asynchronous prefetch for each gather but the first (see the module docstring); returns how
-    many were inserted. ``numel_of[unit]``: the elements of each unit; ``window`` <= 0: no prefetch."""
+    """Start each gather's unit ahead (see the module docstring); returns how many gathers were prefetched.
+    ``numel_of[unit]``: the elements of each unit; ``window`` <= 0: no prefetch."""
     if window <= 0:
         return 0
     gathers = _calls(graph, GATHER)
-    inserted = 0
+    starts: dict[int, list[fx.Node]] = {}  # index j of the gather each launch goes before -> the gathers it serves
     for k in range(1, len(gathers)):
-        gather = gathers[k]
-        unit = gather.args[2]
+        unit = gathers[k].args[2]
         j, ahead = k - 1, int(numel_of[unit])  # type: ignore[index]
         while j > 0 and ahead + int(numel_of[gathers[j].args[2]]) <= window:  # type: ignore[index]
             ahead += int(numel_of[gathers[j].args[2]])  # type: ignore[index]
             j -= 1
         if int(numel_of[unit]) > window:  # type: ignore[index]
             continue  # larger than the window on its own: gathered when needed
+        starts.setdefault(j, []).append(gathers[k])
+    for j, served in starts.items():
+        first = served[0]
         with graph.inserting_before(gathers[j]):
-            token = graph.call_function(PREFETCH, (gather.args[0], gather.args[1], unit))
-        anchor = gather.args[0]
+            token = graph.call_function(PREFETCH, (first.args[0], first.args[1], [g.args[2] for g in served]))
+        anchor = first.args[0]
         if isinstance(anchor, fx.Node) and "val" in anchor.meta:  # inductor lowers from the fake values
             token.meta["val"] = anchor.meta["val"].new_empty(1)
-        gather.target = PREFETCHED
-        gather.args = (*gather.args[:3], token)
-        gather.meta.pop("eager_input_vals", None)  # inductor's record of the old op's inputs (3, not 4)
-        inserted += 1
-    return inserted
+        for gather in served:
+            gather.target = PREFETCHED
+            gather.args = (*gather.args[:3], token)
+            gather.meta.pop("eager_input_vals", None)  # inductor's record of the old op's inputs (3, not 4)
+    return sum(map(len, starts.values()))
 
 
 def reduce_early(graph: fx.Graph) -> int:
