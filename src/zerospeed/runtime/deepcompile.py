@@ -29,6 +29,10 @@ from ..config.errors import ConfigError, NotSupportedYetError
 
 _log = logging.getLogger("zerospeed.compile")
 
+# Part of the inductor pass's cache key: bump it when the graph passes or the graph ops' schemas change (2:
+# z3_prefetch takes a list of units), so code inductor cached on disk for the old ones is never reused.
+PASS_VERSION = 2
+
 
 @dataclass
 class DeepCompiled:
@@ -137,8 +141,8 @@ def _pass_backend(backend: Any, names: tuple[str, ...], numel_of: list[int], win
             def __call__(self, graph: torch.fx.Graph) -> None:
                 apply(graph)
 
-            def uuid(self) -> Any:
-                return repr(("zerospeed-deepcompile", passes, numel_of, window))
+            def uuid(self) -> Any:  # PASS_VERSION: a changed pass or op schema never reuses inductor's cached code
+                return repr(("zerospeed-deepcompile", PASS_VERSION, passes, numel_of, window))
 
         return backend, {"options": {"post_grad_custom_post_pass": _Passes()}}
     warnings.warn(f"DeepCompile: the graph passes run with the 'aot_eager' and 'inductor' backends only; with "
