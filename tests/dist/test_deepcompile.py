@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import pytest
 import torch
 
 import zerospeed
@@ -180,3 +181,21 @@ def test_private_compiler_surface_is_where_deepcompile_expects_it() -> None:
 if __name__ == "__main__":
     check(int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2)
     print("DeepCompile demo GPT parity: ok")
+
+
+def test_inductor_cache_key_names_the_pass_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor caches compiled code on disk by the custom pass's uuid: a changed pass or op schema (PASS_VERSION)
+    must change it, or a cache written by an older zerospeed would be reused. (In this file: it imports inductor,
+    which the harness's warm-up has loaded here already.)"""
+    from zerospeed.config.compile import CompileConfig
+    from zerospeed.runtime import deepcompile
+
+    def key() -> str:
+        _, options = deepcompile._pass_backend("inductor", ("zero3_compile", "prefetch"), [5, 5], 5,
+                                               CompileConfig(deepcompile=True), None)  # type: ignore[arg-type]
+        return options["options"]["post_grad_custom_post_pass"].uuid()
+
+    now = key()
+    assert now == key()  # the same passes and sizes: the cache is reused
+    monkeypatch.setattr(deepcompile, "PASS_VERSION", deepcompile.PASS_VERSION + 1)
+    assert key() != now
