@@ -20,6 +20,23 @@ from zerospeed.testing import run_distributed
 STEPS, MB, GAS, LR, SEQ = 2, 2, 2, 1e-2, 8
 
 
+class _Scope:
+    """State a model changes inside its forward and restores (as Hugging Face's ``kernels`` does around every
+    Llama attention): the first block's hooks enter and leave it, and mark it seen."""
+
+    depth = 0
+    seen = False
+
+    @classmethod
+    def enter(cls, module: Any, args: Any) -> None:
+        cls.depth += 1
+        cls.seen = True
+
+    @classmethod
+    def leave(cls, module: Any, args: Any, output: Any) -> None:
+        cls.depth -= 1
+
+
 def _gpt() -> torch.nn.Module:
     from zerospeed.models.gpt import GPT, GPTConfig
 
@@ -56,6 +73,10 @@ def _train(stage: int, deep: bool, compiled: bool) -> dict[str, Any]:
 
     world, rank = comm.get_world_size(), comm.get_rank()
     model = _gpt()
+    # DeepCompile's own checkpoint around the model must not make dynamo refuse a side effect (graph_forward.py)
+    _Scope.seen = False
+    model.blocks[0].register_forward_pre_hook(_Scope.enter)
+    model.blocks[0].register_forward_hook(_Scope.leave)
     engine, _, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage, deep))
     torch._dynamo.reset()
     counters.clear()
@@ -75,6 +96,7 @@ def _train(stage: int, deep: bool, compiled: bool) -> dict[str, Any]:
         summed = torch.tensor(total)
         comm.all_reduce(summed)
         out["losses"].append(float(summed) / world)
+    out["scope"] = (_Scope.depth, _Scope.seen)
     graph = engine.deepcompiled.graph if engine.deepcompiled is not None else None
     out["gathers"] = None if graph is None else (graph.gathers, graph.reduces, len(graph.units), graph.prefetches,
                                                    graph.prefetch_calls)
@@ -117,6 +139,7 @@ def check(world: int) -> None:
     for name, run in (("deep3", deep3), ("deep2", deep2)):
         assert run["breaks"] == [0] * STEPS, (name, run["breaks"])  # dynamo's own graph-break counter
         assert run["frames"] == [1] * STEPS, (name, run["frames"])  # one graph, no recompile after step 1
+        assert run["scope"] == eager["scope"] == (0, True), (name, run["scope"], eager["scope"])
         torch.testing.assert_close(run["losses"], ref_losses, rtol=1e-5, atol=1e-6, msg=name)
         for key, ref in ref_state.items():
             # atol 2e-5: the attention's key bias has an analytically zero gradient, so Adam normalises float noise
@@ -153,12 +176,14 @@ def check(world: int) -> None:
 def test_private_compiler_surface_is_where_deepcompile_expects_it() -> None:
     """Every private name DeepCompile uses (docs/compile.md lists them), pinned so that a PyTorch upgrade that
     moves one fails here. In this file because the harness's warm-up has loaded dynamo (no import cost)."""
+    import torch._dynamo.config as dynamo_config
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch.nn.utils.stateless import _reparametrize_module
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     assert callable(aot_autograd) and callable(create_selective_checkpoint_contexts)
+    assert dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint is False  # graph_forward patches it per call
     # graph_free.ListArgsCodeGen overrides torch.fx.CodeGen.gen_fn_def (public, but its signature is what we rely on)
     import inspect
 

@@ -66,6 +66,18 @@ def _policy(keep: frozenset[int], ctx: Any, op: Any, *args: Any, **kwargs: Any) 
     return CheckpointPolicy.PREFER_RECOMPUTE if getattr(op, "is_view", False) else CheckpointPolicy.PREFER_SAVE
 
 
+def _forward_side_effects_once() -> Any:
+    """Dynamo's setting under which code inside a traced checkpoint may change state outside it (its
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``): the change happens in the forward and is not replayed
+    when the backward recomputes. The checkpoint around the whole model is zerospeed's (step 3 of the module
+    docstring), not the user's, so a model's side effects must happen once per forward, as they do without it.
+    Without the setting, dynamo refuses any: Hugging Face's ``kernels`` (a dependency of transformers 5.25)
+    wraps every Llama attention forward in a set/reset of a global (``CompileableContextVar``)."""
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
 class GraphForward:
     """Callable standing for ``module.__call__`` (installed as its ``_compiled_call_impl``)."""
 
@@ -116,7 +128,8 @@ class GraphForward:
             for hook in self.before_forward:
                 hook()
         try:
-            out = self.run(*args, **kwargs)
+            with _forward_side_effects_once():
+                out = self.run(*args, **kwargs)
         except Exception as exc:
             from torch._dynamo.exc import Unsupported  # loaded: the compiled call raised
 
