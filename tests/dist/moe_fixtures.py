@@ -67,15 +67,21 @@ def batch(step: int, rank: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(steps: int, world: int, mb: int, k: int, clip: float, lr: float,
-              gas: int = 1, adam: bool = False) -> tuple[list[list[float]], MoEGPT, dict[str, torch.Tensor]]:
-    """Plain PyTorch, one process: each rank's micro-batch routed on its own (as on that rank), losses averaged."""
-    model = MoEGPT(1, k, 0)
+              gas: int = 1, adam: bool = False,
+              device: str = "cpu") -> tuple[list[list[float]], MoEGPT, dict[str, torch.Tensor]]:
+    """Plain PyTorch, one process: each rank's micro-batch routed on its own (as on that rank), losses averaged.
+
+    ``device``: where it runs. Capacity drops pick among tied gate masks with ``topk`` (DeepSpeed's rule with
+    ``use_rts=False``), and CPU and CUDA break those ties differently, so a CUDA run is checked against a CUDA
+    reference."""
+    model = MoEGPT(1, k, 0).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=ADAM_EPS) if adam else torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], {}
     for step in range(steps):
         opt.zero_grad()
         # micro-step m of step s is global micro-step s * gas + m; its losses are reported per rank
-        per_rank = [model(*batch(step * gas + m, r, mb)) for m in range(gas) for r in range(world)]
+        per_rank = [model(*(t.to(device) for t in batch(step * gas + m, r, mb))) for m in range(gas)
+                    for r in range(world)]
         loss = sum(per_rank) / (world * gas)
         loss.backward()
         if step == 0:  # the first step's expert gradients, by global id

@@ -27,7 +27,12 @@ def test_tensor_cores_compute_what_the_emulation_computes() -> None:
     for y in ys:
         y.float().square().sum().backward()
     torch.testing.assert_close(ys[1], ys[0], rtol=1e-2, atol=1e-2)  # bf16 outputs, different summation order
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=2e-2, atol=2e-2)
+    # bf16 gradients summed in another order: elements within two bf16 steps at the gradient's scale (on an H200,
+    # |grad| up to 7.6 and the largest difference 0.03125, one step at 4-8), the whole within 1 % of its norm (0.23 %)
+    g, ref = xs[1].grad.float(), xs[0].grad.float()
+    step = 2.0 ** (torch.floor(torch.log2(ref.abs().max())) - 7)
+    torch.testing.assert_close(g, ref, rtol=0.0, atol=2 * float(step))
+    assert float((g - ref).norm() / ref.norm()) < 1e-2
 
 
 def _losses(fp8: bool) -> list[float]:

@@ -1,4 +1,6 @@
-"""MoE on CUDA/NCCL (skipped without a device): the MoE GPT against the CPU single-process reference;
+"""MoE on CUDA/NCCL (skipped without a device): the MoE GPT against the single-process reference run on the
+same device (capacity drops break ties in ``topk``, which CPU and CUDA break differently: on an H200 the CUDA
+reference's first loss was 4.201989 against the CPU's 4.211467, and the engine's equalled the CUDA one's);
 ep=2 when two GPUs are present, else ep=1 at world 1."""
 
 import pytest
@@ -33,10 +35,10 @@ def _train(ep: int, stage: int, offload: bool = False) -> list[float]:
 
 
 @pytest.mark.parametrize("stage,offload", [(0, False), (2, False), (3, False), (2, True), (3, True)])
-def test_moe_cuda_matches_cpu_reference(stage: int, offload: bool) -> None:
+def test_moe_cuda_matches_the_one_process_reference(stage: int, offload: bool) -> None:
     world = 2 if torch.cuda.device_count() >= 2 else 1
     ep = world
-    ref, _, _ = reference(STEPS, world, MB, 1, 0.0, LR)
+    ref, _, _ = reference(STEPS, world, MB, 1, 0.0, LR, device="cuda")
     results = run_distributed(_train, world, ep, stage, offload, backend="nccl", timeout=300)
     for rank, losses in enumerate(results):
         # TF32 may be on for matmuls on the device: a looser tolerance than CPU's 1e-5.

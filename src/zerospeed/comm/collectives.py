@@ -12,6 +12,12 @@ from .backend import Group, device_for_backend, get_rank, get_world_size, is_ini
 from .logger import loggers
 from .recoverable import RecoverableGroup, resolve
 
+# torch 2.13 names the tensor collectives ``reduce_scatter_single`` / ``all_gather_single``; 2.11-2.12 (the CUDA
+# image of the device machine used by scripts/gpu-check) have the same calls as ``reduce_scatter_tensor`` /
+# ``all_gather_into_tensor`` (same arguments). Only 2.13 is tested in CI.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 ReduceOp = dist.ReduceOp
 
 
@@ -206,7 +212,7 @@ def reduce_scatter_work(output: torch.Tensor, input: torch.Tensor, group: Group 
     to its chunk's owner, in place (Gloo overwrites the chunks it sends); otherwise the backend's own."""
     pg = resolve(group)
     if not (scratch and input.is_contiguous() and output.is_contiguous() and _by_root(input, group)):
-        return dist.reduce_scatter_single(output, input, op=op, group=pg, async_op=async_op)
+        return _reduce_scatter_single(output, input, op=op, group=pg, async_op=async_op)
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     rows = input.view(world, -1)
     output.view(-1).copy_(rows[me])  # my chunk is reduced in place in ``output``
@@ -247,7 +253,7 @@ def all_gather_work(output: torch.Tensor, input: torch.Tensor, group: Group | No
     """The all-gather itself (no accounting); on Gloo one ``broadcast`` per rank of its chunk."""
     pg = resolve(group)
     if not (output.is_contiguous() and _by_root(output, group)):
-        return dist.all_gather_single(output, input, group=pg, async_op=async_op)
+        return _all_gather_single(output, input, group=pg, async_op=async_op)
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     rows = output.view(world, -1)
     rows[me].copy_(input.reshape(-1))
@@ -329,7 +335,7 @@ def exchange_ints(values: list[int], group: Group | None = None) -> list[list[in
     out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     n = _nbytes(out)
     _run("exchange_ints", group, _nbytes(mine), n, False,
-         lambda: dist.all_gather_single(out, mine, group=resolve(group)))
+         lambda: _all_gather_single(out, mine, group=resolve(group)))
     return out.view(world, -1).tolist()
 
 

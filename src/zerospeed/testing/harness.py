@@ -79,18 +79,25 @@ def _child(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
         conn.close()
 
 
+def start_method(backend: str) -> str:
+    """How ranks start: forked (warm imports, ~0.1 s a rank) on Gloo; spawned on NCCL (CUDA in the parent)."""
+    return "spawn" if backend == "nccl" else "fork"
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
                     collective_timeout: float | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result (picklable).
 
     ``timeout`` bounds the whole run; ``collective_timeout`` (default: ``timeout``) each collective.
-    ``backend``: "gloo" (CPU, the default) or "nccl" (one CUDA device per rank; fork needs CUDA
-    uninitialised in the parent).
+    ``backend``: "gloo" (CPU, the default: forked ranks) or "nccl" (one CUDA device per rank: spawned ranks,
+    since CUDA cannot run in a child forked after the parent touched it, and a parent touches it as soon as it
+    asks ``get_device_capability()``; ``fn`` and its arguments must then pickle: a module-level function).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    _warm_up()
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method(backend))
+    if ctx.get_start_method() == "fork":
+        _warm_up()
     tmp = tempfile.mkdtemp(prefix="zs-harness-")
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []
