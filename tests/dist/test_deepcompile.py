@@ -100,6 +100,7 @@ def _train(stage: int, deep: bool, compiled: bool) -> dict[str, Any]:
     graph = engine.deepcompiled.graph if engine.deepcompiled is not None else None
     out["gathers"] = None if graph is None else (graph.gathers, graph.reduces, len(graph.units), graph.prefetches,
                                                    graph.prefetch_calls)
+    out["schedule"] = None if graph is None else (graph.schedule_checks, graph.covered_ops)
     out["kept"] = None if graph is None else sorted(engine.deepcompiled.kept)
     out["freed"] = None if graph is None else sum(map(len, engine.deepcompiled.freed))
     out["log"] = None if graph is None else graph.log[:graph.log.index(("reduce", 0)) + 1]  # the first micro-step
@@ -166,6 +167,11 @@ def check(world: int) -> None:
     assert prefetches == micro_steps * sum(1 for op, _ in log if op == "prefetch")
     # a pass's first window is one launch (one collective and one lockstep check), not one per unit
     assert 0 < prefetch_calls < prefetches - micro_steps, (prefetch_calls, prefetches)
+    # one lockstep exchange per compiled graph call (forward and backward of each micro-step) stands for all
+    # of its gathers and prefetches (graph_passes.check_schedule), at world > 1
+    checks, covered = deep3["schedule"]
+    assert checks == (2 * micro_steps if world > 1 else 0), checks
+    assert covered == (gathers + prefetch_calls if world > 1 else 0), (covered, gathers, prefetch_calls)
     assert ("gather", units - 1) not in backward and ("gather", units - 2) not in backward and ("gather", 1) not in backward
     # reduce-scatters as soon as a gradient is final: interleaved with backward's gathers, not all at the end
     assert backward.index(("reduce", units - 1)) < backward.index(("gather", 2)) < backward.index(("reduce", 0))

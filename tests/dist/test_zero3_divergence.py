@@ -13,6 +13,7 @@ from torch import nn
 from zerospeed.testing import run_distributed
 
 TIMEOUT_S = 4.0  # comms_timeout_s of these runs
+COMPILE_TIMEOUT_S = 100.0  # and of the DeepCompile run
 
 
 class _Net(nn.Module):
@@ -42,12 +43,14 @@ class _Net(nn.Module):
         return self.head(h)
 
 
-def _engine() -> tuple[Any, _Net]:
+def _engine(deep: bool = False) -> tuple[Any, _Net]:
     import zerospeed
 
     model = _Net()
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-           "comms_timeout_s": TIMEOUT_S, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+           # compiling takes each rank its own time (seconds, under load) before the first exchange
+           "comms_timeout_s": COMPILE_TIMEOUT_S if deep else TIMEOUT_S, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "compile": {"deepcompile": deep}}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine, model
 
@@ -61,7 +64,7 @@ def _diverge(case: str) -> tuple[str, str, float]:
     """Run one diverging scenario; return the error's type, its message and how long it took to come."""
     from zerospeed import comm
 
-    engine, model = _engine()
+    engine, model = _engine(deep=case == "compiled")
     rank = comm.get_rank()
     tokens = torch.tensor([[rank, 2, 3]])
     t0 = time.monotonic()
@@ -71,6 +74,10 @@ def _diverge(case: str) -> tuple[str, str, float]:
             _train_step(engine, tokens)
         elif case == "exit":
             model.exit_after = 1 if rank == 1 else None
+            _train_step(engine, tokens)
+        elif case == "compiled":  # DeepCompile: each rank compiles the graph of its own path
+            model.skip = 2 if rank == 1 else None
+            engine.compile(backend="aot_eager")
             _train_step(engine, tokens)
         elif case == "branch":
             model.branch = True
@@ -91,11 +98,11 @@ def _diverge(case: str) -> tuple[str, str, float]:
     return "no error", "", time.monotonic() - t0
 
 
-def _check(case: str) -> list[tuple[str, str, float]]:
-    results = run_distributed(_diverge, 2, case, timeout=120)
+def _check(case: str, limit: float = TIMEOUT_S + 10) -> list[tuple[str, str, float]]:
+    results = run_distributed(_diverge, 2, case, timeout=max(120.0, limit + 20))
     for kind, _, elapsed in results:
         assert kind != "no error"
-        assert elapsed < TIMEOUT_S + 10  # generous: the machine is loaded
+        assert elapsed < limit  # generous: the machine is loaded
     return results
 
 
@@ -121,6 +128,14 @@ def test_a_data_dependent_branch_is_named() -> None:
         assert kind == "RanksDivergedError", message
         assert "rank 0: gather #6 of training forward pass 1 for module 'a' ('a.weight', 72 elements)" in message
         assert "rank 1: gather #6 of training forward pass 1 for module 'b' ('b.weight', 64 elements)" in message
+
+
+def test_ranks_that_compiled_different_graphs_are_named() -> None:
+    """DeepCompile checks each compiled graph's whole schedule once, at its start (graph_passes.check_schedule):
+    a rank that compiled another path differs there, before any gather of the graph."""
+    for kind, message, _ in _check("compiled", limit=COMPILE_TIMEOUT_S):
+        assert kind == "RanksDivergedError", message
+        assert "the start of a compiled graph" in message, message
 
 
 def test_generate_loops_of_different_lengths_are_named() -> None:

@@ -15,8 +15,9 @@ from zerospeed.config.compile import CompileConfig
 from zerospeed.config.errors import ConfigError, NotSupportedYetError
 from zerospeed.runtime.deepcompile import _passes, sync_points
 from zerospeed.zero.stage3.graph_ops import GraphUnits
-from zerospeed.zero.stage3.graph_passes import (GATHER, PREFETCH, PREFETCHED, REDUCE, prefetch, reduce_early,
-                                                run_passes, selective_units, sink_gathers)
+from zerospeed.zero.stage3.graph_passes import (GATHER, PREFETCH, PREFETCHED, REDUCE, SCHEDULE, check_schedule,
+                                                prefetch, reduce_early, run_passes, schedule_digest,
+                                                selective_units, sink_gathers)
 
 BASE = {"train_batch_size": 2}
 
@@ -72,6 +73,26 @@ def test_prefetch_starts_gathers_ahead_within_the_window(window: int, expected: 
             assert n.args[3].target is PREFETCH and n.args[2] in n.args[3].args[2]
 
 
+def test_one_schedule_check_heads_the_graph_and_anchors_every_gather() -> None:
+    g = _forward_graph(3)
+    sink_gathers(g)
+    prefetch(g, [10, 10, 10], 20)
+    assert check_schedule(g) == 4  # g0, p1+2, g1, g2
+    g.lint()
+    ops = [n for n in g.nodes if n.target in (GATHER, PREFETCH, PREFETCHED)]
+    (sched,) = [n for n in g.nodes if n.target is SCHEDULE]
+    assert list(g.nodes).index(sched) < list(g.nodes).index(ops[0])
+    assert all(n.args[0] is sched for n in ops)  # no compiler can run a gather before the check
+    assert sched.args[2:] == (4, schedule_digest(ops)) and check_schedule(g) == 0  # once per graph
+    # the digest names the sequence: another order of the same units is another schedule
+    other = _forward_graph(3)
+    first, second = [n for n in other.nodes if n.target is GATHER][:2]
+    second.args, first.args = first.args, second.args
+    assert schedule_digest([n for n in other.nodes if n.target is GATHER]) != schedule_digest(
+        [n for n in _forward_graph(3).nodes if n.target is GATHER])
+    assert check_schedule(fx.Graph()) == 0  # nothing gathered: no check
+
+
 def test_prefetch_skips_a_unit_larger_than_the_window() -> None:
     g = _forward_graph(3)
     sink_gathers(g)
@@ -120,7 +141,8 @@ def test_a_single_gradient_reduce_moves_right_after_it() -> None:
 
 def test_run_passes_composes_and_selective_gather_keeps_the_last_units() -> None:
     g = _forward_graph(3)
-    assert run_passes(g, ("release", "prefetch", "reduce"), [5, 5, 5], 5) == {"sink": 3, "prefetch": 2, "reduce": 0}
+    assert run_passes(g, ("release", "prefetch", "reduce"), [5, 5, 5], 5) == {"sink": 3, "prefetch": 2, "reduce": 0,
+                                                                              "schedule": 5}
     assert selective_units([4, 4, 4, 4], 9) == {2, 3}
     assert selective_units([4, 4, 4, 10], 9) == set()  # the last unit does not fit: none kept
     assert selective_units([4, 4], 10 ** 9) == {0, 1}

@@ -14,9 +14,14 @@ from .recoverable import RecoverableGroup, resolve
 
 # torch 2.13 names the tensor collectives ``reduce_scatter_single`` / ``all_gather_single``; 2.11-2.12 (the CUDA
 # image of the device machine used by scripts/gpu-check) have the same calls as ``reduce_scatter_tensor`` /
-# ``all_gather_into_tensor`` (same arguments). Only 2.13 is tested in CI.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# ``all_gather_into_tensor`` (same arguments). Only 2.13 is tested in CI. Looked up at each call, so that a
+# counter wrapped around ``torch.distributed``'s function (bench_compile.py) sees the call.
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 ReduceOp = dist.ReduceOp
 

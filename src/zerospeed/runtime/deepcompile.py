@@ -30,8 +30,9 @@ from ..config.errors import ConfigError, NotSupportedYetError
 _log = logging.getLogger("zerospeed.compile")
 
 # Part of the inductor pass's cache key: bump it when the graph passes or the graph ops' schemas change (2:
-# z3_prefetch takes a list of units), so code inductor cached on disk for the old ones is never reused.
-PASS_VERSION = 2
+# z3_prefetch takes a list of units; 3: z3_schedule heads each graph), so code inductor cached on disk for the
+# old ones is never reused.
+PASS_VERSION = 3
 
 
 @dataclass

@@ -124,6 +124,7 @@ class GraphForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.anchor.grad = None  # its gradient is a token (zero); do not let it pile up
+        self.graph.covered = 0  # nothing left over from a graph that raised (graph_ops.GraphUnits.covering)
         if torch.is_grad_enabled():
             for hook in self.before_forward:
                 hook()

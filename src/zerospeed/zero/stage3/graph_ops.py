@@ -20,6 +20,12 @@ shapes the compiler traces with), the gather with an autograd formula:
   (``graph_passes.py``) turns each of those units' ``z3_gather`` into ``z3_gather_prefetched(anchor, graph,
   unit, token)``, which waits for it (the token orders the two).
 
+* ``zerospeed::z3_schedule(anchor, graph, ops, digest) -> Tensor``: the first op of every compiled graph that
+  gathers (the schedule pass, ``graph_passes.check_schedule``): one lockstep exchange naming the graph's
+  ``ops`` gathers and prefetches and a ``digest`` of their sequence, then those ops run without an exchange
+  each (``lockstep.Lockstep.check_schedule``). Its one-element result is the anchor of every gather and
+  prefetch of the graph, so no compiler moves one before it.
+
 ``graph`` is the handle of a :class:`GraphUnits` (one per engine; the op arguments must be plain values).
 The fake gather reads only the static shapes of the handle's units.
 """
@@ -28,12 +34,14 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from .fetcher import Unit
+from .lockstep import Lockstep
 from .param_store import ParamShard, ensure_gathered, start_gather
 
 GradSink = Callable[[nn.Parameter, torch.Tensor], None]
@@ -60,6 +68,9 @@ class GraphUnits:
         self.prefetches = 0  # units z3_prefetch started
         self.prefetch_calls = 0  # z3_prefetch calls that ran (each starts one or more units)
         self.reduces = 0  # z3_reduce calls that ran
+        self.schedule_checks = 0  # z3_schedule calls that ran (one lockstep exchange each, at world > 1)
+        self.covered = 0  # gathers/prefetches left in the running graph whose schedule every rank checked
+        self.covered_ops = 0  # such ops that ran (no exchange of their own)
         # offload_activation (graph_offload.py): activations copied to the host, read back, host bytes held now
         self.act_offloads = 0
         self.act_reloads = 0
@@ -73,6 +84,26 @@ class GraphUnits:
     def sync(self, point: str) -> None:
         if point in self.sync_points:
             self.synchronize()
+
+    @property
+    def lockstep(self) -> Lockstep | None:
+        return self.units[0][0].lockstep if self.units else None
+
+    @contextmanager
+    def covering(self) -> Iterator[None]:
+        """Around one gather or prefetch op: under the running graph's checked schedule (if any is left), its
+        collectives make no lockstep exchange of their own."""
+        lock = self.lockstep
+        if self.covered <= 0 or lock is None:
+            yield
+            return
+        self.covered -= 1
+        self.covered_ops += 1
+        lock.covered = True
+        try:
+            yield
+        finally:
+            lock.covered = False
 
     def shapes(self, unit: int) -> list[tuple[torch.Size, torch.dtype]]:
         return [(s.shape, s.value_dtype) for s in self.units[unit]]
@@ -108,12 +139,28 @@ def z3_prefetch(anchor: torch.Tensor, graph: int, units: list[int]) -> torch.Ten
         g.note("prefetch", unit)
     g.sync("before_allgather")
     # the shards' pending gathers, launched together; each unit's z3_gather_prefetched waits
-    start_gather([s for unit in units for s in g.units[unit]], async_op=True, quantize=True)
+    with g.covering():
+        start_gather([s for unit in units for s in g.units[unit]], async_op=True, quantize=True)
     return torch.zeros(1, device=anchor.device)  # one element: inductor drops empty outputs
 
 
 @z3_prefetch.register_fake
 def _z3_prefetch_fake(anchor: torch.Tensor, graph: int, units: list[int]) -> torch.Tensor:
+    return torch.empty(1, device=anchor.device)
+
+
+@torch.library.custom_op("zerospeed::z3_schedule", mutates_args=())
+def z3_schedule(anchor: torch.Tensor, graph: int, ops: int, digest: int) -> torch.Tensor:
+    g = graph_units(graph)
+    lock = g.lockstep
+    checked = lock.check_schedule(ops, digest) if lock is not None else False
+    g.schedule_checks += int(checked)
+    g.covered = ops if checked else 0
+    return torch.zeros(1, device=anchor.device)
+
+
+@z3_schedule.register_fake
+def _z3_schedule_fake(anchor: torch.Tensor, graph: int, ops: int, digest: int) -> torch.Tensor:
     return torch.empty(1, device=anchor.device)
 
 
@@ -124,7 +171,8 @@ def _gather(anchor: torch.Tensor, graph: int, unit: int, prefetched: bool) -> li
     shards = g.units[unit]
     if not prefetched:
         g.sync("before_allgather")
-    ensure_gathered(shards, quantize=True)  # waits for a prefetch in flight, gathers the rest now
+    with g.covering():
+        ensure_gathered(shards, quantize=True)  # waits for a prefetch in flight, gathers the rest now
     g.sync("after_allgather")
     return [_take_full(s) for s in shards]
 
@@ -183,4 +231,4 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grads: Sequence[torch.Te
 
 z3_gather.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["GraphUnits", "graph_units", "z3_gather", "z3_gather_prefetched", "z3_prefetch", "z3_reduce"]
+__all__ = ["GraphUnits", "graph_units", "z3_gather", "z3_gather_prefetched", "z3_prefetch", "z3_reduce", "z3_schedule"]

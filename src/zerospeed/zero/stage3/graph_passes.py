@@ -22,12 +22,17 @@ nodes and the prefetch tokens:
   come after the module's own). The parts' one-element results are summed into the anchor's gradient, so
   every part has a user and no compiler drops it.
 
+* :func:`check_schedule`: one ``z3_schedule`` before the graph's first gather or prefetch, carrying their
+  number and a digest of their sequence; every gather and prefetch takes its result as anchor (so it runs
+  first). The ranks then make one lockstep exchange per graph instead of one per gather.
+
 Selective gather (keeping some units gathered from forward to backward) is decided before partitioning,
 by the checkpoint policy (``graph_forward.py``); :func:`selective_units` plans which.
 """
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Sequence
 
@@ -40,6 +45,7 @@ GATHER = torch.ops.zerospeed.z3_gather.default
 PREFETCH = torch.ops.zerospeed.z3_prefetch.default
 PREFETCHED = torch.ops.zerospeed.z3_gather_prefetched.default
 REDUCE = torch.ops.zerospeed.z3_reduce.default
+SCHEDULE = torch.ops.zerospeed.z3_schedule.default
 
 
 def _calls(graph: fx.Graph, target: object) -> list[fx.Node]:
@@ -135,6 +141,31 @@ def reduce_early(graph: fx.Graph) -> int:
     return moved
 
 
+def schedule_digest(ops: Sequence[fx.Node]) -> int:
+    """A digest (62 bits) of a graph's gathers and prefetches in order: each op's name and unit(s)."""
+    text = repr([(str(n.target), n.args[2]) for n in ops]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+
+def check_schedule(graph: fx.Graph) -> int:
+    """Put one ``z3_schedule`` before the graph's first gather or prefetch and make it their anchor; returns
+    the number of ops it covers (0: the graph gathers nothing, or already has one)."""
+    if _calls(graph, SCHEDULE):
+        return 0
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target in (GATHER, PREFETCH, PREFETCHED)]
+    if not ops:
+        return 0
+    first = ops[0]
+    anchor = first.args[0]
+    with graph.inserting_before(first):
+        sched = graph.call_function(SCHEDULE, (anchor, first.args[1], len(ops), schedule_digest(ops)))
+    if isinstance(anchor, fx.Node) and "val" in anchor.meta:  # inductor lowers from the fake values
+        sched.meta["val"] = anchor.meta["val"].new_empty(1)
+    for n in ops:
+        n.args = (sched, *n.args[1:])
+    return len(ops)
+
+
 def selective_units(numel_of: Sequence[int], budget: int) -> set[int]:
     """Units kept gathered from forward to backward: the last ones of the forward (the first the backward
     needs), as many as fit in ``budget`` elements (eager stage 3's reuse rule, planned once)."""
@@ -157,8 +188,10 @@ def run_passes(graph: fx.Graph, names: Sequence[str], numel_of: Sequence[int], w
         done["prefetch"] = prefetch(graph, numel_of, window)
     if "reduce" in names:
         done["reduce"] = reduce_early(graph)
+    done["schedule"] = check_schedule(graph)  # last: it covers the gathers and prefetches as placed
     graph.lint()
     return done
 
 
-__all__ = ["prefetch", "reduce_early", "run_passes", "selective_units", "sink_gathers"]
+__all__ = ["check_schedule", "prefetch", "reduce_early", "run_passes", "schedule_digest", "selective_units",
+           "sink_gathers"]

@@ -7,7 +7,8 @@ pair its all-gathers with different ones on its peers: garbage when the sizes ma
 
 So before each all-gather of partitioned parameters the ranks exchange a *fingerprint*: seven integers
 (pass number, phase, position in the pass, gather or end of forward, module being run, first
-parameter gathered, elements). The
+parameter gathered, elements). Under DeepCompile one exchange at the start of each compiled graph stands for
+all of that graph's gathers (:meth:`Lockstep.check_schedule`). The
 exchange is one tiny all-gather of fixed size, so it pairs safely whatever each rank is doing. At the
 end of a forward that gathered anything the ranks exchange an "end of forward" fingerprint as well, so
 a rank that finished early meets its peers' next gather there. On any difference every rank raises
@@ -29,7 +30,7 @@ from .param_store import ParamShard
 
 PHASES = ("outside a forward/backward", "training forward", "no-grad forward", "backward")
 OUTSIDE, TRAIN_FORWARD, NOGRAD_FORWARD, BACKWARD = range(4)
-GATHER, END_OF_FORWARD = 0, 1
+GATHER, END_OF_FORWARD, SCHEDULE = 0, 1, 2
 
 HINT = ("Under ZeRO stage 3 every rank must run the same modules in the same order (parameters are gathered "
         "collectively). Code whose path differs per rank (an early exit, a data-dependent branch, a generate "
@@ -61,6 +62,9 @@ class Lockstep:
         self.unit = -1  # the module being run (unit index), -1 when none
         # Off: no exchange (one tiny synchronous all-gather per gather less), and no protection either.
         self.enabled = True
+        # Set while a DeepCompile graph op gathers under a schedule every rank checked at the graph's start
+        # (check_schedule): the gather is counted, not exchanged.
+        self.covered = False
 
     # --- position ------------------------------------------------------------------------------------
     def begin_forward(self, grad: bool) -> None:
@@ -97,8 +101,22 @@ class Lockstep:
         if self.seq == 0 and self.phase in (TRAIN_FORWARD, NOGRAD_FORWARD):
             self.pass_no += 1  # counts the forwards that gather (one that gathers nothing is not collective)
         self.seq += 1
+        if self.covered:
+            return
         first = self.index.get(id(shards[0]), -1)
         self._exchange([self.pass_no, self.phase, self.seq, GATHER, self.unit, first, sum(s.numel for s in shards)])
+
+    def check_schedule(self, ops: int, digest: int) -> bool:
+        """At the start of a compiled graph (DeepCompile): every rank is about to run the same ``ops`` gathers
+        and prefetches in the same order (``digest`` of their sequence, from the graph pass). A compiled graph
+        has no branch, so the gathers inside need no exchange of their own; ranks that compiled different
+        graphs (guards that chose differently: a data-dependent branch) differ here. Returns whether the
+        check ran (off, or world 1: it did not, and nothing is covered)."""
+        self.seq += 1
+        if self.world == 1 or not self.enabled:
+            return False
+        self._exchange([self.pass_no, self.phase, self.seq, SCHEDULE, -1, ops, digest])
+        return True
 
     # --- the exchange ------------------------------------------------------------------------------
     def _exchange(self, row: list[int]) -> None:
@@ -119,6 +137,8 @@ class Lockstep:
         if any(r != rows[0] for r in rows):
             same = len({tuple(r[:3]) for r in rows}) == 1
             where = f"{PHASES[rows[0][1]]} pass {rows[0][0]}, gather #{rows[0][2]}" if same else "at different points"
+            if same and all(r[3] == SCHEDULE for r in rows):
+                where = f"DeepCompile, check #{rows[0][2]}"
             doing = "; ".join(f"rank {r}: {self.describe(x)}" for r, x in enumerate(rows))
             raise RanksDivergedError(f"rank {self.rank}: ZeRO-3 ranks diverged ({where}): {doing}.\n{HINT}")
 
@@ -128,6 +148,8 @@ class Lockstep:
         where = f"{PHASES[phase] if 0 <= phase < len(PHASES) else '?'} pass {pass_no}"
         if what == END_OF_FORWARD:
             return f"the end of {where}, after {seq} gathers"
+        if what == SCHEDULE:
+            return f"the start of a compiled graph ({first} gathers and prefetches, schedule {numel:#x})"
         module = f" for module '{self.unit_names[unit]}'" if 0 <= unit < len(self.unit_names) else ""
         param = self.param_names[first] if 0 <= first < len(self.param_names) else "?"
         return f"gather #{seq} of {where}{module} ('{param}', {numel} elements)"
