@@ -109,14 +109,18 @@ def _rss_after_free(threshold: str) -> dict[str, int]:
         del t
         alive += ref() is not None  # kept by someone else (a leaked dispatch mode?): not the heap's doing
     info = _MALLINFO2() if _MALLINFO2 is not None else None
-    # CI once read 72 MiB grown with the threshold set (all three kept; cause not found): what else to look at
+    # what else to look at if it is ever kept again
     return {"grown": _anon_bytes() - base, "grown_rss": rss_bytes() - base_all, "alive": alive,
             "dispatch_modes": _len_torch_dispatch_stack(), "mmapped_chunks": getattr(info, "hblks", -1),
             "heap_free": getattr(info, "fordblks", -1)}
 
 
 def test_freed_large_tensors_leave_the_rss() -> None:
-    r = run_distributed(_rss_after_free, 1, str(1 << 20), timeout=120)[0]
-    assert r["grown"] < 12 * MB, r
+    # Fresh (spawned) ranks: a forked rank inherits the pytest worker's heap and allocator state. Forked, a
+    # `make test` run read 24 MiB kept under the 1 MiB threshold (and CI once 72 MiB), never seen alone; which
+    # inherited state does it is not pinned down (a free heap made in a parent on purpose did not reproduce it).
+    r = run_distributed(_rss_after_free, 1, str(1 << 20), timeout=120, fresh=True)[0]
+    assert r["grown"] < 12 * MB, repr(r)
     # off by default (it costs step time): glibc, its thresholds raised by earlier frees, keeps the freed blocks
-    assert run_distributed(_rss_after_free, 1, "0", timeout=120)[0]["grown"] >= 12 * MB
+    off = run_distributed(_rss_after_free, 1, "0", timeout=120, fresh=True)[0]
+    assert off["grown"] >= 12 * MB, repr(off)

@@ -85,17 +85,20 @@ def start_method(backend: str) -> str:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
-                    collective_timeout: float | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+                    collective_timeout: float | None = None, backend: str = "gloo", fresh: bool = False,
+                    **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result (picklable).
 
     ``timeout`` bounds the whole run; ``collective_timeout`` (default: ``timeout``) each collective.
     ``backend``: "gloo" (CPU, the default: forked ranks) or "nccl" (one CUDA device per rank: spawned ranks,
     since CUDA cannot run in a child forked after the parent touched it, and a parent touches it as soon as it
     asks ``get_device_capability()``; ``fn`` and its arguments must then pickle: a module-level function).
+    ``fresh``: spawned ranks on Gloo too (~2 s more a run), for a measurement that the parent's process state
+    would disturb (a forked rank inherits its parent's heap, free chunks included).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context(start_method(backend))
+    ctx = mp.get_context("spawn" if fresh else start_method(backend))
     if ctx.get_start_method() == "fork":
         _warm_up()
     tmp = tempfile.mkdtemp(prefix="zs-harness-")
