@@ -16,10 +16,10 @@ seq 512), micro-batch 4, world 2. Two parts per size, each its own interleaved r
   micro-batch) and with ``zero_local_grad_accumulation`` (one reduce-scatter per step).
 
 Reported per contender (``harness.py``): median wall and CPU seconds per step, paired ratios to DDP (median
-over rounds of the same round's ratio), peak RSS per rank (and peak device memory on CUDA) and its ratio to
-DDP's, and the last loss. fp32 contenders do the same math, so their last losses must agree to 1e-4 relative:
-the run fails otherwise. Targets (issue 21): every zerospeed stage ≤ 1.02× DDP's step time; stage 2 with
-accumulation 2 ≤ 1.05×.
+over rounds of the same round's ratio, and each round's CPU ratio beside it: the spread), peak RSS per rank
+(and peak device memory on CUDA) and its ratio to DDP's, and the last loss. fp32 contenders do the same math,
+so their last losses must agree to 1e-4 relative: the run fails otherwise. Targets (issue 21): every zerospeed
+stage ≤ 1.02× DDP's step time; stage 2 with accumulation 2 ≤ 1.05×.
 """
 
 from __future__ import annotations
@@ -81,13 +81,14 @@ def table(spec: BenchSpec, results: list[Result]) -> str:
             f"gradient accumulation {spec.grad_accum}, world {spec.world_size}, {spec.dtype}, {spec.device}: "
             f"{spec.warmup} warm-up + {spec.steps} timed steps per round")
     mem = "peak device MiB/rank" if spec.device == "cuda" else "peak RSS MiB/rank"
-    rows = ["| contender | s/step | ÷ DDP | CPU s/step | ÷ DDP | " + mem + " | ÷ DDP | last loss |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| contender | s/step | ÷ DDP | CPU s/step | ÷ DDP | CPU ÷ DDP per round | " + mem + " | ÷ DDP | last loss |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peak = r.peak_device_mib if spec.device == "cuda" else r.peak_rss_mib
         base_peak = base.peak_device_mib if spec.device == "cuda" else base.peak_rss_mib
         rows.append(f"| {r.contender} | {r.wall_s_per_step:.3f} | {r.ratio:.3f} | {r.cpu_s_per_step:.3f} | "
-                    f"{r.cpu_ratio:.3f} | {peak:.0f} | {peak / base_peak:.3f} | {r.last_loss:.6f} |")
+                    f"{r.cpu_ratio:.3f} | {' / '.join(f'{x:.3f}' for x in r.cpu_ratios or [])} | {peak:.0f} | "
+                    f"{peak / base_peak:.3f} | {r.last_loss:.6f} |")
     return "\n".join([head, "", *rows])
 
 

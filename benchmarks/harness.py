@@ -51,6 +51,7 @@ class Result:
     last_loss: float
     ratio: float | None = None  # wall s/step over the baseline's in the same round (median over rounds)
     cpu_ratio: float | None = None  # the same for CPU s/step
+    cpu_ratios: list[float] | None = None  # every round's paired CPU ratio, in round order (the spread behind the median)
     comm_bytes_per_step: int | None = None  # bytes a rank communicated in the last step (max over ranks), if counted
     peak_device_mib: float | None = None  # CUDA: peak allocated device memory (max over ranks)
 
@@ -161,7 +162,8 @@ def run_all(spec: BenchSpec, contenders: list[Contender], baseline: str | None =
         for res in results:
             pairs = list(zip(rounds[res.contender], rounds[baseline]))
             res.ratio = statistics.median(a.wall_s_per_step / b.wall_s_per_step for a, b in pairs)
-            res.cpu_ratio = statistics.median(a.cpu_s_per_step / b.cpu_s_per_step for a, b in pairs)
+            res.cpu_ratios = [a.cpu_s_per_step / b.cpu_s_per_step for a, b in pairs]
+            res.cpu_ratio = statistics.median(res.cpu_ratios)
     return results
 
 

@@ -77,3 +77,19 @@ def test_rounds_alternate_the_contenders_order_and_pair_ratios_per_round(monkeyp
     # base ran at 1 and 6, c at 3 and 4: the paired ratios 3/1 and 4/6 have a median of about 1.83
     by = {r.contender: r for r in results}
     assert by["c"].cpu_ratio == pytest.approx((3 / 1 + 4 / 6) / 2)
+    assert by["c"].cpu_ratios == pytest.approx([3 / 1, 4 / 6])
+
+
+def test_table_shows_every_rounds_cpu_ratio() -> None:
+    """The median paired ratio hides the spread that decides whether a miss is the machine's: each round's CPU
+    ratio is printed beside it."""
+    from benchmarks.bench_peers import table
+    from benchmarks.contenders import BenchSpec
+
+    base, other = _result("torch DDP", 3.0), _result("zerospeed stage 2", 3.0)
+    base.ratio = base.cpu_ratio = 1.0
+    base.cpu_ratios = [1.0, 1.0]
+    other.ratio, other.cpu_ratio, other.cpu_ratios = 1.01, 1.02, [0.981, 1.059]
+    text = table(BenchSpec(preset="7m"), [base, other])
+    assert "CPU ÷ DDP per round" in text.splitlines()[2]
+    assert "| 1.020 | 0.981 / 1.059 |" in text
