@@ -177,8 +177,7 @@ def test_deepcompile_keys_read_hinted_or_refused() -> None:
     assert cfg.compile.deepcompile and cfg.compile.debug_log and cfg.compile.sync_before_reduce
     with pytest.warns(UserWarning, match=r"compile\.debug_log has no effect without compile\.deepcompile"):
         load_config({**BASE, "compile": {"debug_log": True}})
-    with pytest.raises(NotSupportedYetError, match=r"symmetric_memory.*CPU/Gloo has no symmetric memory"):
-        load_config({**BASE, "compile": {"deepcompile": True, "symmetric_memory": True}})
+    assert load_config({**BASE, "compile": {"deepcompile": True, "symmetric_memory": True}}).compile.symmetric_memory
     for key in ("offload_parameters", "offload_opt_states", "offload_activation"):  # read: deepcompile.py
         assert getattr(load_config({**BASE, "compile": {"deepcompile": True, key: True}}).compile, key)
     with warnings.catch_warnings():
@@ -211,3 +210,26 @@ def test_graph_break_notes_name_hugging_face_warning_once_and_are_added_once() -
         hf.add_note(note)
     assert graph_break_notes(hf) == []  # a re-raised error is not annotated twice
 
+
+
+def test_symmetric_memory_is_refused_with_its_reason_off_cuda_and_ignored_below_stage_3() -> None:
+    """compile.symmetric_memory: read where DeepCompile builds (runtime/deepcompile.symmetric_gathers); a CPU engine's
+    groups have no symmetric memory, so engine.compile() refuses it naming why; below stage 3 the graph gathers
+    nothing (a warning); off, nothing is enabled."""
+    from types import SimpleNamespace
+
+    from zerospeed.config import ConfigError
+    from zerospeed.runtime.deepcompile import symmetric_gathers
+
+    on = load_config({**BASE, "compile": {"deepcompile": True, "symmetric_memory": True}}).compile
+    cpu = SimpleNamespace(shards=[SimpleNamespace(group=None, device=torch.device("cpu"), world=2)])
+    with pytest.raises(ConfigError, match=r"compile\.symmetric_memory.*CUDA peer-to-peer memory; this engine's "
+                                          r"device is 'cpu'.*Set it to false"):
+        symmetric_gathers(on, cpu)
+    with pytest.warns(UserWarning, match="no effect below ZeRO stage 3"):
+        assert symmetric_gathers(on, None) == []
+    off = load_config({**BASE, "compile": {"deepcompile": True}}).compile
+    assert symmetric_gathers(off, cpu) == []
+    alone = SimpleNamespace(shards=[SimpleNamespace(group=None, device=torch.device("cpu"), world=1)])
+    with pytest.raises(ConfigError, match="this engine's device is 'cpu'"):  # one rank on CPU: refused all the same
+        symmetric_gathers(on, alone)

@@ -4,6 +4,7 @@ Every other package reaches communication through these functions, with the proc
 passed explicitly, so communication is counted in one place and fails with a precise message.
 """
 
+from . import symmetric
 from .along_dim import PendingTensor, all_gather_along_dim, reduce_scatter_along_dim
 from .backend import (
     DEFAULT_TIMEOUT,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import symmetric
 from .backend import Group, device_for_backend, get_rank, get_world_size, is_initialized, note_failure
 from .logger import loggers
 from .recoverable import RecoverableGroup, resolve
@@ -160,6 +161,9 @@ def all_gather(output: torch.Tensor | list[torch.Tensor], input: torch.Tensor, g
         output.copy_(input)
         return Handle(None, "all_gather", group, 0.0) if async_op else None
     n = _nbytes(output)
+    sym = symmetric.gather_for(group, input)
+    if sym is not None:  # compile.symmetric_memory: peers' shards read from their workspaces (comm/symmetric.py)
+        return _run("all_gather", group, n, n, async_op, lambda: sym.all_gather(output, input))
     return _run("all_gather", group, n, n, async_op, lambda: all_gather_work(output, input, group, async_op))
 
 

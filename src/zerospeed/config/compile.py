@@ -7,8 +7,9 @@ that schedule ZeRO's gathers, releases, reductions and offloads inside the compi
 ``free_activation(_threshold)``, the four ``sync_*`` keys and the three offload passes (``offload_opt_states``,
 ``offload_parameters``: ``runtime/deepcompile_offload.py``; ``offload_activation(_pin_memory)``:
 ``zero/stage3/graph_offload.py``) are read there, their combinations checked in ``runtime/plan.py``;
-``double_buffer`` and ``keep_*_input_tensors`` are accepted hints (``hints.py``); ``symmetric_memory`` is refused
-away from its default (``unsupported.py``, ``DEEPCOMPILE_KEYS``). ``autoep_non_moe`` is not a DeepCompile key: it
+``double_buffer`` and ``keep_*_input_tensors`` are accepted hints (``hints.py``); ``symmetric_memory`` is read by
+``runtime/deepcompile.symmetric_gathers`` (CUDA symmetric memory, ``comm/symmetric.py``; refused on CPU/Gloo with
+the reason when ``engine.compile()`` runs). ``autoep_non_moe`` is not a DeepCompile key: it
 is plain ``torch.compile`` of the parents of AutoEP's MoE blocks (``runtime/compile.py``). Set without ``deepcompile``, a key that DeepCompile reads
 draws a warning (it has no effect, as in DeepSpeed).
 """
@@ -46,6 +47,9 @@ class CompileConfig(Section):
     just before the optimizer step."""
     double_buffer: bool = True
     symmetric_memory: bool = False
+    """ZeRO-3 on CUDA: the graph's parameter all-gathers read each peer's shard from a symmetric-memory workspace
+    (``comm/symmetric.py``) instead of running NCCL's all-gather; refused where the data-parallel group has no
+    symmetric memory (CPU/Gloo)."""
     debug_log: bool = False
     """Log each graph after the passes, and record every graph op call (``engine.deepcompiled.graph.log``)."""
     offload_parameters: bool = False
@@ -68,7 +72,7 @@ class CompileConfig(Section):
         if not self.deepcompile:
             read = [k for k in ("debug_log", "free_activation", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
                                 "sync_after_allgather", "offload_opt_states", "offload_parameters",
-                                "offload_activation") if getattr(self, k)] + (["passes"] if self.passes else [])
+                                "offload_activation", "symmetric_memory") if getattr(self, k)] + (["passes"] if self.passes else [])
             if read:
                 warnings.warn(f"compile.{read[0]} has no effect without compile.deepcompile: true (as in DeepSpeed)",
                               stacklevel=2)

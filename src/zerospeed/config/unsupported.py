@@ -25,17 +25,10 @@ NOT_SUPPORTED_YET: dict[str, str] = {
 }
 
 # The compile section's keys not built yet (config/compile.py; DeepCompile itself, its passes, debug_log,
-# free_activation(_threshold), the sync_* keys and the three offload passes are built: runtime/deepcompile.py,
-# runtime/deepcompile_offload.py, zero/stage3/graph_offload.py; autoep_non_moe: runtime/compile.py). Accepted at
-# its default only.
-DEEPCOMPILE_KEYS = ("symmetric_memory",)
-_DEEPCOMPILE_FEATURES = {
-    "symmetric_memory": "DeepCompile's symmetric_memory (CUDA symmetric-memory collectives, "
-                        "torch.distributed._symmetric_memory over NCCL: CPU/Gloo has no symmetric memory, and "
-                        "zerospeed's CUDA path does not build it either)",
-}
-for _k in DEEPCOMPILE_KEYS:
-    NOT_SUPPORTED_YET[f"compile.{_k}"] = _DEEPCOMPILE_FEATURES[_k]
+# free_activation(_threshold), the sync_* keys, symmetric_memory and the three offload passes are built:
+# runtime/deepcompile.py, runtime/deepcompile_offload.py, zero/stage3/graph_offload.py, comm/symmetric.py;
+# autoep_non_moe: runtime/compile.py): none left.
+DEEPCOMPILE_KEYS: tuple[str, ...] = ()
 
 # AutoEP keeps the HF model's own router (parallel/expert/auto/): route_norm, route_scale, routed_scaling_factor,
 # top_k, score_apply, score_func and the group keys are applied to it or checked against it (auto/routing.py,

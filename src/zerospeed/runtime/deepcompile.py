@@ -48,6 +48,7 @@ class DeepCompiled:
     param_home: Any = None  # offload_parameters: the host home it gave the shards (None: they had one)
     offloaded: list[dict[str, Any]] = field(default_factory=list)  # offload_activation: per graph, saved activations
     # (name, bytes) "moved" to the host and "kept"
+    symmetric: list[Any] = field(default_factory=list)  # symmetric_memory: comm/symmetric.SymmetricGather per group
 
 
 # DeepSpeed's pass names (``engine.compile(schedule=[(0, [names])])``); the ZeRO pass of the stage always runs
@@ -207,6 +208,30 @@ def with_persistent(module: nn.Module, units: list[Any]) -> list[Any]:
     return [Unit(u.index, u.name, [*u.shards, *extra[u.name]]) for u in units]
 
 
+def symmetric_gathers(cfg: CompileConfig, zero3: Any) -> list[Any]:
+    """``compile.symmetric_memory`` at stage 3: every shard group's all-gathers go through CUDA symmetric memory
+    (``comm/symmetric.py``), as DeepSpeed's DeepCompile gathers through its symmetric workspace. Refused, with
+    the reason, where a group cannot have it (CPU/Gloo); below stage 3 there is no gather in the graph (a
+    warning, as DeepSpeed reads the key only at stage 3)."""
+    from .. import comm
+
+    if not cfg.symmetric_memory:
+        return []
+    if zero3 is None:
+        warnings.warn("compile.symmetric_memory has no effect below ZeRO stage 3: DeepCompile gathers no "
+                      "parameters there (as in DeepSpeed, which reads it at stage 3 only)", stacklevel=3)
+        return []
+    groups = {id(s.group): (s.group, s.device, s.world) for s in zero3.shards}
+    for group, device, _ in groups.values():
+        reason = comm.symmetric.missing(group, device)
+        if reason is not None:
+            raise ConfigError("compile.symmetric_memory", f"DeepCompile's symmetric_memory gathers through CUDA "
+                              f"symmetric memory (torch.distributed._symmetric_memory): {reason}. Set it to false")
+    gathers = [comm.symmetric.enable(group, device) for group, device, world in groups.values() if world > 1]
+    _log.info("DeepCompile symmetric_memory: %d group(s) gather through CUDA symmetric memory", len(gathers))
+    return gathers
+
+
 def sync_points(cfg: CompileConfig) -> frozenset[str]:
     """Where the graph ops synchronise the accelerator (``compile.sync_{before,after}_{allgather,reduce}``)."""
     points = {"before_allgather": cfg.sync_before_allgather, "after_allgather": cfg.sync_after_allgather,
@@ -221,6 +246,7 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
     backend = get_accelerator().get_compile_backend() if backend is None else backend
     names = _passes(schedule, cfg, zero3 is not None)
     kwargs = {**compile_kwargs, "fullgraph": True}
+    done_symmetric = symmetric_gathers(cfg, zero3)
     if zero3 is None:
         _log.info("DeepCompile below stage 3: the model compiles as one graph (backend=%s)", backend)
         module.compile(**kwargs, backend=backend)
@@ -242,6 +268,7 @@ def deep_compile(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]
                      if "selective_gather" in names else ())
     forward = GraphForward(module, graph, keep, lazy_tangents=backend == "aot_eager")
     done = DeepCompiled(graph, forward, names, keep)
+    done.symmetric = done_symmetric
     compiled, options = _pass_backend(backend, names, numel_of, fetcher.prefetch_numel, cfg, done)
     _state_offloads(done, cfg, zero3, optimizer)
     zero3.remove_module_hooks()
