@@ -90,7 +90,9 @@ def test_fp8_data_parallel_equals_one_process(stage: int) -> None:
     want = _reference(2)
     for rank_params in got:
         for a, b in zip(rank_params, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            # atol 5e-6: a CPU's vector width changes the fp32 sums that fp8 then rounds; an AMD EPYC put 3 of 96
+            # parameters 1.5e-6 from the one-process run (1e-6 held on the earlier machines)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
 
 
 def test_fp8_converts_the_blocks_not_the_head() -> None:

@@ -99,8 +99,10 @@ def test_per_group_overrides_and_caller_dicts_untouched():
     assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.01, 0.1), (0.5, 0.0)]
     assert groups[0] == {"params": [a]}  # torch did not fill defaults into the caller's dict
     ref_a, ref_b = make_params()
+    # the same kernel as the built one (fused on host parameters): fused and foreach AdamW round differently on
+    # some CPUs (seen on an AMD EPYC), and this test is about the groups, not the kernel
     ref = torch.optim.AdamW([{"params": [ref_a]}, {"params": [ref_b], "lr": 0.5, "weight_decay": 0.0}],
-                            lr=0.01, weight_decay=0.1)
+                            lr=0.01, weight_decay=0.1, fused=opt.defaults.get("fused"))
     run(opt, [a, b])
     run(ref, [ref_a, ref_b])
     assert torch.equal(a, ref_a) and torch.equal(b, ref_b)

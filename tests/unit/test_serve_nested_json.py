@@ -1,9 +1,10 @@
 """`zerospeed serve` (the command, in a thread, on 127.0.0.1) answers a nested ``response_format: json_object``
 through the official ``openai`` client: the text parses as JSON and nests three levels (issue 37, item 5).
 
-The tiny model is taught one almost-JSON text nested four levels with an invalid end (``true,}``): unconstrained,
-greedy decoding repeats it and it does not parse; constrained, the mask keeps the model's own text up to the
-fourth level (``json_object`` nests at most ``JSON_OBJECT_DEPTH`` = 3 levels) and steers it from there.
+The tiny model is taught one almost-JSON text nested four levels with an invalid end (``true,}``), and, less often,
+a valid one that closes at the third: unconstrained, greedy decoding repeats the first and it does not parse;
+constrained, the mask keeps the model's own text up to the fourth level (``json_object`` nests at most
+``JSON_OBJECT_DEPTH`` = 3 levels) and the model's second choice closes it there.
 """
 
 from __future__ import annotations
@@ -27,15 +28,22 @@ from tests.unit.serve_fixtures import free_port  # noqa: E402
 
 PROMPT = "J:"
 TAUGHT = '{"a": {"b": [1, {"c": true,}]}}'  # four levels, and ",}" is not JSON
+ALT = '{"a": {"b": [1, 2]}}'  # the same start, three levels, closed
 
 
 def _taught_model() -> GPT:
+    """TAUGHT with weight 3 and ALT with weight 1: both start alike, and where TAUGHT opens its fourth level ALT
+    closes instead. Unconstrained, greedy decoding takes TAUGHT's branch (3 to 1); constrained, the mask forbids
+    that '{' and the model's own second choice, learned from ALT, closes the object. Without ALT that choice would
+    be whatever an untrained position prefers, which differs between CPUs (seen on an AMD EPYC: a string that
+    never closed)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32), seed=3)
-    seq = torch.tensor([list((PROMPT + TAUGHT).encode()) + [0]])  # byte 0 after it: nothing else to say
+    seqs = [(torch.tensor([list((PROMPT + text).encode()) + [0]]), weight)  # byte 0 after it: nothing else to say
+            for text, weight in ((TAUGHT, 3.0), (ALT, 1.0))]
     opt = torch.optim.Adam(model.parameters(), lr=3e-2)
     for _ in range(150):
-        _, loss = model(seq[:, :-1], seq[:, 1:])
+        loss = sum(w * model(seq[:, :-1], seq[:, 1:])[1] for seq, w in seqs)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -32,7 +32,7 @@ BARRIER_TIMEOUT_MS = 600_000  # a peer that never reaches the barrier fails the 
 
 def missing(group: Group | None, device: torch.device) -> str | None:
     """Why ``group`` on ``device`` cannot gather through symmetric memory, or None when it can."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return f"symmetric memory is CUDA peer-to-peer memory; this engine's device is {device.type!r}"
     name = backend_name(group)
     if name != "nccl":
