@@ -10,8 +10,9 @@ stream, so the result is ordered with the compute that uses it.
 
 Built on ``torch.distributed._symmetric_memory`` (``empty``, ``rendezvous``, the handle's ``get_buffer`` and
 ``barrier``): a private PyTorch surface, named in docs/compile.md and pinned by the GPU tests. It needs CUDA
-tensors and a group whose ranks sit on one node; ``missing`` says why a group cannot have it (Gloo on the CPU
-has no symmetric memory), and the engine refuses ``compile.symmetric_memory`` with that reason.
+tensors on an NCCL group: ``missing`` says why a group cannot have it (Gloo on the CPU has no symmetric memory),
+and the engine refuses ``compile.symmetric_memory`` with that reason. The ranks must also share a node (peer
+access); that is not checked here, and torch's rendezvous fails for a group that spans nodes.
 
 The workspace holds the largest gather asked so far; a larger one grows it (collectively: every rank gathers
 the same sizes in the same order, which stage 3's lockstep checks).
